@@ -1,0 +1,502 @@
+"""The agent: composes the WAN listener, the peer sessions, the engine socket and the admin
+server, and owns their lifecycle.
+
+Start-up is phased (bulk threads, listeners, sessions; ``ready`` is set once every listener is
+bound). Shutdown is phased too: stop accepting, tell engines, let transfers finish within the
+grace period, cancel the rest with a reason, release memory, stop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import os
+import random
+import socket
+import time
+
+import structlog
+
+from . import systemd
+from .config import Config, parse_hostport
+from .engine import protocol as p
+from .engine_server import EngineConn, EngineServer
+from .errors import EngineRequestError, ErrorCode, FatalHandshakeError, PddWireError, ProtocolError, TransportError
+from .memory import HOST_FD, BlockMap, HostRegion, as_extents
+from .metrics import Metrics
+from .session import BulkHandler, PeerSession
+from .transfer import InTransfer, OutTransfer
+from .transport.tcp import (KIND_CONTROL, BulkLoop, FrameProtocol, adopt, client_tls_context, read_preamble,
+                            server_tls_context)
+from .wire import FrameType, decode_body
+from .wire import messages as m
+from .wire.handshake import check_peer
+
+log = structlog.get_logger("pdd_wire.agent")
+
+
+class Post:
+    __slots__ = ("request_id", "engine", "blocks", "from_site")
+
+    def __init__(self, request_id: str, engine: EngineConn, blocks: BlockMap, from_site: str | None) -> None:
+        self.request_id = request_id
+        self.engine = engine
+        self.blocks = blocks
+        self.from_site = from_site
+
+
+class Agent:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.metrics = Metrics()
+        self.incarnation = random.getrandbits(63) or 1
+        self.log = log.bind(site=config.site, node=config.node)
+        self._tids = itertools.count(1)
+        self._region_ids = itertools.count(1)
+        self.sessions: dict[str, PeerSession] = {}
+        self.by_site: dict[str, list[PeerSession]] = collections.defaultdict(list)
+        self.by_token: dict[int, PeerSession] = {}
+        self.regions: dict[int, HostRegion] = {}
+        self.posts: dict[str, Post] = {}
+        self.pending_begins: dict[str, tuple[PeerSession, int, m.KvBegin, asyncio.TimerHandle]] = {}
+        self.owners: collections.OrderedDict[str, EngineConn] = collections.OrderedDict()
+        self.bulk_loops: list[BulkLoop] = []
+        self.engine_server: EngineServer | None = None
+        self.admin = None
+        self.wan_address: tuple[str, int] | None = None
+        self.ready = asyncio.Event()
+        self.stopping = False
+        self._listen_sock: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._inbound: set[asyncio.Task] = set()
+        self._inbound_conns = 0
+        self._ssl_server = self._ssl_client = None
+        self.started = time.time()
+        tls = config.tls
+        if tls.enabled:
+            self._ssl_server = server_tls_context(tls.cert, tls.key, tls.ca)
+            self._ssl_client = client_tls_context(tls.cert, tls.key, tls.ca)
+
+    # ------------------------------------------------------------------ SessionHost
+    def next_transfer_id(self) -> int:
+        return next(self._tids)
+
+    def bulk_loop(self, stream: int) -> BulkLoop:
+        return self.bulk_loops[stream % len(self.bulk_loops)]
+
+    def ssl_client(self):
+        return self._ssl_client
+
+    # ------------------------------------------------------------------ start and stop
+    async def start(self) -> None:
+        cfg = self.config
+        if not cfg.tls.enabled:
+            if cfg.tls.allow_plaintext:
+                self.log.warning("WAN connections are PLAINTEXT and unauthenticated (tls.allow_plaintext = true)")
+            else:
+                self.log.info("WAN connections are plaintext: loopback only")
+        for i in range(cfg.transfer.bulk_threads):
+            bl = BulkLoop(f"pdd-bulk-{i}")
+            bl.start()
+            self.bulk_loops.append(bl)
+        host, port = parse_hostport(cfg.listen.wan, "listen.wan")
+        sock = socket.create_server((host, port), reuse_port=False, backlog=128)
+        sock.setblocking(False)
+        self._listen_sock = sock
+        self.wan_address = sock.getsockname()[:2]
+        self._accept_task = asyncio.create_task(self._accept_forever(), name="wan-accept")
+        uids = {os.getuid()} | ({cfg.listen.engine_uid} if cfg.listen.engine_uid is not None else set())
+        self.engine_server = EngineServer(cfg.listen.engine_socket, cfg.listen.engine_socket_mode,
+                                          handler=self._engine_request, on_gone=self._engine_gone,
+                                          max_engines=cfg.limits.max_engines, max_message=16 << 20,
+                                          allowed_uids=uids, on_error=self.metrics.error)
+        await self.engine_server.start()
+        if cfg.listen.admin:
+            from .admin import AdminServer
+
+            self.admin = AdminServer(self)
+            await self.admin.start()
+        for peer in cfg.peers:
+            s = PeerSession(self, peer)
+            self.sessions[s.key] = s
+            self.by_site[peer.site].append(s)
+            self.by_token[s.token] = s
+            s.start()
+        self.ready.set()
+        self.log.info("agent ready", wan=f"{self.wan_address[0]}:{self.wan_address[1]}",
+                      engine_socket=cfg.listen.engine_socket,
+                      admin=self.admin.address if self.admin else None, peers=list(self.sessions))
+        systemd.notify_ready(f"serving {len(self.sessions)} peers")
+
+    def open_transfers(self) -> int:
+        return sum(len(s.out) + len(s.inn) for s in self.sessions.values())
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """Stop accepting, let transfers finish within ``grace_s``, cancel the rest, release all."""
+        if self.stopping:
+            return
+        self.stopping = True
+        grace = self.config.timeouts.shutdown_grace_s if grace_s is None else grace_s
+        systemd.notify_stopping()
+        self.log.info("shutting down", open_transfers=self.open_transfers(), grace_s=grace)
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            await asyncio.gather(self._accept_task, return_exceptions=True)
+        if self._listen_sock is not None:
+            self._listen_sock.close()
+        if self.engine_server is not None:
+            await self.engine_server.stop_accepting()
+            self.engine_server.broadcast(p.Shutdown(grace_s=grace))
+        deadline = time.monotonic() + grace
+        while self.open_transfers() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = self.open_transfers()
+        if left:
+            self.log.warning("grace period over; cancelling transfers", cancelled=left)
+        for bt in self.pending_begins.values():
+            bt[3].cancel()
+        await asyncio.gather(*(s.close() for s in self.sessions.values()), return_exceptions=True)
+        for t in list(self._inbound):
+            t.cancel()
+        await asyncio.gather(*self._inbound, return_exceptions=True)
+        if self.engine_server is not None:
+            await self.engine_server.close()
+        for r in list(self.regions.values()):
+            r.close()
+        self.regions.clear()
+        if self.admin is not None:
+            await self.admin.stop()
+        for bl in self.bulk_loops:
+            await asyncio.to_thread(bl.stop)
+        self.log.info("stopped")
+
+    # ------------------------------------------------------------------ inbound WAN connections
+    async def _accept_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        rr = itertools.count()
+        while True:
+            sock, addr = await loop.sock_accept(self._listen_sock)
+            if self._inbound_conns >= self.config.limits.max_peer_connections or self.stopping:
+                self.log.warning("inbound connection refused: limits.max_peer_connections reached",
+                                 remote=str(addr))
+                sock.close()
+                continue
+            sock.setblocking(False)
+            self._inbound_conns += 1
+            t = asyncio.create_task(self._inbound_conn(sock, addr, next(rr)))
+            self._inbound.add(t)
+            t.add_done_callback(self._inbound.discard)
+
+    async def _inbound_conn(self, sock: socket.socket, addr, n: int) -> None:
+        to = self.config.timeouts
+        try:
+            kind = await read_preamble(sock, to.handshake_s)
+            if kind == KIND_CONTROL:
+                conn = FrameProtocol(max_body=self.config.limits.max_body, max_payload=0)
+                first = asyncio.get_running_loop().create_future()
+                conn.on_frame = lambda c, f: first.done() or first.set_result(f)
+                conn.on_lost = lambda c, e: first.done() or first.set_exception(
+                    TransportError(f"closed before HELLO: {e}"))
+                await adopt(sock, conn, ssl_ctx=self._ssl_server, timeout=to.handshake_s)
+                async with asyncio.timeout(to.handshake_s):
+                    frame = await first
+                self._on_hello(conn, frame)
+                if not conn.closed:
+                    await self._wait_closed(conn)
+            else:
+                bulk = self.bulk_loop(n)
+                main = asyncio.get_running_loop()
+                conn = await asyncio.wrap_future(bulk.submit(self._adopt_bulk(sock, bulk, main)))
+                await self._wait_closed(conn, bulk)
+        except (TransportError, ProtocolError, TimeoutError, OSError) as exc:
+            self.log.info("inbound connection failed", remote=str(addr), error=str(exc) or type(exc).__name__)
+            sock.close()
+        finally:
+            self._inbound_conns -= 1
+
+    async def _wait_closed(self, conn: FrameProtocol, bulk: BulkLoop | None = None) -> None:
+        """Keeps the inbound-connection count honest for as long as the connection lives."""
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+
+        def on_close() -> None:
+            loop.call_soon_threadsafe(lambda: ended.done() or ended.set_result(None))
+
+        if bulk is None:
+            conn.add_close_callback(on_close)
+        else:
+            bulk.call(conn.add_close_callback, on_close)
+        await ended
+
+    def _on_hello(self, conn: FrameProtocol, frame) -> None:
+        try:
+            if frame.header.type != FrameType.HELLO:
+                raise ProtocolError(f"expected HELLO, got frame type {frame.header.type}", ErrorCode.UNEXPECTED_FRAME)
+            hello = decode_body(FrameType.HELLO, frame.body)
+            check_peer(hello, self.config.peer_sites())
+            session = self.sessions.get(f"{hello.site}/{hello.node}")
+            if session is None:
+                raise FatalHandshakeError(f"{hello.site}/{hello.node} is not a configured peer",
+                                          ErrorCode.UNKNOWN_PEER)
+            self._check_cert(conn, session)
+            session.adopt_control(conn, hello)
+        except (ProtocolError, PddWireError) as exc:
+            self.metrics.error(exc.code)
+            self.log.warning("handshake refused", error=str(exc), code=exc.code.name)
+            conn.fail(exc)
+
+    def _check_cert(self, conn: FrameProtocol, session: PeerSession) -> None:
+        if self._ssl_server is None:
+            return
+        want = session.peer.server_name or session.peer.node
+        if want not in conn.peer_names:
+            raise FatalHandshakeError(f"certificate names {sorted(conn.peer_names)} do not include {want!r}",
+                                      ErrorCode.IDENTITY_MISMATCH)
+
+    async def _adopt_bulk(self, sock: socket.socket, bulk: BulkLoop, main) -> FrameProtocol:
+        """On a bulk loop: TLS, then wait for BULK_HELLO naming a live session."""
+
+        def resolve(msg: m.BulkHello):
+            s = self.by_token.get(msg.session)
+            if s is None or (s.peer.site, s.peer.node) != (msg.site, msg.node):
+                return None
+            if self._ssl_server is not None and (s.peer.server_name or s.peer.node) not in handler.conn.peer_names:
+                return None
+            return s
+
+        def on_attach(h: BulkHandler) -> None:
+            main.call_soon_threadsafe(h.session.adopt_bulk, h.stream, bulk, h.conn)
+
+        handler = BulkHandler(None, -1, main, resolve=resolve, on_attach=on_attach)
+        await adopt(sock, handler.conn, ssl_ctx=self._ssl_server, timeout=self.config.timeouts.handshake_s)
+        return handler.conn
+
+    # ------------------------------------------------------------------ events from sessions
+    def incoming_begin(self, session: PeerSession, tid: int, begin: m.KvBegin) -> None:
+        post = self.posts.get(begin.request_id)
+        if post is not None:
+            self._match(session, tid, begin, post)
+            return
+        if begin.request_id in self.pending_begins or len(self.pending_begins) >= self.config.transfer.max_transfers:
+            session.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS if begin.request_id not in
+                              self.pending_begins else ErrorCode.DUPLICATE_TRANSFER,
+                              "cannot hold another unposted transfer")
+            return
+        wait = self.config.transfer.unposted_wait_s
+        timer = asyncio.get_running_loop().call_later(wait, self._unposted_expired, begin.request_id)
+        self.pending_begins[begin.request_id] = (session, tid, begin, timer)
+
+    def _unposted_expired(self, request_id: str) -> None:
+        entry = self.pending_begins.pop(request_id, None)
+        if entry is not None:
+            session, tid, begin, _ = entry
+            session.reject_in(tid, begin, ErrorCode.NOT_POSTED,
+                              f"no receive posted for request {request_id!r} within "
+                              f"{self.config.transfer.unposted_wait_s}s")
+
+    def _match(self, session: PeerSession, tid: int, begin: m.KvBegin, post: Post) -> None:
+        if post.from_site is not None and post.from_site != session.peer.site:
+            session.reject_in(tid, begin, ErrorCode.NOT_POSTED,
+                              f"request {begin.request_id!r} was posted for site {post.from_site!r} only")
+            return
+        del self.posts[begin.request_id]
+        session.accept_in(tid, begin, post.engine, post.blocks)
+
+    def incoming_cancelled(self, session: PeerSession, tid: int, msg: m.KvCancel) -> None:
+        entry = self.pending_begins.get(msg.request_id)
+        if entry is not None and entry[0] is session and entry[1] == tid:
+            entry[3].cancel()
+            del self.pending_begins[msg.request_id]
+
+    def kv_received(self, t: InTransfer) -> None:
+        t.engine.send(p.KvReceived(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
+                                   seconds=round(time.monotonic() - t.started, 6)))
+
+    def kv_sent(self, t: OutTransfer) -> None:
+        t.engine.send(p.KvSent(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
+                               seconds=round(time.monotonic() - t.started, 6)))
+
+    def transfer_failed(self, t, direction: str, code: int, message: str) -> None:
+        self.log.warning("transfer failed", request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
+                         direction=direction, code=ErrorCode(code).name, reason=message)
+        t.engine.send(p.TransferFailed(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
+                                       direction=direction, code=int(code), reason=message))
+
+    def tokens_received(self, session: PeerSession, msg: m.Tokens) -> None:
+        ev = p.TokensReceived(request_id=msg.request_id, peer=session.key, seq=msg.seq, tokens=msg.tokens)
+        owner = self.owners.get(msg.request_id)
+        if owner is not None and not owner.closed:
+            owner.send(ev)
+        elif self.engine_server is not None:
+            self.engine_server.broadcast(ev)
+
+    # ------------------------------------------------------------------ engine requests
+    async def _engine_request(self, ec: EngineConn, msg: p.Msg, fd: int | None) -> dict | None:
+        match msg:
+            case p.Hello():
+                ec.name = f"{msg.engine}#{ec.number}"
+                ec.log = ec.log.bind(engine=ec.name)
+                self.metrics.engines.set(len(self.engine_server.engines))
+                return {"site": self.config.site, "node": self.config.node, "protocol": p.ENGINE_PROTOCOL_VERSION,
+                        "peers": sorted(self.sessions), "chunk_bytes": self.config.transfer.chunk_bytes}
+            case p.Register():
+                return self._register(ec, msg, fd)
+            case p.Deregister():
+                await self._deregister(ec, msg.region)
+                return None
+            case p.PostRecv():
+                return self._post(ec, msg)
+            case p.SendKv():
+                return self._send_kv(ec, msg)
+            case p.SendTokens():
+                self._refuse_when_stopping()
+                seq = self._session_for(msg.to).send_tokens(msg.request_id, msg.tokens)
+                return {"seq": seq}
+            case p.Abort():
+                return {"cancelled": await self._abort(ec, msg.request_id, msg.reason)}
+            case p.Status():
+                return self.describe()
+        raise EngineRequestError(f"unknown request {type(msg).__name__}", ErrorCode.BAD_REQUEST)
+
+    def _refuse_when_stopping(self) -> None:
+        if self.stopping:
+            raise EngineRequestError("agent is shutting down", ErrorCode.SHUTTING_DOWN)
+
+    def _register(self, ec: EngineConn, msg: p.Register, fd: int) -> dict:
+        try:
+            self._refuse_when_stopping()
+            if msg.kind != HOST_FD:
+                raise EngineRequestError(f"memory kind {msg.kind!r} not supported here (known: {HOST_FD!r})",
+                                         ErrorCode.BAD_REQUEST)
+            if msg.block_bytes <= 0 or msg.size < msg.block_bytes:
+                raise EngineRequestError(f"size {msg.size} and block_bytes {msg.block_bytes} do not make a block",
+                                         ErrorCode.BAD_REQUEST)
+            if len(ec.regions) >= self.config.limits.max_regions:
+                raise EngineRequestError("limits.max_regions reached for this engine", ErrorCode.LIMIT_EXCEEDED)
+        except BaseException:
+            os.close(fd)
+            raise
+        rid = next(self._region_ids)
+        region = HostRegion(rid, fd, msg.size, msg.block_bytes, owner=ec)  # closes fd
+        ec.regions[rid] = region
+        self.regions[rid] = region
+        self.metrics.regions.set(len(self.regions))
+        self.metrics.region_bytes.inc(msg.size)
+        ec.log.info("region registered", region=rid, size=msg.size, block_bytes=msg.block_bytes)
+        return {"region": rid, "blocks": region.n_blocks}
+
+    async def _deregister(self, ec: EngineConn, rid: int) -> None:
+        region = ec.regions.get(rid)
+        if region is None:
+            raise EngineRequestError(f"region {rid} is not registered by this engine", ErrorCode.UNKNOWN_REGION)
+        for s in self.sessions.values():
+            for t in [t for t in list(s.out.values()) + list(s.inn.values()) if id(region) in t.blocks.regions]:
+                await s.cancel_request(t.request_id, ErrorCode.TRANSFER_CANCELLED, "region deregistered", ec)
+        for rid_, post in list(self.posts.items()):
+            if id(region) in post.blocks.regions:
+                del self.posts[rid_]
+        self._drop_region(ec, rid)
+
+    def _drop_region(self, ec: EngineConn, rid: int) -> None:
+        region = ec.regions.pop(rid)
+        self.regions.pop(rid, None)
+        self.metrics.region_bytes.dec(region.size)
+        self.metrics.regions.set(len(self.regions))
+        region.close()
+
+    def _blockmap(self, ec: EngineConn, blocks) -> BlockMap:
+        return BlockMap(ec.regions, as_extents(blocks))
+
+    def _post(self, ec: EngineConn, msg: p.PostRecv) -> None:
+        self._refuse_when_stopping()
+        if msg.request_id in self.posts:
+            raise EngineRequestError(f"request {msg.request_id!r} already has a posted receive",
+                                     ErrorCode.DUPLICATE_TRANSFER)
+        if len(self.posts) >= self.config.transfer.max_transfers * 4:
+            raise EngineRequestError("too many posted receives", ErrorCode.LIMIT_EXCEEDED)
+        post = Post(msg.request_id, ec, self._blockmap(ec, msg.blocks), msg.from_site)
+        self.posts[msg.request_id] = post
+        self._own(msg.request_id, ec)
+        waiting = self.pending_begins.pop(msg.request_id, None)
+        if waiting is not None:
+            session, tid, begin, timer = waiting
+            timer.cancel()
+            self._match(session, tid, begin, post)
+
+    def _own(self, request_id: str, ec: EngineConn) -> None:
+        self.owners[request_id] = ec
+        self.owners.move_to_end(request_id)
+        while len(self.owners) > self.config.transfer.max_transfers * 16:
+            self.owners.popitem(last=False)
+
+    def _session_for(self, dest: str) -> PeerSession:
+        if "/" in dest:
+            s = self.sessions.get(dest)
+        else:
+            candidates = self.by_site.get(dest) or []
+            s = next((c for c in candidates if c.is_up), candidates[0] if candidates else None)
+        if s is None:
+            raise EngineRequestError(f"no peer {dest!r} (known: {sorted(self.sessions)})", ErrorCode.UNKNOWN_PEER_SITE)
+        return s
+
+    def _send_kv(self, ec: EngineConn, msg: p.SendKv) -> dict:
+        self._refuse_when_stopping()
+        if not msg.to:
+            raise EngineRequestError("send_kv needs at least one destination in 'to'", ErrorCode.BAD_REQUEST)
+        sessions = [self._session_for(d) for d in msg.to]
+        if len({s.key for s in sessions}) != len(sessions):
+            raise EngineRequestError("the same peer is named twice in 'to'", ErrorCode.BAD_REQUEST)
+        blocks = self._blockmap(ec, msg.blocks)  # validated once, read by every destination
+        deadline = msg.deadline_s if msg.deadline_s is not None else self.config.transfer.default_deadline_s
+        if deadline <= 0:
+            raise EngineRequestError(f"deadline_s must be > 0, got {deadline}", ErrorCode.BAD_REQUEST)
+        self._own(msg.request_id, ec)
+        out = []
+        for s in sessions:
+            t = s.start_send(ec, msg.request_id, blocks, deadline)
+            out.append({"to": s.key, "transfer_id": t.tid})
+        return {"transfers": out}
+
+    async def _abort(self, ec: EngineConn, request_id: str, reason: str) -> int:
+        n = 0
+        for s in self.sessions.values():
+            n += await s.cancel_request(request_id, ErrorCode.TRANSFER_CANCELLED, reason, ec)
+        post = self.posts.get(request_id)
+        if post is not None and post.engine is ec:
+            del self.posts[request_id]
+            n += 1
+        entry = self.pending_begins.pop(request_id, None)
+        if entry is not None:
+            entry[3].cancel()
+            entry[0].reject_in(entry[1], entry[2], ErrorCode.TRANSFER_CANCELLED, reason)
+        return n
+
+    async def _engine_gone(self, ec: EngineConn) -> None:
+        """Cancel the engine's transfers (peers are told), drop its posts, release its memory."""
+        for s in self.sessions.values():
+            await s.engine_gone(ec)
+        for rid, post in list(self.posts.items()):
+            if post.engine is ec:
+                del self.posts[rid]
+        for rid in list(ec.regions):
+            self._drop_region(ec, rid)
+        for rid in [r for r, e in self.owners.items() if e is ec]:
+            del self.owners[rid]
+        self.metrics.engines.set(len(self.engine_server.engines) if self.engine_server else 0)
+
+    # ------------------------------------------------------------------ status
+    def describe(self) -> dict:
+        return {
+            "site": self.config.site, "node": self.config.node, "incarnation": self.incarnation,
+            "uptime_s": round(time.time() - self.started, 3), "stopping": self.stopping,
+            "wan": f"{self.wan_address[0]}:{self.wan_address[1]}" if self.wan_address else None,
+            "engine_socket": self.config.listen.engine_socket,
+            "peers": [s.describe() for s in self.sessions.values()],
+            "transfers": [t.describe() | {"direction": d} for s in self.sessions.values()
+                          for d, ts in (("out", s.out), ("in", s.inn)) for t in ts.values()],
+            "engines": [{"name": e.name, "pid": e.pid, "regions": len(e.regions)}
+                        for e in (self.engine_server.engines.values() if self.engine_server else [])],
+            "regions": len(self.regions), "posted_receives": len(self.posts),
+            "unposted_waiting": len(self.pending_begins),
+        }

@@ -1,0 +1,112 @@
+"""Command lines. Exit status: 0 ok, 1 runtime failure, 2 bad configuration or usage.
+
+``pdd-wired --site A [--config FILE] [--node NAME]`` runs one agent.
+``pdd-wire`` is the operator's tool: ``config``, ``status``, ``demo``, ``bench``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import urllib.request
+
+from . import config as cfgmod
+from .errors import ConfigError
+
+
+def _load_config(args) -> cfgmod.Config:
+    overrides = {"site": args.site, "node": getattr(args, "node", None)}
+    if args.config:
+        return cfgmod.load(args.config, overrides=overrides)
+    return cfgmod.default_config(args.site, **{k: v for k, v in overrides.items() if v and k != "site"})
+
+
+def daemon_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdd-wired", description="pdd-wire agent: one per serving node")
+    ap.add_argument("--site", required=True, help="this node's site (datacenter), e.g. A")
+    ap.add_argument("--config", help="TOML config file; without it, the embedded loopback default")
+    ap.add_argument("--node", help="node name (overrides the config's)")
+    ap.add_argument("--check", action="store_true", help="validate the config and exit")
+    args = ap.parse_args(argv)
+    try:
+        cfg = _load_config(args)
+    except ConfigError as exc:
+        print(f"pdd-wired: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        print(f"pdd-wired: config OK (site {cfg.site}, node {cfg.node}, {len(cfg.peers)} peers)")
+        return 0
+    from . import log
+
+    log.configure(cfg.log.level, cfg.log.format)
+    import uvloop
+
+    try:
+        return uvloop.run(_serve(cfg))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve(cfg: cfgmod.Config) -> int:
+    import structlog
+
+    from .agent import Agent
+
+    agent = Agent(cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await agent.start()
+    except OSError as exc:
+        structlog.get_logger("pdd_wire").error("cannot start", error=str(exc))
+        await agent.shutdown(0)
+        return 1
+    await stop.wait()
+    await agent.shutdown()
+    return 0
+
+
+def tool_main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="pdd-wire", description="pdd-wire operator tool")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("config", help="print the embedded default config of a site")
+    c.add_argument("--site", required=True)
+    st = sub.add_parser("status", help="an agent's /v1/status")
+    st.add_argument("--site", required=True)
+    st.add_argument("--config")
+    d = sub.add_parser("demo", help="two agents, one request's KV and tokens between them")
+    d.add_argument("--mib", type=int, default=256, help="KV size of the sample request (MiB)")
+    b = sub.add_parser("bench", help="benchmarks (see scripts/bench)")
+    b.add_argument("--json", action="store_true")
+    b.add_argument("--quick", action="store_true", help="fewer repetitions")
+    b.add_argument("--only", default="", help="comma-separated figure groups: goodput,latency")
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "config":
+            print(cfgmod.default_toml(args.site), end="")
+            return 0
+        if args.cmd == "status":
+            cfg = _load_config(args)
+            with urllib.request.urlopen(f"http://{cfg.listen.admin}/v1/status", timeout=5) as r:
+                print(json.dumps(json.load(r), indent=2))
+            return 0
+        if args.cmd == "demo":
+            from .demo import run_demo
+
+            return run_demo(args)
+        if args.cmd == "bench":
+            from .bench import run_bench
+
+            return run_bench(args)
+    except ConfigError as exc:
+        print(f"pdd-wire: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"pdd-wire: {exc}", file=sys.stderr)
+        return 1
+    return 2

@@ -1,0 +1,269 @@
+"""Configuration: one msgspec Struct tree, read from TOML, every key validated.
+
+A bad file raises :class:`ConfigError` naming the dotted key and the problem; the CLI turns
+that into exit status 2. Without a file the agent runs on :func:`default_config`, a two-site
+layout on loopback (sites A and B), so ``pdd-wired --site A`` and ``pdd-wired --site B`` on
+one machine find each other.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import re
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from .errors import ConfigError
+
+MiB = 1 << 20
+
+
+class Listen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    wan: str  # host:port of the WAN listener (control and bulk connections)
+    engine_socket: str  # path of the engine Unix socket
+    admin: str  # host:port of the admin HTTP server (/metrics, /v1/status); "" disables
+    engine_socket_mode: int = 0o600
+    engine_uid: int | None = None  # extra uid allowed on the engine socket besides our own (SO_PEERCRED)
+
+
+class Peer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    site: str
+    node: str
+    address: str  # host:port of the peer's WAN listener
+    transport: Literal["tcp", "ucx"] = "tcp"
+    streams: int | None = None  # bulk connections; None = transfer.streams
+    server_name: str | None = None  # name expected in the peer's certificate; None = node
+
+
+class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    chunk_bytes: int = 4 * MiB
+    streams: int = 4
+    credit_bytes: int = 256 * MiB  # unacknowledged KV bytes in flight per peer
+    max_transfers: int = 4096  # open transfers per peer and direction
+    unposted_wait_s: float = 10.0  # how long incoming KV waits for its receive to be posted
+    default_deadline_s: float = 300.0
+    bulk_threads: int = 1  # event-loop threads that carry the bulk connections
+
+
+class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    max_body: int = 1 * MiB  # largest control frame body accepted from a peer or engine
+    max_engines: int = 64
+    max_regions: int = 4096  # per engine
+    max_tokens_per_frame: int = 8192
+    max_peer_connections: int = 64  # inbound WAN connections at once
+    engine_queue: int = 65536  # events queued for one engine before it is cut off as stuck
+
+
+class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    connect_s: float = 5.0
+    handshake_s: float = 5.0
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 5.0  # silence on the control connection before it is dropped
+    reconnect_max_backoff_s: float = 2.0
+    peer_give_up_s: float = 30.0  # transfers fail once a peer has been unreachable this long
+    shutdown_grace_s: float = 10.0
+
+
+class Tls(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    cert: str = ""
+    key: str = ""
+    ca: str = ""
+    allow_plaintext: bool = False  # required for plaintext on non-loopback addresses
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert)
+
+
+class Log(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    level: Literal["debug", "info", "warning", "error"] = "info"
+    format: Literal["auto", "json", "console"] = "auto"
+
+
+class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    site: str
+    node: str
+    listen: Listen
+    peers: list[Peer] = []
+    transfer: Transfer = Transfer()
+    limits: Limits = Limits()
+    timeouts: Timeouts = Timeouts()
+    tls: Tls = Tls()
+    log: Log = Log()
+
+    def peer_sites(self) -> dict[str, set[str]]:
+        out: dict[str, set[str]] = {}
+        for p in self.peers:
+            out.setdefault(p.site, set()).add(p.node)
+        return out
+
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def parse_hostport(value: str, key: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(key, f"{value!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(key, f"must be > 0, got {value}")
+
+
+def validate(cfg: Config) -> Config:
+    """Checks msgspec's types cannot express; raises ConfigError naming the key."""
+    for key, name in (("site", cfg.site), ("node", cfg.node)):
+        if not _NAME.match(name):
+            raise ConfigError(key, f"{name!r} must be 1-63 of [A-Za-z0-9._-], starting alphanumeric")
+    parse_hostport(cfg.listen.wan, "listen.wan")
+    if cfg.listen.admin:
+        parse_hostport(cfg.listen.admin, "listen.admin")
+    if not cfg.listen.engine_socket:
+        raise ConfigError("listen.engine_socket", "must be a path")
+    if not 0 <= cfg.listen.engine_socket_mode <= 0o777:
+        raise ConfigError("listen.engine_socket_mode", "must be a file mode such as 0o600 (384)")
+    seen = set()
+    for i, p in enumerate(cfg.peers):
+        for key, name in (("site", p.site), ("node", p.node)):
+            if not _NAME.match(name):
+                raise ConfigError(f"peers[{i}].{key}", f"{name!r} must be 1-63 of [A-Za-z0-9._-]")
+        if (p.site, p.node) in seen:
+            raise ConfigError(f"peers[{i}]", f"peer {p.site}/{p.node} is listed twice")
+        if (p.site, p.node) == (cfg.site, cfg.node):
+            raise ConfigError(f"peers[{i}]", "an agent cannot be its own peer")
+        seen.add((p.site, p.node))
+        parse_hostport(p.address, f"peers[{i}].address")
+        if p.streams is not None and not 1 <= p.streams <= 64:
+            raise ConfigError(f"peers[{i}].streams", f"must be 1..64, got {p.streams}")
+    t = cfg.transfer
+    if not 64 * 1024 <= t.chunk_bytes <= 64 * MiB:
+        raise ConfigError("transfer.chunk_bytes", f"must be 64 KiB..64 MiB, got {t.chunk_bytes}")
+    if not 1 <= t.streams <= 64:
+        raise ConfigError("transfer.streams", f"must be 1..64, got {t.streams}")
+    if t.credit_bytes < t.chunk_bytes:
+        raise ConfigError("transfer.credit_bytes", "must be at least transfer.chunk_bytes")
+    if not 1 <= t.bulk_threads <= 64:
+        raise ConfigError("transfer.bulk_threads", f"must be 1..64, got {t.bulk_threads}")
+    for key in ("max_transfers",):
+        _positive(f"transfer.{key}", getattr(t, key))
+    for key in ("unposted_wait_s", "default_deadline_s"):
+        _positive(f"transfer.{key}", getattr(t, key))
+    for f in msgspec.structs.fields(Limits):
+        _positive(f"limits.{f.name}", getattr(cfg.limits, f.name))
+    if not 4096 <= cfg.limits.max_body <= 16 * MiB:
+        raise ConfigError("limits.max_body", "must be 4 KiB..16 MiB")
+    for f in msgspec.structs.fields(Timeouts):
+        _positive(f"timeouts.{f.name}", getattr(cfg.timeouts, f.name))
+    if cfg.timeouts.dead_after_s <= cfg.timeouts.heartbeat_s:
+        raise ConfigError("timeouts.dead_after_s", "must be longer than timeouts.heartbeat_s")
+    tls = cfg.tls
+    if tls.enabled:
+        for key in ("cert", "key", "ca"):
+            path = getattr(tls, key)
+            if not path:
+                raise ConfigError(f"tls.{key}", "required when tls.cert is set (mutual TLS)")
+            if not os.path.isfile(path):
+                raise ConfigError(f"tls.{key}", f"file {path!r} does not exist")
+    elif not tls.allow_plaintext:
+        addrs = [("listen.wan", cfg.listen.wan)] + [(f"peers[{i}].address", p.address)
+                                                   for i, p in enumerate(cfg.peers)]
+        for key, addr in addrs:
+            if not is_loopback(parse_hostport(addr, key)[0]):
+                raise ConfigError(key, f"{addr!r} is not loopback: set tls.cert/key/ca, "
+                                       "or tls.allow_plaintext = true to accept plaintext on purpose")
+    return cfg
+
+
+_KEY = re.compile(r"at `\$(.*?)`")
+
+
+def _key_of(msg: str) -> str:
+    m = _KEY.search(msg)
+    path = m.group(1) if m else ""
+    unknown = re.search(r"unknown field `([^`]+)`", msg)
+    if unknown:
+        path = f"{path}.{unknown.group(1)}"
+    missing = re.search(r"missing required field `([^`]+)`", msg)
+    if missing:
+        path = f"{path}.{missing.group(1)}"
+    return path.lstrip(".") or "(top level)"
+
+
+def loads(text: str | bytes, *, overrides: dict | None = None) -> Config:
+    """Parse TOML text; ``overrides`` (e.g. from the CLI) replace top-level keys."""
+    try:
+        raw = msgspec.toml.decode(text)
+    except msgspec.DecodeError as exc:
+        raise ConfigError("(file)", f"not valid TOML: {exc}") from exc
+    if overrides:
+        raw.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        cfg = msgspec.convert(raw, Config)
+    except msgspec.ValidationError as exc:
+        msg = str(exc)
+        raise ConfigError(_key_of(msg), msg.split(" - at ")[0]) from exc
+    return validate(cfg)
+
+
+def load(path: str | Path, **kw) -> Config:
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError("(file)", f"cannot read {str(path)!r}: {exc.strerror}") from exc
+    return loads(text, **kw)
+
+
+# Two sites on loopback. Ports 7601.. (WAN) and 7701.. (admin); the engine sockets live in
+# $XDG_RUNTIME_DIR, or /tmp when that is unset.
+DEFAULT_SITES = {"A": ("a1", 7601, 7701), "B": ("b1", 7602, 7702)}
+
+DEFAULT_TEMPLATE = """\
+# pdd-wire embedded default: sites A and B on one machine, over loopback, plaintext.
+site = "{site}"
+node = "{node}"
+
+[listen]
+wan = "127.0.0.1:{wan}"
+admin = "127.0.0.1:{admin}"
+engine_socket = "{sock}"
+
+{peers}
+[transfer]
+chunk_bytes = 4194304
+streams = 4
+"""
+
+
+def default_socket_dir() -> str:
+    return os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/pdd-wire-{os.getuid()}"
+
+
+def default_toml(site: str) -> str:
+    if site not in DEFAULT_SITES:
+        raise ConfigError("site", f"{site!r} has no embedded default (known: {sorted(DEFAULT_SITES)}); "
+                                  "pass --config FILE")
+    node, wan, admin = DEFAULT_SITES[site]
+    peers = "".join(
+        f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{w}"\ntransport = "tcp"\n\n'
+        for s, (n, w, _) in DEFAULT_SITES.items() if s != site)
+    sock = os.path.join(default_socket_dir(), f"pdd-wire-{site}.sock")
+    return DEFAULT_TEMPLATE.format(site=site, node=node, wan=wan, admin=admin, sock=sock, peers=peers)
+
+
+def default_config(site: str, **overrides) -> Config:
+    return loads(default_toml(site), overrides=overrides)

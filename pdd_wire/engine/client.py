@@ -1,0 +1,250 @@
+"""``EngineClient``: how an engine adapter talks to its local pdd-wire agent.
+
+The engine registers its KV memory once, then asks the agent to move blocks and token IDs and
+listens for events. Every call is a request answered by the agent; failures raise
+:class:`EngineRequestError` carrying the agent's :class:`~pdd_wire.errors.ErrorCode`.
+
+Example (prefill side, site A, sending one request's KV to site B)::
+
+    from pdd_wire import EngineClient, SharedMemory
+
+    async with EngineClient("/run/pdd-wire/pdd-wire-A.sock", engine="prefill-0") as eng:
+        mem = SharedMemory(256 << 20)               # the engine's KV pool, shared by fd
+        kv = await eng.register(mem, block_bytes=2 << 20)
+        await eng.send_kv("req-42", [kv.blocks(0, 16)], to=["B"])
+        done = await eng.wait("req-42")            # KvSent, or TransferFailed with a reason
+        await eng.send_tokens("req-42", "B", [101, 7592, 2088])
+
+Decode side, site B::
+
+        kv = await eng.register(mem, block_bytes=2 << 20)
+        await eng.post_recv("req-42", [kv.blocks(32, 16)], from_site="A")
+        ev = await eng.wait("req-42")              # KvReceived: blocks 32..47 hold the KV
+        tokens = await eng.wait_tokens("req-42")   # TokensReceived
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import collections
+import os
+import socket
+from dataclasses import dataclass
+from typing import Iterable
+
+from ..errors import EngineRequestError, ErrorCode, TransportError
+from ..memory import SharedMemory
+from . import protocol as p
+
+
+@dataclass(frozen=True)
+class RegionHandle:
+    """A registered region: ``region`` is the agent's id for it."""
+
+    region: int
+    size: int
+    block_bytes: int
+
+    @property
+    def n_blocks(self) -> int:
+        return self.size // self.block_bytes
+
+    def blocks(self, first: int, count: int) -> tuple[int, int, int]:
+        """Blocks ``first .. first+count-1`` of this region, as an extent for send/post."""
+        if first < 0 or count <= 0 or first + count > self.n_blocks:
+            raise ValueError(f"blocks {first}..{first + count - 1} outside 0..{self.n_blocks - 1}")
+        return (self.region, first, count)
+
+
+class EngineClient:
+    """Async client of the engine socket.
+
+    Args:
+        path: the agent's engine socket (``listen.engine_socket`` in its config).
+        engine: a name for logs and ``/v1/status``.
+        max_events: events kept for :meth:`wait` / :meth:`events` before the oldest are dropped.
+    """
+
+    def __init__(self, path: str, engine: str = "engine", *, max_events: int = 100_000) -> None:
+        self.path = path
+        self.engine = engine
+        self.agent: dict = {}
+        self._sock: socket.socket | None = None
+        self._ids = 0
+        self._pending: dict[int, asyncio.Future] = {}
+        self._events: collections.deque[p.Msg] = collections.deque(maxlen=max_events)
+        self._changed: asyncio.Event | None = None
+        self._reader: asyncio.Task | None = None
+        self._closed_exc: BaseException | None = None
+        self._wlock: asyncio.Lock | None = None
+
+    async def connect(self) -> "EngineClient":
+        loop = asyncio.get_running_loop()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, self.path)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot reach the agent at {self.path}: {exc.strerror or exc}") from exc
+        self._sock = sock
+        self._changed = asyncio.Event()
+        self._wlock = asyncio.Lock()
+        self._reader = asyncio.create_task(self._read_forever(), name="engine-client-reader")
+        self.agent = await self._call(p.Hello(engine=self.engine, pid=os.getpid()))
+        return self
+
+    async def __aenter__(self) -> "EngineClient":
+        return await self.connect()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+            self._reader = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        self._fail_pending(TransportError("client closed"))
+
+    # -- requests ----------------------------------------------------------------------------
+    async def register(self, mem: SharedMemory | int, *, block_bytes: int, size: int | None = None,
+                       name: str = "") -> RegionHandle:
+        """Share memory with the agent. ``mem`` is a :class:`SharedMemory` or a mappable fd
+        (then ``size`` is required). The agent maps the same pages; the fd stays the caller's."""
+        fd = mem.fd if isinstance(mem, SharedMemory) else int(mem)
+        size = mem.size if isinstance(mem, SharedMemory) else size
+        if size is None:
+            raise ValueError("size is required when registering a raw fd")
+        res = await self._call(p.Register(size=size, block_bytes=block_bytes, name=name), fd=fd)
+        return RegionHandle(res["region"], size, block_bytes)
+
+    async def deregister(self, region: RegionHandle) -> None:
+        await self._call(p.Deregister(region=region.region))
+
+    async def post_recv(self, request_id: str, blocks: Iterable[tuple[int, int, int]], *,
+                        from_site: str | None = None) -> None:
+        """Allow KV for ``request_id`` to land in ``blocks``; the agent writes nowhere else."""
+        await self._call(p.PostRecv(request_id=request_id, blocks=list(blocks), from_site=from_site))
+
+    async def send_kv(self, request_id: str, blocks: Iterable[tuple[int, int, int]], *, to: list[str],
+                      deadline_s: float | None = None) -> list[dict]:
+        """Send ``blocks`` to every destination in ``to`` (``"B"`` or ``"B/b1"``); one transfer
+        each, reading the same pages. Returns ``[{"to": peer, "transfer_id": n}, ...]``."""
+        res = await self._call(p.SendKv(request_id=request_id, blocks=list(blocks), to=list(to),
+                                        deadline_s=deadline_s))
+        return res["transfers"]
+
+    async def send_tokens(self, request_id: str, to: str, tokens: list[int]) -> int:
+        """Relay token IDs on the control lane; returns the sequence number of the first one."""
+        res = await self._call(p.SendTokens(request_id=request_id, to=to, tokens=list(tokens)))
+        return res["seq"]
+
+    async def abort(self, request_id: str, reason: str = "aborted by engine") -> int:
+        res = await self._call(p.Abort(request_id=request_id, reason=reason))
+        return res.get("cancelled", 0)
+
+    async def status(self) -> dict:
+        return await self._call(p.Status())
+
+    # -- events ------------------------------------------------------------------------------
+    async def wait(self, request_id: str, *, kinds=(p.KvReceived, p.KvSent, p.TransferFailed),
+                   timeout: float | None = None) -> p.Msg:
+        """The next event of one of ``kinds`` for ``request_id`` (removed from the queue)."""
+        return await self.wait_for(lambda e: isinstance(e, kinds) and e.request_id == request_id,
+                                   timeout=timeout)
+
+    async def wait_tokens(self, request_id: str, *, timeout: float | None = None) -> p.TokensReceived:
+        return await self.wait(request_id, kinds=(p.TokensReceived,), timeout=timeout)
+
+    async def wait_for(self, predicate, *, timeout: float | None = None) -> p.Msg:
+        async with asyncio.timeout(timeout):
+            while True:
+                for ev in self._events:
+                    if predicate(ev):
+                        self._events.remove(ev)
+                        return ev
+                if self._closed_exc is not None:
+                    raise self._closed_exc
+                self._changed.clear()
+                await self._changed.wait()
+
+    def events(self) -> list[p.Msg]:
+        """Take every event received so far."""
+        out = list(self._events)
+        self._events.clear()
+        return out
+
+    # -- plumbing ----------------------------------------------------------------------------
+    async def _call(self, msg: p.Msg, *, fd: int | None = None) -> dict:
+        if self._sock is None:
+            raise TransportError("not connected")
+        if self._closed_exc is not None:
+            raise self._closed_exc
+        self._ids += 1
+        msg.id = self._ids
+        fut = asyncio.get_running_loop().create_future()
+        self._pending[msg.id] = fut
+        data = p.encode(msg)
+        async with self._wlock:
+            if fd is None:
+                await asyncio.get_running_loop().sock_sendall(self._sock, data)
+            else:
+                await self._sendmsg_fd(data, fd)
+        reply = await fut
+        if isinstance(reply, p.Err):
+            raise EngineRequestError(reply.message, ErrorCode(reply.code))
+        return reply.result
+
+    async def _sendmsg_fd(self, data: bytes, fd: int) -> None:
+        loop = asyncio.get_running_loop()
+        anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+        while True:
+            try:
+                n = self._sock.sendmsg([data], anc)
+                break
+            except (BlockingIOError, InterruptedError):
+                w = loop.create_future()
+                loop.add_writer(self._sock.fileno(), lambda: w.done() or w.set_result(None))
+                try:
+                    await w
+                finally:
+                    loop.remove_writer(self._sock.fileno())
+        if n < len(data):
+            await loop.sock_sendall(self._sock, data[n:])  # the fd went with the first byte
+
+    async def _read_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        dec = p.Decoder(to_agent=False)
+        try:
+            while True:
+                data = await loop.sock_recv(self._sock, 256 * 1024)
+                if not data:
+                    raise TransportError("the agent closed the engine socket")
+                for msg in dec.feed(data):
+                    if isinstance(msg, (p.Ok, p.Err)) and msg.id:
+                        fut = self._pending.pop(msg.id, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(msg)
+                    elif isinstance(msg, p.Err):
+                        raise EngineRequestError(msg.message, ErrorCode(msg.code))
+                    else:
+                        self._events.append(msg)
+                        self._changed.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._closed_exc = exc if isinstance(exc, (TransportError, EngineRequestError)) else \
+                TransportError(f"engine socket failed: {exc}")
+            self._fail_pending(self._closed_exc)
+            self._changed.set()
+
+    def _fail_pending(self, exc: BaseException) -> None:
+        for fut in self._pending.values():
+            if not fut.done():
+                fut.set_exception(exc)
+        self._pending.clear()

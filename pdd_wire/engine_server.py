@@ -1,0 +1,259 @@
+"""The agent's end of the engine socket: accepts engines, reads requests (and the fds that
+ride with them), writes replies and events.
+
+Reads use ``recvmsg`` on the raw non-blocking socket (asyncio transports cannot receive
+SCM_RIGHTS). Writes go through a bounded buffer: an engine that stops reading its events is
+disconnected rather than allowed to grow the agent's memory, and its transfers are cancelled.
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import os
+import socket
+import struct
+from typing import Awaitable, Callable
+
+import structlog
+
+from .engine import protocol as p
+from .errors import EngineRequestError, ErrorCode, PddWireError, ProtocolError
+
+log = structlog.get_logger("pdd_wire.engine")
+
+MAX_FDS = 4
+MAX_OUT = 64 << 20  # bytes of unread events before an engine is cut off
+
+
+class EngineConn:
+    """One connected engine."""
+
+    def __init__(self, server: "EngineServer", sock: socket.socket, number: int, uid: int, pid: int) -> None:
+        self.server = server
+        self.sock = sock
+        self.number = number
+        self.uid = uid
+        self.pid = pid
+        self.name = f"engine-{number}"
+        self.log = log.bind(engine=self.name, pid=pid)
+        self.loop = asyncio.get_running_loop()
+        self._decoder = p.Decoder(to_agent=True, max_message=server.max_message)
+        self._fds: list[int] = []
+        self._out = bytearray()
+        self._writing = False
+        self.closed = False
+        self.done = self.loop.create_future()
+        self.regions: dict[int, object] = {}
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._worker = asyncio.create_task(self._serve(), name=f"{self.name}:serve")
+        self.loop.add_reader(sock.fileno(), self._readable)
+
+    def _readable(self) -> None:
+        try:
+            data, anc, flags, _ = self.sock.recvmsg(256 * 1024, socket.CMSG_SPACE(MAX_FDS * 4))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self.close(f"read failed: {exc}")
+            return
+        for level, typ, cdata in anc:
+            if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
+                self._fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            self.close("too many file descriptors in one message")
+            return
+        if not data:
+            self.close("engine closed the socket")
+            return
+        try:
+            for msg in self._decoder.feed(data):
+                self._queue.put_nowait(msg)
+        except ProtocolError as exc:
+            self.send(p.Err(code=int(exc.code), message=str(exc)))
+            self.close(f"protocol error: {exc}")
+
+    async def _serve(self) -> None:
+        """Requests are handled one at a time, in order, so an engine sees its own effects in order."""
+        while True:
+            msg = await self._queue.get()
+            fd = None
+            if isinstance(msg, p.Register):
+                if not self._fds:
+                    self.send(p.Err(id=msg.id, code=int(ErrorCode.BAD_REQUEST),
+                                    message="register needs one file descriptor sent with it (SCM_RIGHTS)"))
+                    continue
+                fd = self._fds.pop(0)
+            try:
+                result = await self.server.handler(self, msg, fd)
+            except (EngineRequestError, PddWireError) as exc:
+                self.server.on_error(exc.code)
+                self.send(p.Err(id=msg.id, code=int(exc.code), message=str(exc)))
+            except Exception as exc:  # a bug must not take the agent down with it
+                self.log.exception("engine request failed", op=type(msg).__name__)
+                self.send(p.Err(id=msg.id, code=int(ErrorCode.INTERNAL), message=f"internal error: {exc}"))
+            else:
+                self.send(p.Ok(id=msg.id, result=result or {}))
+            finally:
+                if fd is not None and isinstance(msg, p.Register):
+                    pass  # ownership of the fd passed to the region (closed once mapped)
+
+    def send(self, msg: p.Msg) -> None:
+        if self.closed:
+            return
+        self._out += p.encode(msg)
+        if len(self._out) > MAX_OUT:
+            self.close(f"engine is not reading its events ({len(self._out)} bytes queued)")
+            return
+        if not self._writing:
+            self._flush()
+
+    def _flush(self) -> None:
+        try:
+            while self._out:
+                n = self.sock.send(self._out)
+                del self._out[:n]
+        except (BlockingIOError, InterruptedError):
+            if not self._writing:
+                self._writing = True
+                self.loop.add_writer(self.sock.fileno(), self._on_writable)
+            return
+        except OSError as exc:
+            self.close(f"write failed: {exc}")
+            return
+        if self._writing:
+            self._writing = False
+            self.loop.remove_writer(self.sock.fileno())
+
+    def _on_writable(self) -> None:
+        self._flush()
+
+    def close(self, why: str) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.log.info("engine disconnected", reason=why)
+        try:
+            self.loop.remove_reader(self.sock.fileno())
+            if self._writing:
+                self.loop.remove_writer(self.sock.fileno())
+        except Exception:
+            pass
+        self._worker.cancel()
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+        self.sock.close()
+        self.server.gone(self)
+
+
+class EngineServer:
+    """Listens on the engine Unix socket. ``handler(conn, msg, fd)`` serves each request;
+    ``on_gone(conn)`` runs once per engine when it disconnects."""
+
+    def __init__(self, path: str, mode: int, *, handler: Callable[..., Awaitable[dict | None]],
+                 on_gone: Callable[[EngineConn], Awaitable[None]], max_engines: int, max_message: int,
+                 allowed_uids: set[int], on_error=lambda code: None) -> None:
+        self.path = path
+        self.mode = mode
+        self.handler = handler
+        self.on_gone = on_gone
+        self.on_error = on_error
+        self.max_engines = max_engines
+        self.max_message = max_message
+        self.allowed_uids = allowed_uids
+        self.engines: dict[int, EngineConn] = {}
+        self._sock: socket.socket | None = None
+        self._accept_task: asyncio.Task | None = None
+        self._count = 0
+        self._gone_tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+        if os.path.exists(self.path):
+            # A stale socket from a previous run; refuse to steal one a live agent is using.
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(self.path)
+            except OSError:
+                os.unlink(self.path)
+            else:
+                raise PddWireError(f"engine socket {self.path} is in use by another agent", ErrorCode.INTERNAL)
+            finally:
+                probe.close()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o777 & ~self.mode)
+        try:
+            sock.bind(self.path)
+        finally:
+            os.umask(old)
+        os.chmod(self.path, self.mode)
+        sock.listen(128)
+        sock.setblocking(False)
+        self._sock = sock
+        self._accept_task = asyncio.create_task(self._accept_forever(), name="engine-accept")
+
+    async def _accept_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            conn, _ = await loop.sock_accept(self._sock)
+            conn.setblocking(False)
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+            pid, uid, gid = struct.unpack("3i", creds)
+            if uid not in self.allowed_uids and uid != 0:
+                log.warning("engine refused: uid not allowed", uid=uid, pid=pid)
+                self.on_error(ErrorCode.BAD_REQUEST)
+                conn.close()
+                continue
+            if len(self.engines) >= self.max_engines:
+                log.warning("engine refused: limits.max_engines reached", limit=self.max_engines)
+                msg = p.encode(p.Err(code=int(ErrorCode.LIMIT_EXCEEDED),
+                                     message=f"agent already serves {self.max_engines} engines"))
+                try:
+                    conn.send(msg)
+                except OSError:
+                    pass
+                conn.close()
+                continue
+            self._count += 1
+            ec = EngineConn(self, conn, self._count, uid, pid)
+            self.engines[ec.number] = ec
+            ec.log.info("engine connected", uid=uid)
+
+    def gone(self, ec: EngineConn) -> None:
+        self.engines.pop(ec.number, None)
+        t = asyncio.get_running_loop().create_task(self._run_gone(ec))
+        self._gone_tasks.add(t)
+        t.add_done_callback(self._gone_tasks.discard)
+
+    async def _run_gone(self, ec: EngineConn) -> None:
+        try:
+            await self.on_gone(ec)
+        finally:
+            if not ec.done.done():
+                ec.done.set_result(None)
+
+    async def stop_accepting(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            await asyncio.gather(self._accept_task, return_exceptions=True)
+            self._accept_task = None
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+
+    async def close(self) -> None:
+        await self.stop_accepting()
+        for ec in list(self.engines.values()):
+            ec.close("agent stopped")
+        await asyncio.gather(*self._gone_tasks, return_exceptions=True)
+
+    def broadcast(self, msg: p.Msg) -> None:
+        for ec in list(self.engines.values()):
+            ec.send(msg)

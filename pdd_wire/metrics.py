@@ -1,0 +1,52 @@
+"""Prometheus metrics, one registry per agent (so several agents can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LAT = (50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 0.5, 1, 2.5)
+_XFER = (1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = "pddwire_"
+        self.bytes = Counter(p + "bytes", "Bytes moved, by peer, lane and direction",
+                             ["peer", "lane", "direction"], registry=r)
+        self.chunks = Counter(p + "chunks", "KV chunks moved", ["peer", "direction"], registry=r)
+        self.frames = Counter(p + "frames", "Control-connection frames", ["peer", "lane", "direction"],
+                              registry=r)
+        self.transfers = Counter(p + "transfers", "Transfers finished, by outcome",
+                                 ["peer", "direction", "outcome"], registry=r)
+        self.inflight = Gauge(p + "transfers_in_flight", "Open transfers", ["direction"], registry=r)
+        self.inflight_bytes = Gauge(p + "kv_bytes_in_flight", "Unacknowledged KV bytes sent", ["peer"],
+                                    registry=r)
+        self.transfer_seconds = Histogram(p + "transfer_seconds", "Transfer time, announce to done",
+                                          ["direction"], buckets=_XFER, registry=r)
+        self.chunk_seconds = Histogram(p + "chunk_seconds", "Chunk time, dispatch to acknowledgement",
+                                       buckets=_LAT + (5, 10), registry=r)
+        self.token_seconds = Histogram(p + "token_frame_seconds",
+                                       "Token frame round trip, send to acknowledgement", buckets=_LAT,
+                                       registry=r)
+        self.rtt_seconds = Histogram(p + "control_rtt_seconds", "Control-lane ping round trip", ["peer"],
+                                     buckets=_LAT, registry=r)
+        self.retransmits = Counter(p + "retransmits", "Chunks sent again", ["peer", "reason"], registry=r)
+        self.checksum_failures = Counter(p + "checksum_failures", "Chunks whose payload checksum failed",
+                                         ["peer"], registry=r)
+        self.errors = Counter(p + "errors", "Errors by code", ["code"], registry=r)
+        self.peer_up = Gauge(p + "peer_up", "1 while the control connection to a peer is up", ["peer"],
+                             registry=r)
+        self.bulk_streams = Gauge(p + "bulk_streams_up", "Bulk connections up", ["peer"], registry=r)
+        self.reconnects = Counter(p + "reconnects", "Control connections re-established", ["peer"],
+                                  registry=r)
+        self.engines = Gauge(p + "engines_connected", "Engines on the engine socket", registry=r)
+        self.regions = Gauge(p + "regions_registered", "Registered memory regions", registry=r)
+        self.region_bytes = Gauge(p + "region_bytes", "Bytes of registered memory", registry=r)
+        self.tokens = Counter(p + "tokens", "Token IDs relayed", ["peer", "direction"], registry=r)
+
+    def error(self, code) -> None:
+        self.errors.labels(code=getattr(code, "name", str(code))).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,924 @@
+"""One peer agent: its control connection, its bulk connections, and the transfers between us.
+
+A :class:`PeerSession` lives as long as the peer is configured. Its connections come and go:
+the agent whose (site, node) sorts lower dials, the other accepts. While the peer's
+incarnation stays the same, a reconnect *resumes*: every open transfer asks which chunks the
+receiver holds (KV_RESUME / KV_STATUS) and only the missing ones are sent again; unacknowledged
+token frames are resent and the receiver drops what it already delivered. A new incarnation
+means the peer restarted: every transfer with it fails with PEER_RESTARTED.
+
+Chunks are scheduled here, on the main loop, under a credit window (unacknowledged bytes in
+flight, the smaller of the two agents' ``credit_bytes``), and striped over the bulk
+connections, least loaded first. The bulk threads compute checksums and do the I/O.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import random
+import time
+from typing import TYPE_CHECKING, Protocol
+
+import structlog
+
+from .config import Config, Peer, parse_hostport
+from .errors import ErrorCode, FatalHandshakeError, HandshakeError, PddWireError, ProtocolError, TransportError
+from .memory import BlockMap
+from .transfer import InTransfer, OutTransfer, Route, State
+from .transport.tcp import KIND_BULK, KIND_CONTROL, BulkLoop, FrameProtocol, dial
+from .wire import FrameType, Lane, decode_body, encode, encode_body
+from .wire import messages as m
+from .wire.frame import Frame
+from .wire.handshake import CAPABILITIES, choose_version, negotiate_limit
+
+if TYPE_CHECKING:
+    from .metrics import Metrics
+
+log = structlog.get_logger("pdd_wire.session")
+
+
+class SessionHost(Protocol):
+    """What a session needs from the agent (implemented by :class:`pdd_wire.agent.Agent`)."""
+
+    config: Config
+    metrics: "Metrics"
+    incarnation: int
+
+    def next_transfer_id(self) -> int: ...
+    def bulk_loop(self, stream: int) -> BulkLoop: ...
+    def ssl_client(self): ...
+    def incoming_begin(self, session: "PeerSession", tid: int, begin: m.KvBegin) -> None: ...
+    def kv_received(self, t: InTransfer) -> None: ...
+    def kv_sent(self, t: OutTransfer) -> None: ...
+    def transfer_failed(self, t, direction: str, code: int, message: str) -> None: ...
+    def tokens_received(self, session: "PeerSession", msg: m.Tokens) -> None: ...
+    def incoming_cancelled(self, session: "PeerSession", tid: int, msg: m.KvCancel) -> None: ...
+
+
+class BulkLink:
+    """The main loop's view of one bulk connection (which lives on ``loop``)."""
+
+    def __init__(self, stream: int, loop: BulkLoop, conn: FrameProtocol) -> None:
+        self.stream = stream
+        self.loop = loop
+        self.conn = conn
+        self.outstanding = 0  # bytes dispatched on it and not yet acknowledged
+
+
+class TokenStream:
+    """Outgoing token IDs of one request: sent but unacknowledged frames are kept for resend."""
+
+    __slots__ = ("next_seq", "unacked", "touched")
+
+    def __init__(self) -> None:
+        self.next_seq = 0
+        self.unacked: collections.deque[tuple[int, list[int], float]] = collections.deque()
+        self.touched = time.monotonic()
+
+
+class PeerSession:
+    def __init__(self, host: SessionHost, peer: Peer) -> None:
+        self.host = host
+        self.cfg = host.config
+        self.peer = peer
+        self.key = f"{peer.site}/{peer.node}"
+        self.dialer = (self.cfg.site, self.cfg.node) < (peer.site, peer.node)
+        self.log = log.bind(peer=self.key)
+        self.m = host.metrics
+        self.streams = peer.streams or self.cfg.transfer.streams
+        self.control: FrameProtocol | None = None
+        self.remote_incarnation: int | None = None
+        self.token = random.getrandbits(63)  # bulk connections present it (listener side)
+        self.remote_token = 0
+        self.welcome: m.Welcome | m.Hello | None = None
+        self.links: dict[int, BulkLink] = {}
+        self.out: dict[int, OutTransfer] = {}
+        self.inn: dict[int, InTransfer] = {}
+        self.routes: dict[int, Route] = {}  # read by bulk threads; mutated only here
+        self.completed_in: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self.window = self.cfg.transfer.credit_bytes
+        self.credit = self.window
+        self.chunk_bytes = self.cfg.transfer.chunk_bytes
+        self.inflight: dict[tuple[int, int], tuple[int, int, float]] = {}
+        self.rr: collections.deque[int] = collections.deque()
+        self.tok_out: dict[str, TokenStream] = {}
+        self.tok_in: dict[str, int] = {}  # request -> next expected seq
+        self.up = asyncio.Event()
+        self.down_since: float | None = time.monotonic()
+        self._lost = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._stream_tasks: dict[int, asyncio.Task] = {}
+        self._closing = False
+        self._last_rx = time.monotonic()
+        self._ping_nonce = itertools.count(1)
+        self.rtt_s: float | None = None
+        self.m.peer_up.labels(peer=self.key).set(0)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.dialer:
+            self._spawn(self._dial_forever(), "dial")
+        self._spawn(self._tick_forever(), "tick")
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        t = asyncio.create_task(coro, name=f"{self.key}:{name}")
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def close(self) -> None:
+        self._closing = True
+        if self.control is not None and not self.control.closed:
+            try:
+                self.control.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye("shutdown"))))
+            except TransportError:
+                pass
+        for t in list(self._tasks) + list(self._stream_tasks.values()):
+            t.cancel()
+        await asyncio.gather(*self._tasks, *self._stream_tasks.values(), return_exceptions=True)
+        self._drop_connections()
+        for t in list(self.out.values()):
+            self._fail_out(t, ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
+        for t in list(self.inn.values()):
+            await self._fail_in(t, ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
+
+    @property
+    def is_up(self) -> bool:
+        return self.control is not None and not self.control.closed and self.up.is_set()
+
+    # ------------------------------------------------------------------ dialing
+    async def _dial_forever(self) -> None:
+        backoff = 0.05
+        host, port = parse_hostport(self.peer.address, "peer.address")
+        to = self.cfg.timeouts
+        while not self._closing:
+            self._lost.clear()
+            try:
+                conn = self._new_control()
+                await dial(host, port, KIND_CONTROL, conn, ssl_ctx=self.host.ssl_client(),
+                           server_name=self.peer.server_name or self.peer.node, timeout=to.connect_s)
+                hello = m.Hello(versions=list(m.SUPPORTED_VERSIONS), site=self.cfg.site, node=self.cfg.node,
+                                incarnation=self.host.incarnation, capabilities=list(CAPABILITIES),
+                                max_body=self.cfg.limits.max_body, max_chunk=64 << 20,
+                                credit_bytes=self.cfg.transfer.credit_bytes, bulk_streams=self.streams)
+                self._handshake_wait = asyncio.get_running_loop().create_future()
+                conn.send(encode(FrameType.HELLO, encode_body(hello)))
+                async with asyncio.timeout(to.handshake_s):
+                    welcome = await self._handshake_wait
+                self._established(conn, welcome.incarnation, welcome)
+                backoff = 0.05
+                await self._lost.wait()
+            except FatalHandshakeError as exc:
+                self.log.error("peer refused the handshake", error=str(exc), code=exc.code.name)
+                self.m.error(exc.code)
+                backoff = to.reconnect_max_backoff_s
+            except (TransportError, HandshakeError, TimeoutError, OSError) as exc:
+                self.log.info("peer not reachable", error=str(exc) or type(exc).__name__)
+            if self._closing:
+                return
+            await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+            backoff = min(backoff * 2, to.reconnect_max_backoff_s)
+
+    def _new_control(self) -> FrameProtocol:
+        conn = FrameProtocol(max_body=self.cfg.limits.max_body, max_payload=0)
+        conn.on_frame = self._on_control_frame
+        conn.on_lost = self._on_control_lost
+        return conn
+
+    # ------------------------------------------------------------------ accepting
+    def adopt_control(self, conn: FrameProtocol, hello: m.Hello) -> m.Welcome:
+        """Listener side: a dialer's HELLO passed the agent's checks; take the connection."""
+        version = choose_version(hello.versions)
+        if self.control is not None and not self.control.closed:
+            self.log.info("peer reconnected; dropping the previous control connection")
+            old, self.control = self.control, None
+            old.on_lost = lambda c, e: None
+            old.abort()
+            self._connection_down("replaced")
+        conn.on_frame = self._on_control_frame
+        conn.on_lost = self._on_control_lost
+        welcome = m.Welcome(version=version, site=self.cfg.site, node=self.cfg.node,
+                            incarnation=self.host.incarnation, session=self.token,
+                            capabilities=list(CAPABILITIES), max_body=self.cfg.limits.max_body,
+                            max_chunk=64 << 20, credit_bytes=self.cfg.transfer.credit_bytes,
+                            bulk_streams=self.streams,
+                            resumed=self.remote_incarnation == hello.incarnation)
+        conn.send(encode(FrameType.WELCOME, encode_body(welcome)))
+        self._established(conn, hello.incarnation, hello)
+        return welcome
+
+    def adopt_bulk(self, stream: int, loop: BulkLoop, conn: FrameProtocol) -> None:
+        """A bulk connection attached (called on the main loop)."""
+        if not self.is_up or conn.closed:
+            loop.call(conn.abort)
+            return
+        old = self.links.get(stream)
+        if old is not None:
+            self._bulk_down(old)
+            old.loop.call(old.conn.abort)
+        self.links[stream] = BulkLink(stream, loop, conn)
+        self.m.bulk_streams.labels(peer=self.key).set(len(self.links))
+        self._pump()
+
+    # ------------------------------------------------------------------ connection state
+    def _established(self, conn: FrameProtocol, incarnation: int, info) -> None:
+        first = self.remote_incarnation is None
+        restarted = not first and self.remote_incarnation != incarnation
+        self.control = conn
+        self.welcome = info
+        self._last_rx = time.monotonic()
+        if restarted:
+            self.log.warning("peer restarted; failing every transfer with it")
+            self._peer_restarted()
+        self.remote_incarnation = incarnation
+        if isinstance(info, m.Welcome):
+            self.remote_token = info.session
+        self.window = max(negotiate_limit(self.cfg.transfer.credit_bytes, info.credit_bytes), self.chunk_bytes)
+        self.chunk_bytes = min(self.cfg.transfer.chunk_bytes, info.max_chunk)
+        self.credit = self.window - sum(n for _, n, _ in self.inflight.values())
+        self.down_since = None
+        self.up.set()
+        self.m.peer_up.labels(peer=self.key).set(1)
+        if not first:
+            self.m.reconnects.labels(peer=self.key).inc()
+        self.log.info("peer up", resumed=not restarted, streams=self.streams)
+        self._resume()
+        if self.dialer:
+            for s in range(self.streams):
+                self._start_stream(s)
+
+    def _on_control_lost(self, conn: FrameProtocol, exc) -> None:
+        if conn is not self.control:
+            return
+        self.log.info("control connection lost", error=str(exc) if exc else None)
+        self._connection_down("control lost")
+
+    def _connection_down(self, why: str) -> None:
+        self.up.clear()
+        self.control = None
+        self.down_since = time.monotonic()
+        self.m.peer_up.labels(peer=self.key).set(0)
+        self._drop_connections()
+        for t in self.out.values():
+            if t.state == State.MOVING:
+                t.state = State.RESUMING
+        hw = getattr(self, "_handshake_wait", None)
+        if hw is not None and not hw.done():
+            hw.set_exception(TransportError(f"connection lost during the handshake ({why})"))
+        self._lost.set()
+
+    def _drop_connections(self) -> None:
+        for t in self._stream_tasks.values():
+            t.cancel()
+        self._stream_tasks.clear()
+        for link in list(self.links.values()):
+            self._bulk_down(link)
+            link.loop.call(link.conn.abort)
+        if self.control is not None:
+            self.control.abort()
+
+    def _bulk_down(self, link: BulkLink) -> None:
+        if self.links.get(link.stream) is link:
+            del self.links[link.stream]
+        self.m.bulk_streams.labels(peer=self.key).set(len(self.links))
+        requeued = 0
+        for key, (stream, n, _) in list(self.inflight.items()):
+            if stream != link.stream:
+                continue
+            del self.inflight[key]
+            self.credit += n
+            t = self.out.get(key[0])
+            if t is not None and key[1] not in t.acked:
+                t.pending.appendleft(key[1])
+                t.retransmits += 1
+                requeued += 1
+                self._ready(t)
+        if requeued:
+            self.m.retransmits.labels(peer=self.key, reason="connection_lost").inc(requeued)
+        self.m.inflight_bytes.labels(peer=self.key).set(self.window - self.credit)
+
+    def bulk_lost(self, link_conn: FrameProtocol, stream: int, exc) -> None:
+        """A bulk connection ended (main loop)."""
+        link = self.links.get(stream)
+        if link is not None and link.conn is link_conn:
+            self.log.info("bulk connection lost", stream=stream, error=str(exc) if exc else None)
+            self._bulk_down(link)
+            if self.dialer and self.is_up and not self._closing:
+                self._start_stream(stream, delay=0.05)
+        self._pump()
+
+    def _start_stream(self, stream: int, delay: float = 0.0) -> None:
+        old = self._stream_tasks.get(stream)
+        if old is not None and not old.done():
+            return
+        self._stream_tasks[stream] = asyncio.create_task(self._dial_stream(stream, delay),
+                                                         name=f"{self.key}:bulk{stream}")
+
+    async def _dial_stream(self, stream: int, delay: float) -> None:
+        backoff = max(delay, 0.05)
+        host, port = parse_hostport(self.peer.address, "peer.address")
+        bulk = self.host.bulk_loop(stream)
+        main = asyncio.get_running_loop()
+        if delay:
+            await asyncio.sleep(delay)
+        while self.is_up and not self._closing:
+            fut = bulk.submit(self._bulk_connect(host, port, stream, main))
+            try:
+                conn = await asyncio.wrap_future(fut)
+                self.adopt_bulk(stream, bulk, conn)
+                return
+            except asyncio.CancelledError:
+                fut.cancel()
+                raise
+            except (TransportError, OSError, TimeoutError) as exc:
+                self.log.info("bulk connect failed", stream=stream, error=str(exc))
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.cfg.timeouts.reconnect_max_backoff_s)
+
+    async def _bulk_connect(self, host: str, port: int, stream: int, main: asyncio.AbstractEventLoop):
+        """Runs on the bulk loop: dial, present the session token, wait for BULK_WELCOME."""
+        conn = self.make_bulk_protocol(stream, main)
+        welcomed = asyncio.get_running_loop().create_future()
+        conn.bulk_welcomed = welcomed
+        await dial(host, port, KIND_BULK, conn, ssl_ctx=self.host.ssl_client(),
+                   server_name=self.peer.server_name or self.peer.node, timeout=self.cfg.timeouts.connect_s)
+        conn.send(encode(FrameType.BULK_HELLO, encode_body(
+            m.BulkHello(session=self.remote_token, stream=stream, site=self.cfg.site, node=self.cfg.node))))
+        try:
+            async with asyncio.timeout(self.cfg.timeouts.handshake_s):
+                await welcomed
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    def make_bulk_protocol(self, stream: int, main: asyncio.AbstractEventLoop) -> FrameProtocol:
+        """A bulk connection's protocol for this session (created on its bulk loop)."""
+        return BulkHandler(self, stream, main).conn
+
+    # ------------------------------------------------------------------ control frames
+    def _on_control_frame(self, conn: FrameProtocol, frame: Frame) -> None:
+        self._last_rx = time.monotonic()
+        h = frame.header
+        try:
+            msg = decode_body(h.type, frame.body)
+        except ProtocolError as exc:
+            self.m.error(exc.code)
+            conn.fail(exc)
+            return
+        self.m.frames.labels(peer=self.key, lane=Lane(h.lane).name.lower() if h.lane < 3 else "?",
+                             direction="rx").inc()
+        match msg:
+            case m.Welcome() if self.dialer:
+                hw = getattr(self, "_handshake_wait", None)
+                if hw is not None and not hw.done():
+                    hw.set_result(msg)
+            case m.Ping():
+                self._send(FrameType.PONG, m.Pong(msg.nonce, msg.sent_ns))
+            case m.Pong():
+                rtt = (time.monotonic_ns() - msg.sent_ns) / 1e9
+                self.rtt_s = rtt
+                self.m.rtt_seconds.labels(peer=self.key).observe(rtt)
+            case m.KvBegin():
+                self._on_begin(h.transfer_id, msg)
+            case m.KvAccept():
+                self._on_accept(h.transfer_id)
+            case m.KvReject():
+                t = self.out.get(h.transfer_id)
+                if t is not None:
+                    self._fail_out(t, msg.code, msg.message, notify_peer=False)
+            case m.KvAck():
+                self._on_ack(h.transfer_id, msg.first, msg.count)
+            case m.KvNack():
+                self._on_nack(h.transfer_id, msg.chunk)
+            case m.KvDone():
+                self._on_done(h.transfer_id)
+            case m.KvCancel():
+                self._on_cancel(h.transfer_id, msg)
+            case m.KvResume():
+                self._on_resume(h.transfer_id, msg)
+            case m.KvStatus():
+                self._on_status(h.transfer_id, msg)
+            case m.Tokens():
+                self._on_tokens(msg)
+            case m.TokensAck():
+                self._on_tokens_ack(msg)
+            case m.Error():
+                self.log.warning("peer reported an error", code=msg.code, message=msg.message)
+                self.m.error(msg.code)
+            case m.Goodbye():
+                self.log.info("peer said goodbye", reason=msg.reason)
+            case _:
+                exc = ProtocolError(f"unexpected {FrameType(h.type).name} on the control connection",
+                                    ErrorCode.UNEXPECTED_FRAME)
+                self.m.error(exc.code)
+                conn.fail(exc)
+
+    def _send(self, ftype: int, body, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool:
+        c = self.control
+        if c is None or c.closed:
+            return False
+        try:
+            c.send(encode(ftype, encode_body(body), lane=lane, transfer_id=tid))
+        except TransportError:
+            return False
+        self.m.frames.labels(peer=self.key, lane=Lane(lane).name.lower(), direction="tx").inc()
+        return True
+
+    # ------------------------------------------------------------------ sending KV
+    def start_send(self, engine, request_id: str, blocks: BlockMap, deadline_s: float) -> OutTransfer:
+        if len(self.out) >= self.cfg.transfer.max_transfers:
+            raise PddWireError(f"{len(self.out)} transfers open to {self.key} (limit transfer.max_transfers)",
+                               ErrorCode.TOO_MANY_TRANSFERS)
+        loop = asyncio.get_running_loop()
+        t = OutTransfer(self.host.next_transfer_id(), request_id, engine, self.key, blocks,
+                        self.chunk_bytes, loop.time() + deadline_s)
+        self.out[t.tid] = t
+        t.timer = loop.call_at(t.deadline, self._deadline_out, t)
+        self.m.inflight.labels(direction="out").inc()
+        self._announce(t)
+        return t
+
+    def _announce(self, t: OutTransfer) -> None:
+        remaining = max(1, int((t.deadline - asyncio.get_running_loop().time()) * 1000))
+        self._send(FrameType.KV_BEGIN, m.KvBegin(t.request_id, t.total, t.chunk_bytes, t.n_chunks,
+                                                  t.blocks.block_bytes, t.blocks.n_blocks, remaining),
+                   tid=t.tid)
+
+    def _on_accept(self, tid: int) -> None:
+        t = self.out.get(tid)
+        if t is None or t.state != State.ANNOUNCED:
+            return
+        t.state = State.MOVING
+        t.queue_all()
+        self._ready(t)
+        self._pump()
+
+    def _ready(self, t: OutTransfer) -> None:
+        if t.tid not in self.rr:
+            self.rr.append(t.tid)
+
+    def _pump(self) -> None:
+        """Dispatch chunks while credit and bulk connections allow, round robin over transfers."""
+        if not self.links or not self.is_up:
+            return
+        links = list(self.links.values())
+        while self.rr:
+            t = self.out.get(self.rr[0])
+            if t is None or t.state != State.MOVING or not t.pending:
+                self.rr.popleft()
+                continue
+            k = t.pending[0]
+            if k in t.acked or (t.tid, k) in self.inflight:
+                t.pending.popleft()
+                continue
+            views = t.chunk(k)
+            n = sum(len(v) for v in views)
+            if n > self.credit:
+                return
+            t.pending.popleft()
+            self.rr.rotate(-1)
+            link = min(links, key=lambda lk: lk.outstanding)
+            link.outstanding += n
+            self.credit -= n
+            self.inflight[(t.tid, k)] = (link.stream, n, time.monotonic())
+            link.loop.call(_bulk_send, link.conn, t.tid, k, views)
+        self.m.inflight_bytes.labels(peer=self.key).set(self.window - self.credit)
+
+    def _on_ack(self, tid: int, first: int, count: int) -> None:
+        t = self.out.get(tid)
+        now = time.monotonic()
+        for k in range(first, first + count):
+            entry = self.inflight.pop((tid, k), None)
+            if entry is not None:
+                stream, n, sent = entry
+                self.credit += n
+                link = self.links.get(stream)
+                if link is not None:
+                    link.outstanding -= n
+                self.m.chunk_seconds.observe(now - sent)
+                self.m.bytes.labels(peer=self.key, lane="bulk", direction="tx").inc(n)
+                self.m.chunks.labels(peer=self.key, direction="tx").inc()
+            if t is not None:
+                t.acked.add(k)
+        self._pump()
+
+    def _on_nack(self, tid: int, k: int) -> None:
+        entry = self.inflight.pop((tid, k), None)
+        if entry is not None:
+            stream, n, _ = entry
+            self.credit += n
+            link = self.links.get(stream)
+            if link is not None:
+                link.outstanding -= n
+        t = self.out.get(tid)
+        if t is not None and k not in t.acked:
+            t.retransmits += 1
+            t.pending.appendleft(k)
+            self._ready(t)
+            self.m.retransmits.labels(peer=self.key, reason="checksum").inc()
+            self.log.warning("chunk failed its checksum at the receiver; sending it again",
+                             transfer_id=tid, request_id=t.request_id, chunk=k)
+        self._pump()
+
+    def _on_done(self, tid: int) -> None:
+        t = self.out.pop(tid, None)
+        if t is None:
+            return
+        self._release_out(t)
+        t.state = State.DONE
+        dt = time.monotonic() - t.started
+        self.m.transfers.labels(peer=self.key, direction="out", outcome="done").inc()
+        self.m.transfer_seconds.labels(direction="out").observe(dt)
+        self.host.kv_sent(t)
+
+    def _release_out(self, t: OutTransfer) -> None:
+        if t.timer is not None:
+            t.timer.cancel()
+        for k in range(t.n_chunks):
+            entry = self.inflight.pop((t.tid, k), None)
+            if entry is not None:
+                self.credit += entry[1]
+                link = self.links.get(entry[0])
+                if link is not None:
+                    link.outstanding -= entry[1]
+        self.m.inflight.labels(direction="out").dec()
+        self.m.inflight_bytes.labels(peer=self.key).set(self.window - self.credit)
+
+    def _fail_out(self, t: OutTransfer, code: int, message: str, *, notify_peer: bool) -> None:
+        if self.out.pop(t.tid, None) is None:
+            return
+        self._release_out(t)
+        t.state = State.FAILED
+        if notify_peer:
+            self._send(FrameType.KV_CANCEL, m.KvCancel(t.request_id, int(code), message, False), tid=t.tid)
+        self.m.transfers.labels(peer=self.key, direction="out", outcome=ErrorCode(code).name.lower()).inc()
+        self.m.error(ErrorCode(code))
+        self.host.transfer_failed(t, "out", int(code), message)
+
+    def _deadline_out(self, t: OutTransfer) -> None:
+        self._fail_out(t, ErrorCode.TRANSFER_TIMEOUT, "transfer deadline passed before the receiver confirmed",
+                       notify_peer=True)
+
+    # ------------------------------------------------------------------ receiving KV
+    def _on_begin(self, tid: int, begin: m.KvBegin) -> None:
+        if tid in self.inn:
+            t = self.inn[tid]
+            if t.state == State.MOVING:
+                self._send(FrameType.KV_ACCEPT, m.KvAccept(begin.request_id), tid=tid)
+            return
+        if tid in self.completed_in:
+            self._send(FrameType.KV_DONE, m.KvDone(begin.request_id, begin.total_bytes), tid=tid)
+            return
+        self.host.incoming_begin(self, tid, begin)
+
+    def accept_in(self, tid: int, begin: m.KvBegin, engine, dest: BlockMap) -> InTransfer | None:
+        """The agent matched a KV_BEGIN with a posted receive: check it and open the transfer."""
+        if dest.total != begin.total_bytes or dest.block_bytes != begin.block_bytes:
+            self.reject_in(tid, begin, ErrorCode.SIZE_MISMATCH,
+                           f"sender has {begin.n_blocks} blocks of {begin.block_bytes} bytes, receiver posted "
+                           f"{dest.n_blocks} blocks of {dest.block_bytes} bytes")
+            return None
+        if begin.chunk_bytes <= 0 or begin.chunk_bytes > 64 << 20 or \
+                begin.n_chunks != -(-begin.total_bytes // begin.chunk_bytes):
+            self.reject_in(tid, begin, ErrorCode.MALFORMED_BODY, "inconsistent chunking in KV_BEGIN")
+            return None
+        if len(self.inn) >= self.cfg.transfer.max_transfers:
+            self.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS, "receiver has too many open transfers")
+            return None
+        loop = asyncio.get_running_loop()
+        budget = begin.deadline_ms / 1000 if begin.deadline_ms else self.cfg.transfer.default_deadline_s
+        t = InTransfer(tid, begin.request_id, engine, self.key, dest, begin.chunk_bytes,
+                       loop.time() + budget, loop=loop)
+        t.state = State.MOVING
+        self.inn[tid] = t
+        self.routes[tid] = t.route
+        # The receiver's own clock bounds it too, a little past the sender's, so both sides end.
+        t.timer = loop.call_at(t.deadline + 1.0, lambda: asyncio.ensure_future(
+            self._fail_in(t, ErrorCode.TRANSFER_TIMEOUT, "transfer deadline passed", notify_peer=True)))
+        self.m.inflight.labels(direction="in").inc()
+        self._send(FrameType.KV_ACCEPT, m.KvAccept(begin.request_id), tid=tid)
+        return t
+
+    def reject_in(self, tid: int, begin: m.KvBegin, code: int, message: str) -> None:
+        self.m.error(ErrorCode(code))
+        self.log.warning("refused incoming KV", transfer_id=tid, request_id=begin.request_id,
+                         code=ErrorCode(code).name, reason=message)
+        self._send(FrameType.KV_REJECT, m.KvReject(begin.request_id, int(code), message), tid=tid)
+
+    def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool) -> None:
+        """A bulk thread finished reading chunk ``k`` (main loop)."""
+        t = self.inn.get(tid)
+        if not claimed:
+            # Not written: a duplicate of a verified chunk is acknowledged again, anything
+            # else (a cancelled or finished transfer) is dropped.
+            if t is not None and k in t.route.verified:
+                self._send(FrameType.KV_ACK, m.KvAck(k, 1), tid=tid)
+            elif tid in self.completed_in:
+                self._send(FrameType.KV_ACK, m.KvAck(k, 1), tid=tid)
+            return
+        if t is None:
+            return
+        if not ok:
+            self.m.checksum_failures.labels(peer=self.key).inc()
+            self.m.error(ErrorCode.CHUNK_CHECKSUM)
+            self.log.warning("chunk payload checksum failed; asking for it again", transfer_id=tid,
+                             request_id=t.request_id, chunk=k)
+            self._send(FrameType.KV_NACK, m.KvNack(k), tid=tid)
+            return
+        self.m.bytes.labels(peer=self.key, lane="bulk", direction="rx").inc(nbytes)
+        self.m.chunks.labels(peer=self.key, direction="rx").inc()
+        self._send(FrameType.KV_ACK, m.KvAck(k, 1), tid=tid)
+        if t.route.complete and t.state == State.MOVING:
+            t.state = State.DONE
+            self._spawn(self._complete_in(t), f"complete{tid}")
+
+    async def _complete_in(self, t: InTransfer) -> None:
+        await t.route.close()
+        self._forget_in(t)
+        self.completed_in[t.tid] = t.request_id
+        while len(self.completed_in) > 4 * self.cfg.transfer.max_transfers:
+            self.completed_in.popitem(last=False)
+        self._send(FrameType.KV_DONE, m.KvDone(t.request_id, t.total), tid=t.tid)
+        self.m.transfers.labels(peer=self.key, direction="in", outcome="done").inc()
+        self.m.transfer_seconds.labels(direction="in").observe(time.monotonic() - t.started)
+        self.host.kv_received(t)
+
+    async def _quiesce(self, route: Route) -> None:
+        try:
+            await asyncio.wait_for(asyncio.shield(route.close()), 1.0)
+        except TimeoutError:
+            # A bulk connection is stalled in the middle of one of this transfer's chunks:
+            # cut the session's bulk connections so the claim is released.
+            self.log.warning("bulk connection stalled mid-chunk; resetting bulk connections")
+            for link in list(self.links.values()):
+                link.loop.call(link.conn.abort)
+            await route.quiesced
+
+    def _forget_in(self, t: InTransfer) -> None:
+        if self.inn.pop(t.tid, None) is not None:
+            self.m.inflight.labels(direction="in").dec()
+        self.routes.pop(t.tid, None)
+        if t.timer is not None:
+            t.timer.cancel()
+
+    async def _fail_in(self, t: InTransfer, code: int, message: str, *, notify_peer: bool) -> None:
+        if self.inn.get(t.tid) is not t or t.state in (State.FAILED, State.DONE):
+            return
+        t.state = State.FAILED
+        self.routes.pop(t.tid, None)
+        await self._quiesce(t.route)  # no bulk thread writes into the blocks after this
+        self._forget_in(t)
+        if notify_peer:
+            self._send(FrameType.KV_CANCEL, m.KvCancel(t.request_id, int(code), message, True), tid=t.tid)
+        self.m.transfers.labels(peer=self.key, direction="in", outcome=ErrorCode(code).name.lower()).inc()
+        self.m.error(ErrorCode(code))
+        self.host.transfer_failed(t, "in", int(code), message)
+
+    def _on_cancel(self, tid: int, msg: m.KvCancel) -> None:
+        reason = f"cancelled by peer {self.key}: {msg.message}"
+        if msg.by_receiver:
+            t = self.out.get(tid)
+            if t is not None:
+                self._fail_out(t, msg.code, reason, notify_peer=False)
+        else:
+            t = self.inn.get(tid)
+            if t is not None:
+                self._spawn(self._fail_in(t, msg.code, reason, notify_peer=False), f"cancel{tid}")
+            self.host.incoming_cancelled(self, tid, msg)
+
+    # ------------------------------------------------------------------ cancellation from engines
+    async def cancel_request(self, request_id: str, code: int, message: str, engine=None) -> int:
+        """Cancel every transfer of ``request_id`` (of ``engine`` when given); tells the peer."""
+        n = 0
+        for t in [t for t in self.out.values() if t.request_id == request_id and engine in (None, t.engine)]:
+            self._fail_out(t, code, message, notify_peer=True)
+            n += 1
+        for t in [t for t in self.inn.values() if t.request_id == request_id and engine in (None, t.engine)]:
+            await self._fail_in(t, code, message, notify_peer=True)
+            n += 1
+        return n
+
+    async def engine_gone(self, engine) -> None:
+        for t in [t for t in self.out.values() if t.engine is engine]:
+            self._fail_out(t, ErrorCode.ENGINE_GONE, "the sending engine disconnected", notify_peer=True)
+        for t in [t for t in self.inn.values() if t.engine is engine]:
+            await self._fail_in(t, ErrorCode.ENGINE_GONE, "the receiving engine disconnected", notify_peer=True)
+
+    # ------------------------------------------------------------------ resume after a reconnect
+    def _resume(self) -> None:
+        for t in list(self.out.values()):
+            if t.state == State.ANNOUNCED:
+                self._announce(t)
+            elif t.state == State.RESUMING:
+                self._send(FrameType.KV_RESUME, m.KvResume(t.request_id), tid=t.tid)
+        for rid, ts in self.tok_out.items():
+            for seq, toks, _ in ts.unacked:
+                self._send(FrameType.TOKENS, m.Tokens(rid, seq, toks), lane=Lane.TOKEN)
+        self._pump()
+
+    def _on_resume(self, tid: int, msg: m.KvResume) -> None:
+        t = self.inn.get(tid)
+        if t is not None:
+            bm = m.bitmap_from(t.route.verified, t.route.n_chunks)
+            self._send(FrameType.KV_STATUS, m.KvStatus(msg.request_id, 1, bm), tid=tid)
+        elif tid in self.completed_in:
+            self._send(FrameType.KV_STATUS, m.KvStatus(msg.request_id, 2), tid=tid)
+        else:
+            self._send(FrameType.KV_STATUS, m.KvStatus(msg.request_id, 0), tid=tid)
+
+    def _on_status(self, tid: int, msg: m.KvStatus) -> None:
+        t = self.out.get(tid)
+        if t is None:
+            return
+        if msg.state == 2:
+            self._on_done(tid)
+        elif msg.state == 1:
+            have = m.bitmap_members(msg.have, t.n_chunks)
+            t.acked |= have
+            missing = [k for k in range(t.n_chunks) if k not in t.acked and (tid, k) not in self.inflight]
+            t.pending = collections.deque(missing)
+            t.state = State.MOVING
+            if missing:
+                t.retransmits += len(missing)
+                self._ready(t)
+                self._pump()
+        else:
+            self._fail_out(t, ErrorCode.PEER_RESTARTED, "the receiver no longer knows this transfer",
+                           notify_peer=False)
+
+    def _peer_restarted(self) -> None:
+        for t in list(self.out.values()):
+            self._fail_out(t, ErrorCode.PEER_RESTARTED, f"peer {self.key} restarted", notify_peer=False)
+        for t in list(self.inn.values()):
+            self._spawn(self._fail_in(t, ErrorCode.PEER_RESTARTED, f"peer {self.key} restarted",
+                                      notify_peer=False), "restart")
+        self.completed_in.clear()
+        self.tok_out.clear()
+        self.tok_in.clear()
+        self.inflight.clear()
+        for link in self.links.values():
+            link.outstanding = 0
+
+    # ------------------------------------------------------------------ tokens
+    def send_tokens(self, request_id: str, tokens: list[int]) -> int:
+        """Queue token IDs for ``request_id``; returns the sequence number of the first one."""
+        ts = self.tok_out.get(request_id)
+        if ts is None:
+            if len(self.tok_out) >= self.cfg.transfer.max_transfers * 4:
+                raise PddWireError("too many open token streams to this peer", ErrorCode.LIMIT_EXCEEDED)
+            ts = self.tok_out[request_id] = TokenStream()
+        seq = ts.next_seq
+        ts.next_seq += len(tokens)
+        ts.unacked.append((seq, tokens, time.monotonic()))
+        ts.touched = time.monotonic()
+        if sum(len(x[1]) for x in ts.unacked) > 1 << 20:
+            raise PddWireError("over a million unacknowledged tokens for one request", ErrorCode.LIMIT_EXCEEDED)
+        self._send(FrameType.TOKENS, m.Tokens(request_id, seq, tokens), lane=Lane.TOKEN)
+        self.m.tokens.labels(peer=self.key, direction="tx").inc(len(tokens))
+        return seq
+
+    def _on_tokens(self, msg: m.Tokens) -> None:
+        expect = self.tok_in.get(msg.request_id, 0)
+        end = msg.seq + len(msg.tokens)
+        if end <= expect:
+            self._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect), lane=Lane.TOKEN)
+            return  # a resend of what was delivered
+        if msg.seq > expect:
+            self.log.error("token gap; dropping frame", request_id=msg.request_id, expected=expect, got=msg.seq)
+            self.m.error(ErrorCode.MALFORMED_BODY)
+            return
+        fresh = msg.tokens[expect - msg.seq:]
+        self.tok_in[msg.request_id] = end
+        if len(self.tok_in) > self.cfg.transfer.max_transfers * 8:
+            self.tok_in.pop(next(iter(self.tok_in)))
+        self._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, end), lane=Lane.TOKEN)
+        self.m.tokens.labels(peer=self.key, direction="rx").inc(len(fresh))
+        self.host.tokens_received(self, m.Tokens(msg.request_id, expect, fresh))
+
+    def _on_tokens_ack(self, msg: m.TokensAck) -> None:
+        ts = self.tok_out.get(msg.request_id)
+        if ts is None:
+            return
+        now = time.monotonic()
+        while ts.unacked and ts.unacked[0][0] + len(ts.unacked[0][1]) <= msg.next_seq:
+            _, _, sent = ts.unacked.popleft()
+            self.m.token_seconds.observe(now - sent)
+
+    # ------------------------------------------------------------------ heartbeat and housekeeping
+    async def _tick_forever(self) -> None:
+        to = self.cfg.timeouts
+        while True:
+            await asyncio.sleep(to.heartbeat_s)
+            now = time.monotonic()
+            if self.is_up:
+                if now - self._last_rx > to.dead_after_s:
+                    self.log.warning("peer silent; dropping the control connection",
+                                     silent_s=round(now - self._last_rx, 2))
+                    self.control.abort()
+                else:
+                    self._send(FrameType.PING, m.Ping(next(self._ping_nonce), time.monotonic_ns()))
+            elif self.down_since is not None and now - self.down_since > to.peer_give_up_s:
+                for t in list(self.out.values()):
+                    self._fail_out(t, ErrorCode.PEER_UNREACHABLE,
+                                   f"peer {self.key} unreachable for {to.peer_give_up_s}s", notify_peer=False)
+                for t in list(self.inn.values()):
+                    await self._fail_in(t, ErrorCode.PEER_UNREACHABLE,
+                                        f"peer {self.key} unreachable for {to.peer_give_up_s}s", notify_peer=False)
+            for rid in [r for r, ts in self.tok_out.items() if not ts.unacked and now - ts.touched > 300]:
+                del self.tok_out[rid]
+
+    def describe(self) -> dict:
+        return {"peer": self.key, "address": self.peer.address, "transport": self.peer.transport,
+                "role": "dialer" if self.dialer else "listener", "up": self.is_up,
+                "bulk_streams_up": len(self.links), "bulk_streams": self.streams,
+                "rtt_ms": round(self.rtt_s * 1e3, 3) if self.rtt_s is not None else None,
+                "credit_window_bytes": self.window, "bytes_in_flight": self.window - self.credit,
+                "chunk_bytes": self.chunk_bytes,
+                "transfers_out": len(self.out), "transfers_in": len(self.inn)}
+
+
+def _bulk_send(conn: FrameProtocol, tid: int, k: int, views) -> None:
+    """On the bulk loop: checksum and queue one chunk (the views are not copied)."""
+    if conn.closed:
+        return  # the main loop requeues it when it hears the connection is gone
+    conn.send(encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=tid, seq=k, payload=views))
+
+
+class BulkHandler:
+    """Frames of one bulk connection, on its bulk loop. Chunks land through the session's routes."""
+
+    def __init__(self, session: PeerSession | None, stream: int, main: asyncio.AbstractEventLoop, *,
+                 resolve=None, max_body: int = 64 << 10, on_attach=None) -> None:
+        self.session = session
+        self.stream = stream
+        self.main = main
+        self.resolve = resolve
+        self.on_attach = on_attach
+        self._claim: tuple[Route, int] | None = None
+        self.conn = FrameProtocol(max_body=max_body, max_payload=64 << 20, sink=self._sink, bulk=True)
+        self.conn.on_frame = self._on_frame
+        self.conn.on_lost = self._on_lost
+
+    def _sink(self, header, body):
+        if header.type != FrameType.KV_CHUNK or self.session is None:
+            self._claim = None
+            return None
+        route = self.session.routes.get(header.transfer_id)
+        if route is None:
+            self._claim = None
+            return None
+        views = route.claim(header.seq, header.payload_len)
+        self._claim = (route, header.seq) if views is not None else None
+        return views
+
+    def _on_frame(self, conn: FrameProtocol, frame: Frame) -> None:
+        h = frame.header
+        if h.type == FrameType.KV_CHUNK:
+            s = self.session
+            if s is None:
+                conn.fail(ProtocolError("KV_CHUNK before BULK_HELLO", ErrorCode.UNEXPECTED_FRAME))
+                return
+            claim, self._claim = self._claim, None
+            if claim is not None:
+                claim[0].settle(claim[1], frame.payload_ok)
+            self.main.call_soon_threadsafe(s.chunk_arrived, h.transfer_id, h.seq, frame.payload_ok,
+                                           h.payload_len, claim is not None)
+            return
+        try:
+            msg = decode_body(h.type, frame.body)
+        except ProtocolError as exc:
+            conn.fail(exc)
+            return
+        match msg:
+            case m.BulkHello() if self.resolve is not None and self.session is None:
+                session = self.resolve(msg)
+                if session is None:
+                    conn.fail(ProtocolError("unknown session token or peer on a bulk connection",
+                                            ErrorCode.UNKNOWN_SESSION))
+                    return
+                if not 0 <= msg.stream < session.streams:
+                    conn.fail(ProtocolError(f"bulk stream {msg.stream} out of range", ErrorCode.UNEXPECTED_FRAME))
+                    return
+                self.session = session
+                self.stream = msg.stream
+                conn.send(encode(FrameType.BULK_WELCOME, encode_body(m.BulkWelcome(msg.stream))))
+                self.on_attach(self)
+            case m.BulkWelcome():
+                w = getattr(conn, "bulk_welcomed", None)
+                if w is not None and not w.done():
+                    w.set_result(None)
+            case m.Error():
+                log.warning("peer reported an error on a bulk connection", code=msg.code, message=msg.message)
+            case _:
+                conn.fail(ProtocolError(f"unexpected {FrameType(h.type).name} on a bulk connection",
+                                        ErrorCode.UNEXPECTED_FRAME))
+
+    def _on_lost(self, conn: FrameProtocol, exc) -> None:
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim[0].settle(claim[1], False)
+        if self.session is not None:
+            self.main.call_soon_threadsafe(self.session.bulk_lost, conn, self.stream, exc)

@@ -1,0 +1,272 @@
+"""The frame: a fixed 48-byte header, a msgpack body, and raw payload bytes beside it.
+
+Sans-IO. :class:`FrameReader` is a state machine driven either with ``feed(bytes)``
+(control connections) or with ``buffer()`` / ``advance(n)`` (bulk connections, where the
+socket reads straight into the memory the payload is destined for). Nothing here knows
+about sockets or asyncio. The byte layout is specified in ``proto/frames.md``.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import crc32c
+import xxhash
+
+from ..errors import ErrorCode, ProtocolError
+
+MAGIC = b"PDDW"
+FRAME_VERSION = 1
+HEADER = struct.Struct("<4sBBBBQQIIQII")
+HEADER_SIZE = HEADER.size  # 48
+# Hard ceilings of the format; each connection enforces its own, lower, negotiated limits.
+MAX_BODY = 16 << 20
+MAX_PAYLOAD = 256 << 20
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    WELCOME = 2
+    ERROR = 3
+    PING = 4
+    PONG = 5
+    BULK_HELLO = 6
+    BULK_WELCOME = 7
+    GOODBYE = 8
+    KV_BEGIN = 10
+    KV_ACCEPT = 11
+    KV_REJECT = 12
+    KV_CHUNK = 13
+    KV_ACK = 14
+    KV_NACK = 15
+    KV_DONE = 16
+    KV_CANCEL = 17
+    KV_RESUME = 18
+    KV_STATUS = 19
+    TOKENS = 20
+    TOKENS_ACK = 21
+
+
+class Lane(enum.IntEnum):
+    """Scheduling class of a frame. Control and token frames never queue behind bulk."""
+
+    CONTROL = 0
+    TOKEN = 1
+    BULK = 2
+
+
+class Flags(enum.IntFlag):
+    NONE = 0
+    PAYLOAD_CHECKSUM = 1  # payload_xxh3 is set and must be verified
+    LZ4 = 2  # payload is an lz4 block (reserved, not sent by version 1)
+
+
+@dataclass(slots=True)
+class Header:
+    type: int
+    flags: int = 0
+    lane: int = Lane.CONTROL
+    transfer_id: int = 0
+    seq: int = 0
+    body_len: int = 0
+    payload_len: int = 0
+    payload_xxh3: int = 0
+    version: int = FRAME_VERSION
+
+
+@dataclass(slots=True)
+class Frame:
+    """One decoded frame. ``payload_ok`` is False when the payload checksum did not match:
+    the frame is still well formed (its header check passed), only its payload is bad."""
+
+    header: Header
+    body: bytes
+    payload: memoryview | None = None
+    payload_ok: bool = True
+
+
+def payload_checksum(segments: Sequence[memoryview | bytes]) -> int:
+    """xxh3-64 over the concatenation of ``segments``."""
+    if len(segments) == 1:
+        return xxhash.xxh3_64_intdigest(segments[0])
+    h = xxhash.xxh3_64()
+    for s in segments:
+        h.update(s)
+    return h.intdigest()
+
+
+def encode_header(h: Header, body: bytes) -> bytes:
+    """The 48 header bytes; the check covers header bytes 0..39 and the body."""
+    raw = HEADER.pack(MAGIC, h.version, h.type, h.flags, h.lane, h.transfer_id, h.seq,
+                      len(body), h.payload_len, h.payload_xxh3, 0, 0)
+    check = crc32c.crc32c(body, crc32c.crc32c(raw[:40]))
+    return raw[:40] + struct.pack("<II", check, 0)
+
+
+def encode(type: int, body: bytes = b"", *, lane: int = Lane.CONTROL, transfer_id: int = 0,
+           seq: int = 0, payload: Sequence[memoryview | bytes] = (), checksum: bool = True) -> list:
+    """A frame as a list of buffers (header+body, then the payload segments, uncopied)."""
+    plen = sum(len(p) for p in payload)
+    flags = Flags.NONE
+    xx = 0
+    if plen and checksum:
+        flags |= Flags.PAYLOAD_CHECKSUM
+        xx = payload_checksum(payload)
+    h = Header(type=type, flags=int(flags), lane=lane, transfer_id=transfer_id, seq=seq,
+               payload_len=plen, payload_xxh3=xx)
+    return [encode_header(h, body) + body, *payload]
+
+
+def encode_bytes(type: int, body: bytes = b"", **kw) -> bytes:
+    return b"".join(bytes(b) for b in encode(type, body, **kw))
+
+
+#: ``sink(header, body) -> buffers`` gives where a frame's payload must land, or None to
+#: have it read into scratch space (and then discarded by the caller).
+PayloadSink = Callable[[Header, bytes], "Sequence[memoryview] | None"]
+
+
+class FrameReader:
+    """Incremental frame decoder.
+
+    Limits are enforced from the header alone, before any body or payload byte is read, so
+    an oversized frame costs 48 bytes. Any framing error raises :class:`ProtocolError`; the
+    caller must then close the connection (a half-read stream is never reused).
+    """
+
+    _HDR, _BODY, _PAYLOAD = 0, 1, 2
+
+    def __init__(self, *, max_body: int = 1 << 20, max_payload: int = 0,
+                 sink: PayloadSink | None = None) -> None:
+        if max_body > MAX_BODY or max_payload > MAX_PAYLOAD:
+            raise ValueError("limit above the format's ceiling")
+        self.max_body = max_body
+        self.max_payload = max_payload
+        self._sink = sink
+        self._hbuf = bytearray(HEADER_SIZE)
+        self._hview = memoryview(self._hbuf)
+        self._state = self._HDR
+        self._n = 0
+        self._header: Header | None = None
+        self._check = 0
+        self._body = bytearray()
+        self._bview: memoryview | None = None
+        self._segments: list[memoryview] = []
+        self._seg = 0
+        self._scratch: bytearray | None = None
+        self.frames: list[Frame] = []
+
+    # -- the bulk-mode interface -------------------------------------------------------
+    def buffer(self) -> memoryview:
+        """Where the next bytes from the stream must be written."""
+        if self._state == self._HDR:
+            return self._hview[self._n:]
+        if self._state == self._BODY:
+            return self._bview[self._n:]
+        return self._segments[self._seg][self._n:]
+
+    def advance(self, n: int) -> Frame | None:
+        """``n`` bytes were written into :meth:`buffer`; returns a frame when one completes."""
+        self._n += n
+        if self._state == self._HDR:
+            if self._n == HEADER_SIZE:
+                return self._on_header()
+            return None
+        if self._state == self._BODY:
+            if self._n == len(self._bview):
+                return self._on_body()
+            return None
+        if self._n == len(self._segments[self._seg]):
+            self._seg += 1
+            self._n = 0
+            if self._seg == len(self._segments):
+                return self._finish(payload_done=True)
+        return None
+
+    # -- the stream-mode interface -----------------------------------------------------
+    def feed(self, data: bytes | memoryview) -> list[Frame]:
+        """Decode what ``data`` completes; returns the frames (possibly none)."""
+        out: list[Frame] = []
+        mv = memoryview(data)
+        while mv:
+            buf = self.buffer()
+            k = min(len(buf), len(mv))
+            buf[:k] = mv[:k]
+            mv = mv[k:]
+            f = self.advance(k)
+            if f is not None:
+                out.append(f)
+        return out
+
+    @property
+    def idle(self) -> bool:
+        """True between frames (no partial frame buffered)."""
+        return self._state == self._HDR and self._n == 0
+
+    # -- state transitions ---------------------------------------------------------------
+    def _on_header(self) -> Frame | None:
+        magic, ver, typ, flags, lane, tid, seq, blen, plen, xx, check, reserved = HEADER.unpack(self._hbuf)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}", ErrorCode.BAD_MAGIC)
+        if ver != FRAME_VERSION:
+            raise ProtocolError(f"frame version {ver} not supported (this side speaks {FRAME_VERSION})",
+                                ErrorCode.UNSUPPORTED_FRAME_VERSION)
+        if blen > self.max_body:
+            raise ProtocolError(f"frame body of {blen} bytes exceeds the limit of {self.max_body}",
+                                ErrorCode.FRAME_TOO_LARGE)
+        if plen > self.max_payload:
+            raise ProtocolError(f"frame payload of {plen} bytes exceeds the limit of {self.max_payload}",
+                                ErrorCode.FRAME_TOO_LARGE)
+        self._header = Header(type=typ, flags=flags, lane=lane, transfer_id=tid, seq=seq,
+                              body_len=blen, payload_len=plen, payload_xxh3=xx, version=ver)
+        self._check = check
+        self._n = 0
+        if reserved != 0:
+            raise ProtocolError("reserved header bytes 44..47 must be zero", ErrorCode.MALFORMED_BODY)
+        self._body = bytearray(blen)
+        self._bview = memoryview(self._body)
+        if blen:
+            self._state = self._BODY
+            return None
+        return self._on_body()
+
+    def _on_body(self) -> Frame | None:
+        h = self._header
+        want = crc32c.crc32c(self._body, crc32c.crc32c(self._hbuf[:40]))
+        if want != self._check:
+            raise ProtocolError("header check failed (crc32c over header and body)", ErrorCode.HEADER_CHECKSUM)
+        self._n = 0
+        if h.payload_len == 0:
+            return self._finish(payload_done=False)
+        segs = self._sink(h, bytes(self._body)) if self._sink is not None else None
+        if segs is None:
+            if self._scratch is None or len(self._scratch) < h.payload_len:
+                self._scratch = bytearray(h.payload_len)
+            segs = [memoryview(self._scratch)[: h.payload_len]]
+        else:
+            segs = [s for s in segs if len(s)]
+            if sum(len(s) for s in segs) != h.payload_len:
+                raise ProtocolError("payload sink returned buffers of the wrong total size", ErrorCode.INTERNAL)
+        self._segments = segs
+        self._seg = 0
+        self._state = self._PAYLOAD
+        return None
+
+    def _finish(self, *, payload_done: bool) -> Frame:
+        h = self._header
+        payload = None
+        ok = True
+        if payload_done:
+            segs = self._segments
+            payload = segs[0] if len(segs) == 1 else None
+            if h.flags & Flags.PAYLOAD_CHECKSUM:
+                ok = payload_checksum(segs) == h.payload_xxh3
+        f = Frame(header=h, body=bytes(self._body), payload=payload, payload_ok=ok)
+        self._state = self._HDR
+        self._n = 0
+        self._segments = []
+        self._header = None
+        return f

@@ -1,0 +1,211 @@
+"""Frame bodies between agents: msgspec Structs, one per frame type.
+
+The handshake bodies are msgpack maps (named fields) so they can grow; every other body is a
+msgpack array (``array_like=True``): small and fast on the hot path. New fields are only ever
+appended, with defaults. KV bytes never appear here: they travel as the frame's payload.
+The field tables are in ``proto/messages.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ..errors import ErrorCode, ProtocolError
+from .frame import FrameType
+
+PROTOCOL_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+
+_fast = dict(array_like=True, frozen=True, gc=False, forbid_unknown_fields=False)
+
+
+class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """First frame on a control connection, from the dialing agent."""
+
+    versions: list[int]
+    site: str
+    node: str
+    incarnation: int  # random per agent process: a change means the peer restarted
+    capabilities: list[str] = []
+    max_body: int = 1 << 20
+    max_chunk: int = 64 << 20
+    credit_bytes: int = 256 << 20  # bytes of unacknowledged KV this side accepts in flight
+    bulk_streams: int = 4
+
+
+class Welcome(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    """The listening agent's answer: the chosen version and its own identity and limits."""
+
+    version: int
+    site: str
+    node: str
+    incarnation: int
+    session: int  # token the dialer presents on its bulk connections
+    capabilities: list[str] = []
+    max_body: int = 1 << 20
+    max_chunk: int = 64 << 20
+    credit_bytes: int = 256 << 20
+    bulk_streams: int = 4
+    resumed: bool = False  # same incarnations as the last session: transfers resume
+
+
+class BulkHello(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    session: int
+    stream: int
+    site: str
+    node: str
+
+
+class BulkWelcome(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
+    stream: int
+
+
+class Error(msgspec.Struct, **_fast):
+    code: int
+    message: str
+
+
+class Ping(msgspec.Struct, **_fast):
+    nonce: int
+    sent_ns: int
+
+
+class Pong(msgspec.Struct, **_fast):
+    nonce: int
+    sent_ns: int  # echoed from the ping
+
+
+class Goodbye(msgspec.Struct, **_fast):
+    reason: str = ""
+
+
+class KvBegin(msgspec.Struct, **_fast):
+    """Announces a transfer; the header's transfer_id names it from now on."""
+
+    request_id: str
+    total_bytes: int
+    chunk_bytes: int
+    n_chunks: int
+    block_bytes: int
+    n_blocks: int
+    deadline_ms: int = 0  # remaining budget at send time, 0 = the receiver's default
+
+
+class KvAccept(msgspec.Struct, **_fast):
+    request_id: str
+
+
+class KvReject(msgspec.Struct, **_fast):
+    request_id: str
+    code: int
+    message: str
+
+
+class KvAck(msgspec.Struct, **_fast):
+    """Chunks [first, first+count) of the header's transfer were verified and written."""
+
+    first: int
+    count: int = 1
+
+
+class KvNack(msgspec.Struct, **_fast):
+    chunk: int
+    code: int = int(ErrorCode.CHUNK_CHECKSUM)
+
+
+class KvDone(msgspec.Struct, **_fast):
+    request_id: str
+    total_bytes: int
+
+
+class KvCancel(msgspec.Struct, **_fast):
+    request_id: str
+    code: int
+    message: str
+    by_receiver: bool = False  # True: the header's transfer_id is one the peer is sending to us
+
+
+class KvResume(msgspec.Struct, **_fast):
+    """After a reconnect: "which chunks of this transfer do you hold?" """
+
+    request_id: str
+
+
+class KvStatus(msgspec.Struct, **_fast):
+    """Answer to KvResume. ``state``: 0 unknown, 1 receiving, 2 complete.
+    ``have`` is a bitmap of verified chunks (bit i = chunk i), little-endian bytes."""
+
+    request_id: str
+    state: int
+    have: bytes = b""
+
+
+class Tokens(msgspec.Struct, **_fast):
+    """Token IDs of a request; ``seq`` is the index of the first token in the request's stream."""
+
+    request_id: str
+    seq: int
+    tokens: list[int]
+
+
+class TokensAck(msgspec.Struct, **_fast):
+    request_id: str
+    next_seq: int
+
+
+BODY_TYPES: dict[int, type] = {
+    FrameType.HELLO: Hello,
+    FrameType.WELCOME: Welcome,
+    FrameType.ERROR: Error,
+    FrameType.PING: Ping,
+    FrameType.PONG: Pong,
+    FrameType.BULK_HELLO: BulkHello,
+    FrameType.BULK_WELCOME: BulkWelcome,
+    FrameType.GOODBYE: Goodbye,
+    FrameType.KV_BEGIN: KvBegin,
+    FrameType.KV_ACCEPT: KvAccept,
+    FrameType.KV_REJECT: KvReject,
+    FrameType.KV_ACK: KvAck,
+    FrameType.KV_NACK: KvNack,
+    FrameType.KV_DONE: KvDone,
+    FrameType.KV_CANCEL: KvCancel,
+    FrameType.KV_RESUME: KvResume,
+    FrameType.KV_STATUS: KvStatus,
+    FrameType.TOKENS: Tokens,
+    FrameType.TOKENS_ACK: TokensAck,
+}
+TYPE_OF: dict[type, int] = {v: k for k, v in BODY_TYPES.items()}
+
+_encoder = msgspec.msgpack.Encoder()
+_decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in BODY_TYPES.items()}
+
+
+def encode_body(msg: Any) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_body(frame_type: int, body: bytes) -> Any:
+    """Decode a body for its frame type; KV_CHUNK has none (returns None)."""
+    if frame_type == FrameType.KV_CHUNK:
+        return None
+    dec = _decoders.get(frame_type)
+    if dec is None:
+        raise ProtocolError(f"unknown frame type {frame_type}", ErrorCode.UNKNOWN_FRAME_TYPE)
+    try:
+        return dec.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed {FrameType(frame_type).name} body: {exc}",
+                            ErrorCode.MALFORMED_BODY) from exc
+
+
+def bitmap_from(chunks, n: int) -> bytes:
+    out = bytearray((n + 7) // 8)
+    for i in chunks:
+        out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
+
+
+def bitmap_members(bm: bytes, n: int) -> set[int]:
+    return {i for i in range(n) if i >> 3 < len(bm) and bm[i >> 3] >> (i & 7) & 1}

@@ -1,0 +1,85 @@
+"""Real agents for tests: in-process (on the test's loop) or as subprocesses."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from pdd_wire import config as cfgmod
+from pdd_wire.agent import Agent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_site_toml(tmp: Path, *, streams: int = 4, chunk: int = 4 << 20, extra: str = "",
+                  wan_override: dict | None = None, tls: dict | None = None) -> dict[str, str]:
+    """TOML texts for sites A (node a1) and B (node b1) on loopback, free ports.
+    ``wan_override[site]`` replaces the address the *other* site dials (e.g. a relay)."""
+    ports = {"A": free_port(), "B": free_port()}
+    out = {}
+    for site, node, other, onode in (("A", "a1", "B", "b1"), ("B", "b1", "A", "a1")):
+        addr = (wan_override or {}).get(other, f"127.0.0.1:{ports[other]}")
+        tls_txt = ""
+        if tls:
+            cert, key = tls[node]
+            tls_txt = f'[tls]\ncert = "{cert}"\nkey = "{key}"\nca = "{tls["ca"]}"\n'
+        out[site] = f"""
+site = "{site}"
+node = "{node}"
+[listen]
+wan = "127.0.0.1:{ports[site]}"
+admin = "127.0.0.1:0"
+engine_socket = "{tmp}/{site}.sock"
+[[peers]]
+site = "{other}"
+node = "{onode}"
+address = "{addr}"
+streams = {streams}
+[transfer]
+chunk_bytes = {chunk}
+[timeouts]
+heartbeat_s = 0.2
+dead_after_s = 1.5
+reconnect_max_backoff_s = 0.2
+shutdown_grace_s = 2
+{tls_txt}
+{extra}
+"""
+    out["ports"] = ports
+    return out
+
+
+@contextlib.asynccontextmanager
+async def run_agents(tomls: dict, sites=("A", "B"), wait_up: bool = True):
+    agents = {}
+    try:
+        for s in sites:
+            a = Agent(cfgmod.loads(tomls[s]))
+            await a.start()
+            agents[s] = a
+        if wait_up:
+            async with asyncio.timeout(10):
+                for a in agents.values():
+                    for sess in a.sessions.values():
+                        while not (sess.is_up and len(sess.links) == sess.streams):
+                            await asyncio.sleep(0.01)
+        yield agents
+    finally:
+        for a in agents.values():
+            await a.shutdown(0)
+
+
+async def wait_links(agent: Agent, timeout: float = 10) -> None:
+    async with asyncio.timeout(timeout):
+        for sess in agent.sessions.values():
+            while not (sess.is_up and len(sess.links) == sess.streams):
+                await asyncio.sleep(0.01)
