@@ -1,0 +1,62 @@
+# shellcheck shell=bash
+# Sourced helper (scripts/test, scripts/demo): `ensure_venv` creates the
+# project's .venv when missing, installs the project into it (editable, with
+# the test extra) when that install is missing or pyproject.toml changed, and
+# exports VENV=<repo>/.venv.  Returns non-zero, with a message, on failure.
+
+_PDD_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+# Print the path of a Python >= 3.11: $PYTHON if set, else the first found.
+_pdd_find_python() {
+    local candidate
+    for candidate in ${PYTHON:-python3.11 python3.12 python3.13 python3}; do
+        command -v "$candidate" >/dev/null 2>&1 || continue
+        if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+            command -v "$candidate"
+            return 0
+        fi
+    done
+    return 1
+}
+
+ensure_venv() {
+    local venv="$_PDD_ROOT/.venv"
+    local stamp="$venv/.pdd-wire-installed"
+    local python
+
+    if [[ ! -x $venv/bin/python ]]; then
+        if ! python="$(_pdd_find_python)"; then
+            local found
+            found="$("${PYTHON:-python3}" --version 2>/dev/null | head -n1)" || true
+            echo "error: Python >= 3.11 is required (${PYTHON:-python3}: ${found:-not found})." \
+                "Install python3.11 or set PYTHON=/path/to/python3.11." >&2
+            return 1
+        fi
+        echo "==> creating $venv with $python ($("$python" --version 2>&1))" >&2
+        if ! "$python" -m venv "$venv"; then
+            rm -rf "$venv"  # a half-made venv (no pip) would be reused next time
+            echo "error: '$python -m venv' failed; on Debian/Ubuntu install python3-venv." >&2
+            return 1
+        fi
+    fi
+
+    if ! "$venv/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+        echo "error: $venv runs $("$venv/bin/python" --version 2>&1 || echo 'a broken Python')," \
+            "but Python >= 3.11 is required; remove $venv and rerun." >&2
+        return 1
+    fi
+
+    if [[ ! -e $stamp || $_PDD_ROOT/pyproject.toml -nt $stamp ]] ||
+        ! "$venv/bin/python" -c 'import importlib.metadata as m; m.distribution("pdd-wire")' 2>/dev/null; then
+        echo "==> installing pdd-wire (editable, extra 'test') into $venv" >&2
+        # shellcheck disable=SC2086  # ${CI:+...} expands to two words or none
+        if ! (cd "$_PDD_ROOT" && "$venv/bin/python" -m pip install --disable-pip-version-check \
+                ${CI:+--progress-bar off} -e '.[test]'); then
+            echo "error: installing pdd-wire into $venv failed (see pip's output above)." >&2
+            return 1
+        fi
+        touch "$stamp"
+    fi
+
+    export VENV="$venv"
+}
