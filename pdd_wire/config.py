@@ -63,6 +63,7 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     heartbeat_s: float = 1.0
     dead_after_s: float = 5.0  # silence on the control connection before it is dropped
     reconnect_max_backoff_s: float = 2.0
+    chunk_ack_s: float = 15.0  # a chunk unacknowledged this long is sent again (safety net)
     peer_give_up_s: float = 30.0  # transfers fail once a peer has been unreachable this long
     shutdown_grace_s: float = 10.0
 

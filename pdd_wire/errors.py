@@ -38,6 +38,7 @@ class ErrorCode(enum.IntEnum):
     PEER_RESTARTED = 306
     DUPLICATE_TRANSFER = 307
     TOO_MANY_TRANSFERS = 308
+    CHUNK_BUSY = 309
     # 4xx: engine socket
     BAD_REQUEST = 400
     UNKNOWN_REGION = 401

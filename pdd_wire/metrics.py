@@ -32,6 +32,8 @@ class Metrics:
         self.rtt_seconds = Histogram(p + "control_rtt_seconds", "Control-lane ping round trip", ["peer"],
                                      buckets=_LAT, registry=r)
         self.retransmits = Counter(p + "retransmits", "Chunks sent again", ["peer", "reason"], registry=r)
+        self.duplicates = Counter(p + "duplicate_chunks", "Chunks received again after they were verified",
+                                  ["peer"], registry=r)
         self.checksum_failures = Counter(p + "checksum_failures", "Chunks whose payload checksum failed",
                                          ["peer"], registry=r)
         self.errors = Counter(p + "errors", "Errors by code", ["code"], registry=r)

@@ -25,7 +25,7 @@ import structlog
 
 from .config import Config, Peer, parse_hostport
 from .errors import ErrorCode, FatalHandshakeError, HandshakeError, PddWireError, ProtocolError, TransportError
-from .memory import BlockMap
+from .memory import BlockMap, chunk_range
 from .transfer import InTransfer, OutTransfer, Route, State
 from .transport.tcp import KIND_BULK, KIND_CONTROL, BulkLoop, FrameProtocol, dial
 from .wire import FrameType, Lane, decode_body, encode, encode_body
@@ -392,7 +392,7 @@ class PeerSession:
             case m.KvAck():
                 self._on_ack(h.transfer_id, msg.first, msg.count)
             case m.KvNack():
-                self._on_nack(h.transfer_id, msg.chunk)
+                self._on_nack(h.transfer_id, msg.chunk, msg.code)
             case m.KvDone():
                 self._on_done(h.transfer_id)
             case m.KvCancel():
@@ -499,13 +499,32 @@ class PeerSession:
                 if link is not None:
                     link.outstanding -= n
                 self.m.chunk_seconds.observe(now - sent)
-                self.m.bytes.labels(peer=self.key, lane="bulk", direction="tx").inc(n)
-                self.m.chunks.labels(peer=self.key, direction="tx").inc()
-            if t is not None:
+            if t is not None and k not in t.acked:
                 t.acked.add(k)
+                self._count_tx(t, k)
         self._pump()
 
-    def _on_nack(self, tid: int, k: int) -> None:
+    def _count_tx(self, t: OutTransfer, k: int) -> None:
+        start, end = chunk_range(k, t.total, t.chunk_bytes)
+        self.m.bytes.labels(peer=self.key, lane="bulk", direction="tx").inc(end - start)
+        self.m.chunks.labels(peer=self.key, direction="tx").inc()
+
+    def _on_nack(self, tid: int, k: int, code: int = ErrorCode.CHUNK_CHECKSUM) -> None:
+        self._uninflight(tid, k)
+        t = self.out.get(tid)
+        if t is None or k in t.acked:
+            return
+        t.retransmits += 1
+        if code == ErrorCode.CHUNK_BUSY:
+            self.m.retransmits.labels(peer=self.key, reason="busy").inc()
+            asyncio.get_running_loop().call_later(0.05, self._requeue, t, k)
+            return
+        self.m.retransmits.labels(peer=self.key, reason="checksum").inc()
+        self.log.warning("chunk failed its checksum at the receiver; sending it again",
+                         transfer_id=tid, request_id=t.request_id, chunk=k)
+        self._requeue(t, k)
+
+    def _uninflight(self, tid: int, k: int) -> None:
         entry = self.inflight.pop((tid, k), None)
         if entry is not None:
             stream, n, _ = entry
@@ -513,15 +532,12 @@ class PeerSession:
             link = self.links.get(stream)
             if link is not None:
                 link.outstanding -= n
-        t = self.out.get(tid)
-        if t is not None and k not in t.acked:
-            t.retransmits += 1
+
+    def _requeue(self, t: OutTransfer, k: int) -> None:
+        if self.out.get(t.tid) is t and k not in t.acked and (t.tid, k) not in self.inflight:
             t.pending.appendleft(k)
             self._ready(t)
-            self.m.retransmits.labels(peer=self.key, reason="checksum").inc()
-            self.log.warning("chunk failed its checksum at the receiver; sending it again",
-                             transfer_id=tid, request_id=t.request_id, chunk=k)
-        self._pump()
+            self._pump()
 
     def _on_done(self, tid: int) -> None:
         t = self.out.pop(tid, None)
@@ -538,12 +554,7 @@ class PeerSession:
         if t.timer is not None:
             t.timer.cancel()
         for k in range(t.n_chunks):
-            entry = self.inflight.pop((t.tid, k), None)
-            if entry is not None:
-                self.credit += entry[1]
-                link = self.links.get(entry[0])
-                if link is not None:
-                    link.outstanding -= entry[1]
+            self._uninflight(t.tid, k)
         self.m.inflight.labels(direction="out").dec()
         self.m.inflight_bytes.labels(peer=self.key).set(self.window - self.credit)
 
@@ -614,10 +625,13 @@ class PeerSession:
         if not claimed:
             # Not written: a duplicate of a verified chunk is acknowledged again, anything
             # else (a cancelled or finished transfer) is dropped.
-            if t is not None and k in t.route.verified:
+            if (t is not None and k in t.route.verified) or tid in self.completed_in:
+                self.m.duplicates.labels(peer=self.key).inc()
                 self._send(FrameType.KV_ACK, m.KvAck(k, 1), tid=tid)
-            elif tid in self.completed_in:
-                self._send(FrameType.KV_ACK, m.KvAck(k, 1), tid=tid)
+            elif t is not None:
+                # Another connection still holds this chunk (one that died mid-chunk and has
+                # not noticed yet): ask for it again a little later.
+                self._send(FrameType.KV_NACK, m.KvNack(k, int(ErrorCode.CHUNK_BUSY)), tid=tid)
             return
         if t is None:
             return
@@ -736,8 +750,10 @@ class PeerSession:
         if msg.state == 2:
             self._on_done(tid)
         elif msg.state == 1:
-            have = m.bitmap_members(msg.have, t.n_chunks)
+            have = m.bitmap_members(msg.have, t.n_chunks) - t.acked
             t.acked |= have
+            for k in have:  # their acks were lost with the connection
+                self._count_tx(t, k)
             missing = [k for k in range(t.n_chunks) if k not in t.acked and (tid, k) not in self.inflight]
             t.pending = collections.deque(missing)
             t.state = State.MOVING
@@ -827,6 +843,14 @@ class PeerSession:
                 for t in list(self.inn.values()):
                     await self._fail_in(t, ErrorCode.PEER_UNREACHABLE,
                                         f"peer {self.key} unreachable for {to.peer_give_up_s}s", notify_peer=False)
+            stale = [key for key, (_, _, sent) in self.inflight.items() if now - sent > to.chunk_ack_s]
+            for tid, k in stale:
+                self._uninflight(tid, k)
+                t = self.out.get(tid)
+                if t is not None:
+                    t.retransmits += 1
+                    self.m.retransmits.labels(peer=self.key, reason="ack_timeout").inc()
+                    self._requeue(t, k)
             for rid in [r for r, ts in self.tok_out.items() if not ts.unacked and now - ts.touched > 300]:
                 del self.tok_out[rid]
 

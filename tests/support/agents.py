@@ -21,10 +21,11 @@ def free_port() -> int:
 
 
 def two_site_toml(tmp: Path, *, streams: int = 4, chunk: int = 4 << 20, extra: str = "",
-                  wan_override: dict | None = None, tls: dict | None = None) -> dict[str, str]:
+                  wan_override: dict | None = None, tls: dict | None = None,
+                  ports: dict | None = None) -> dict[str, str]:
     """TOML texts for sites A (node a1) and B (node b1) on loopback, free ports.
     ``wan_override[site]`` replaces the address the *other* site dials (e.g. a relay)."""
-    ports = {"A": free_port(), "B": free_port()}
+    ports = ports or {"A": free_port(), "B": free_port()}
     out = {}
     for site, node, other, onode in (("A", "a1", "B", "b1"), ("B", "b1", "A", "a1")):
         addr = (wan_override or {}).get(other, f"127.0.0.1:{ports[other]}")

@@ -1,0 +1,82 @@
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from pdd_wire import EngineClient, SharedMemory  # noqa: E402
+from pdd_wire import log  # noqa: E402
+
+log.configure(os.environ.get("PDD_TEST_LOG", "warning"), "console")
+
+
+def metric(agent, name: str, **labels) -> float:
+    """A sample's value from an agent's registry (0 when it was never set)."""
+    return agent.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+async def fill_random(mem: SharedMemory) -> None:
+    """Random bytes, filled off the loop (in-process agents must keep their heartbeats)."""
+
+    def work():
+        step = 16 << 20
+        for off in range(0, mem.size, step):
+            n = min(step, mem.size - off)
+            mem.buf[off:off + n] = os.urandom(n)
+
+    await asyncio.to_thread(work)
+
+
+async def same_bytes(a: memoryview, b: memoryview) -> bool:
+    return await asyncio.to_thread(lambda: a == b)
+
+
+@pytest.fixture
+def tmp_sock_dir(tmp_path_factory):
+    # Unix socket paths are limited to 107 bytes; pytest's tmp paths can be longer.
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="pdw-"))
+    yield d
+    for p in d.iterdir():
+        try:
+            p.unlink()
+        except OSError:
+            pass
+    d.rmdir()
+
+
+class Engines:
+    """Engine clients with registered shared memory, closed at the end."""
+
+    def __init__(self) -> None:
+        self.clients: list[EngineClient] = []
+        self.mems: list[SharedMemory] = []
+
+    async def connect(self, path, name="engine") -> EngineClient:
+        c = await EngineClient(str(path), name).connect()
+        self.clients.append(c)
+        return c
+
+    def memory(self, size: int) -> SharedMemory:
+        m = SharedMemory(size)
+        self.mems.append(m)
+        return m
+
+    async def close(self) -> None:
+        for c in self.clients:
+            await c.close()
+        for m in self.mems:
+            m.close()
+
+
+@pytest.fixture
+async def engines():
+    e = Engines()
+    try:
+        yield e
+    finally:
+        await e.close()
