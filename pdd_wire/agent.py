@@ -199,8 +199,12 @@ class Agent:
                 conn.on_lost = lambda c, e: first.done() or first.set_exception(
                     TransportError(f"closed before HELLO: {e}"))
                 await adopt(sock, conn, ssl_ctx=self._ssl_server, timeout=to.handshake_s)
-                async with asyncio.timeout(to.handshake_s):
-                    frame = await first
+                try:
+                    async with asyncio.timeout(to.handshake_s):
+                        frame = await first
+                except TimeoutError:
+                    conn.fail(ProtocolError(f"no HELLO within {to.handshake_s}s", ErrorCode.HANDSHAKE_TIMEOUT))
+                    raise
                 self._on_hello(conn, frame)
                 if not conn.closed:
                     await self._wait_closed(conn)
@@ -269,7 +273,14 @@ class Agent:
             main.call_soon_threadsafe(h.session.adopt_bulk, h.stream, bulk, h.conn)
 
         handler = BulkHandler(None, -1, main, resolve=resolve, on_attach=on_attach)
-        await adopt(sock, handler.conn, ssl_ctx=self._ssl_server, timeout=self.config.timeouts.handshake_s)
+        timeout = self.config.timeouts.handshake_s
+        await adopt(sock, handler.conn, ssl_ctx=self._ssl_server, timeout=timeout)
+
+        def no_hello() -> None:
+            if handler.session is None and not handler.conn.closed:
+                handler.conn.fail(ProtocolError(f"no BULK_HELLO within {timeout}s", ErrorCode.HANDSHAKE_TIMEOUT))
+
+        asyncio.get_running_loop().call_later(timeout, no_hello)
         return handler.conn
 
     # ------------------------------------------------------------------ events from sessions
@@ -278,10 +289,15 @@ class Agent:
         if post is not None:
             self._match(session, tid, begin, post)
             return
-        if begin.request_id in self.pending_begins or len(self.pending_begins) >= self.config.transfer.max_transfers:
-            session.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS if begin.request_id not in
-                              self.pending_begins else ErrorCode.DUPLICATE_TRANSFER,
-                              "cannot hold another unposted transfer")
+        waiting = self.pending_begins.get(begin.request_id)
+        if waiting is not None:
+            if waiting[0] is session and waiting[1] == tid:
+                return  # the same KV_BEGIN again (resent after a reconnect): still waiting
+            session.reject_in(tid, begin, ErrorCode.DUPLICATE_TRANSFER,
+                              f"another transfer for request {begin.request_id!r} is already waiting")
+            return
+        if len(self.pending_begins) >= self.config.transfer.max_transfers:
+            session.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS, "cannot hold another unposted transfer")
             return
         wait = self.config.transfer.unposted_wait_s
         timer = asyncio.get_running_loop().call_later(wait, self._unposted_expired, begin.request_id)
@@ -451,11 +467,22 @@ class Agent:
         deadline = msg.deadline_s if msg.deadline_s is not None else self.config.transfer.default_deadline_s
         if deadline <= 0:
             raise EngineRequestError(f"deadline_s must be > 0, got {deadline}", ErrorCode.BAD_REQUEST)
+        for s in sessions:
+            if len(s.out) >= self.config.transfer.max_transfers:
+                raise EngineRequestError(f"{len(s.out)} transfers open to {s.key} (limit transfer.max_transfers)",
+                                         ErrorCode.TOO_MANY_TRANSFERS)
         self._own(msg.request_id, ec)
         out = []
-        for s in sessions:
-            t = s.start_send(ec, msg.request_id, blocks, deadline)
-            out.append({"to": s.key, "transfer_id": t.tid})
+        started = []
+        try:
+            for s in sessions:
+                t = s.start_send(ec, msg.request_id, blocks, deadline)
+                started.append((s, t))
+                out.append({"to": s.key, "transfer_id": t.tid})
+        except BaseException:
+            for s, t in started:  # all or nothing: the engine got an error, so no event either
+                s.drop_out(t)
+            raise
         return {"transfers": out}
 
     async def _abort(self, ec: EngineConn, request_id: str, reason: str) -> int:

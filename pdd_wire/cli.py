@@ -44,6 +44,9 @@ def daemon_main(argv: list[str] | None = None) -> int:
     log.configure(cfg.log.level, cfg.log.format)
     import uvloop
 
+    # Bulk threads hold the GIL only in short callbacks; a 1 ms switch interval (default 5 ms)
+    # bounds how long the control loop can wait for it behind them.
+    sys.setswitchinterval(0.001)
     try:
         return uvloop.run(_serve(cfg))
     except KeyboardInterrupt:

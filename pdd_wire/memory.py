@@ -98,7 +98,10 @@ class HostRegion(Region):
             if st.st_size < size:
                 raise EngineRequestError(f"fd is {st.st_size} bytes, smaller than the declared size {size}",
                                          ErrorCode.OUT_OF_BOUNDS)
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            # MAP_POPULATE: fault every page in now, at registration, not during transfers
+            # (a 64 MiB region is 16384 minor faults otherwise, on the bulk path).
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            self._map = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self._view = memoryview(self._map)

@@ -39,6 +39,14 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pdd_wire.session")
 
 
+def code_name(code: int) -> str:
+    """The name of a wire error code; codes from a newer peer print as numbers."""
+    try:
+        return ErrorCode(code).name
+    except ValueError:
+        return f"CODE_{int(code)}"
+
+
 class SessionHost(Protocol):
     """What a session needs from the agent (implemented by :class:`pdd_wire.agent.Agent`)."""
 
@@ -67,13 +75,17 @@ class BulkLink:
         self.outstanding = 0  # bytes dispatched on it and not yet acknowledged
 
 
+MAX_UNACKED_TOKENS = 1 << 20
+
+
 class TokenStream:
     """Outgoing token IDs of one request: sent but unacknowledged frames are kept for resend."""
 
-    __slots__ = ("next_seq", "unacked", "touched")
+    __slots__ = ("next_seq", "unacked", "touched", "pending")
 
     def __init__(self) -> None:
         self.next_seq = 0
+        self.pending = 0
         self.unacked: collections.deque[tuple[int, list[int], float]] = collections.deque()
         self.touched = time.monotonic()
 
@@ -87,7 +99,8 @@ class PeerSession:
         self.dialer = (self.cfg.site, self.cfg.node) < (peer.site, peer.node)
         self.log = log.bind(peer=self.key)
         self.m = host.metrics
-        self.streams = peer.streams or self.cfg.transfer.streams
+        self.configured_streams = peer.streams or self.cfg.transfer.streams
+        self.streams = self.configured_streams  # after the handshake: the smaller of both sides
         self.control: FrameProtocol | None = None
         self.remote_incarnation: int | None = None
         self.token = random.getrandbits(63)  # bulk connections present it (listener side)
@@ -103,8 +116,10 @@ class PeerSession:
         self.chunk_bytes = self.cfg.transfer.chunk_bytes
         self.inflight: dict[tuple[int, int], tuple[int, int, float]] = {}
         self.rr: collections.deque[int] = collections.deque()
-        self.tok_out: dict[str, TokenStream] = {}
-        self.tok_in: dict[str, int] = {}  # request -> next expected seq
+        # Token streams are kept until evicted as least recently used (and never while they hold
+        # unacknowledged tokens), so a sequence number never restarts under a live receiver.
+        self.tok_out: collections.OrderedDict[str, TokenStream] = collections.OrderedDict()
+        self.tok_in: collections.OrderedDict[str, int] = collections.OrderedDict()
         self.up = asyncio.Event()
         self.down_since: float | None = time.monotonic()
         self._lost = asyncio.Event()
@@ -162,12 +177,16 @@ class PeerSession:
                 hello = m.Hello(versions=list(m.SUPPORTED_VERSIONS), site=self.cfg.site, node=self.cfg.node,
                                 incarnation=self.host.incarnation, capabilities=list(CAPABILITIES),
                                 max_body=self.cfg.limits.max_body, max_chunk=64 << 20,
-                                credit_bytes=self.cfg.transfer.credit_bytes, bulk_streams=self.streams)
+                                credit_bytes=self.cfg.transfer.credit_bytes, bulk_streams=self.configured_streams)
                 self._handshake_wait = asyncio.get_running_loop().create_future()
+                self._handshake_conn = conn
                 conn.send(encode(FrameType.HELLO, encode_body(hello)))
-                async with asyncio.timeout(to.handshake_s):
-                    welcome = await self._handshake_wait
-                self._established(conn, welcome.incarnation, welcome)
+                try:
+                    async with asyncio.timeout(to.handshake_s):
+                        await self._handshake_wait
+                except BaseException:
+                    conn.abort()
+                    raise
                 backoff = 0.05
                 await self._lost.wait()
             except FatalHandshakeError as exc:
@@ -180,6 +199,26 @@ class PeerSession:
                 return
             await asyncio.sleep(backoff * (0.5 + random.random() / 2))
             backoff = min(backoff * 2, to.reconnect_max_backoff_s)
+
+    def _on_welcome(self, conn: FrameProtocol, msg: m.Welcome) -> None:
+        """Dialer side. Adopted here, in the frame handler, so that frames the listener sent
+        right behind WELCOME (in the same read) already find the session established."""
+        hw = getattr(self, "_handshake_wait", None)
+        try:
+            if msg.version not in m.SUPPORTED_VERSIONS:
+                raise FatalHandshakeError(f"peer chose protocol version {msg.version}, not one we offered",
+                                          ErrorCode.UNSUPPORTED_PROTOCOL_VERSION)
+            if (msg.site, msg.node) != (self.peer.site, self.peer.node):
+                raise FatalHandshakeError(f"{self.peer.address} answered as {msg.site}/{msg.node}, "
+                                          f"expected {self.key}", ErrorCode.IDENTITY_MISMATCH)
+        except FatalHandshakeError as exc:
+            conn.fail(exc)
+            if hw is not None and not hw.done():
+                hw.set_exception(exc)
+            return
+        self._established(conn, msg.incarnation, msg)
+        if hw is not None and not hw.done():
+            hw.set_result(msg)
 
     def _new_control(self) -> FrameProtocol:
         conn = FrameProtocol(max_body=self.cfg.limits.max_body, max_payload=0)
@@ -203,7 +242,7 @@ class PeerSession:
                             incarnation=self.host.incarnation, session=self.token,
                             capabilities=list(CAPABILITIES), max_body=self.cfg.limits.max_body,
                             max_chunk=64 << 20, credit_bytes=self.cfg.transfer.credit_bytes,
-                            bulk_streams=self.streams,
+                            bulk_streams=self.configured_streams,
                             resumed=self.remote_incarnation == hello.incarnation)
         conn.send(encode(FrameType.WELCOME, encode_body(welcome)))
         self._established(conn, hello.incarnation, hello)
@@ -235,8 +274,9 @@ class PeerSession:
         self.remote_incarnation = incarnation
         if isinstance(info, m.Welcome):
             self.remote_token = info.session
-        self.window = max(negotiate_limit(self.cfg.transfer.credit_bytes, info.credit_bytes), self.chunk_bytes)
         self.chunk_bytes = min(self.cfg.transfer.chunk_bytes, info.max_chunk)
+        self.window = max(negotiate_limit(self.cfg.transfer.credit_bytes, info.credit_bytes), self.chunk_bytes)
+        self.streams = max(1, min(self.configured_streams, info.bulk_streams))
         self.credit = self.window - sum(n for _, n, _ in self.inflight.values())
         self.down_since = None
         self.up.set()
@@ -251,6 +291,9 @@ class PeerSession:
 
     def _on_control_lost(self, conn: FrameProtocol, exc) -> None:
         if conn is not self.control:
+            hw = getattr(self, "_handshake_wait", None)
+            if conn is getattr(self, "_handshake_conn", None) and hw is not None and not hw.done():
+                hw.set_exception(TransportError(f"connection closed during the handshake: {exc}"))
             return
         self.log.info("control connection lost", error=str(exc) if exc else None)
         self._connection_down("control lost")
@@ -371,10 +414,8 @@ class PeerSession:
         self.m.frames.labels(peer=self.key, lane=Lane(h.lane).name.lower() if h.lane < 3 else "?",
                              direction="rx").inc()
         match msg:
-            case m.Welcome() if self.dialer:
-                hw = getattr(self, "_handshake_wait", None)
-                if hw is not None and not hw.done():
-                    hw.set_result(msg)
+            case m.Welcome() if self.dialer and self.control is None:
+                self._on_welcome(conn, msg)
             case m.Ping():
                 self._send(FrameType.PONG, m.Pong(msg.nonce, msg.sent_ns))
             case m.Pong():
@@ -406,8 +447,12 @@ class PeerSession:
             case m.TokensAck():
                 self._on_tokens_ack(msg)
             case m.Error():
-                self.log.warning("peer reported an error", code=msg.code, message=msg.message)
-                self.m.error(msg.code)
+                self.log.warning("peer reported an error", code=code_name(msg.code), message=msg.message)
+                self.m.error(code_name(msg.code))
+                hw = getattr(self, "_handshake_wait", None)
+                if self.control is None and hw is not None and not hw.done():
+                    cls = FatalHandshakeError if 200 <= msg.code < 300 else HandshakeError
+                    hw.set_exception(cls(f"peer refused: {msg.message}", ErrorCode.UNKNOWN_PEER))
             case m.Goodbye():
                 self.log.info("peer said goodbye", reason=msg.reason)
             case _:
@@ -565,9 +610,18 @@ class PeerSession:
         t.state = State.FAILED
         if notify_peer:
             self._send(FrameType.KV_CANCEL, m.KvCancel(t.request_id, int(code), message, False), tid=t.tid)
-        self.m.transfers.labels(peer=self.key, direction="out", outcome=ErrorCode(code).name.lower()).inc()
-        self.m.error(ErrorCode(code))
+        self.m.transfers.labels(peer=self.key, direction="out", outcome=code_name(code).lower()).inc()
+        self.m.error(code_name(code))
         self.host.transfer_failed(t, "out", int(code), message)
+
+    def drop_out(self, t: OutTransfer) -> None:
+        """Withdraw a transfer its engine was told never started (tells the peer, no event)."""
+        if self.out.pop(t.tid, None) is None:
+            return
+        self._release_out(t)
+        t.state = State.FAILED
+        self._send(FrameType.KV_CANCEL, m.KvCancel(t.request_id, int(ErrorCode.TRANSFER_CANCELLED),
+                                                   "withdrawn by the sender", False), tid=t.tid)
 
     def _deadline_out(self, t: OutTransfer) -> None:
         self._fail_out(t, ErrorCode.TRANSFER_TIMEOUT, "transfer deadline passed before the receiver confirmed",
@@ -586,23 +640,27 @@ class PeerSession:
         self.host.incoming_begin(self, tid, begin)
 
     def accept_in(self, tid: int, begin: m.KvBegin, engine, dest: BlockMap) -> InTransfer | None:
-        """The agent matched a KV_BEGIN with a posted receive: check it and open the transfer."""
+        """The agent matched a KV_BEGIN with a posted receive: check it and open the transfer.
+        A refusal is sent to the peer and told to the posting engine (its post is used up)."""
+        problem = None
         if dest.total != begin.total_bytes or dest.block_bytes != begin.block_bytes:
-            self.reject_in(tid, begin, ErrorCode.SIZE_MISMATCH,
-                           f"sender has {begin.n_blocks} blocks of {begin.block_bytes} bytes, receiver posted "
-                           f"{dest.n_blocks} blocks of {dest.block_bytes} bytes")
-            return None
-        if begin.chunk_bytes <= 0 or begin.chunk_bytes > 64 << 20 or \
+            problem = (ErrorCode.SIZE_MISMATCH,
+                       f"sender has {begin.n_blocks} blocks of {begin.block_bytes} bytes, receiver posted "
+                       f"{dest.n_blocks} blocks of {dest.block_bytes} bytes")
+        elif begin.chunk_bytes <= 0 or begin.chunk_bytes > 64 << 20 or \
                 begin.n_chunks != -(-begin.total_bytes // begin.chunk_bytes):
-            self.reject_in(tid, begin, ErrorCode.MALFORMED_BODY, "inconsistent chunking in KV_BEGIN")
-            return None
-        if len(self.inn) >= self.cfg.transfer.max_transfers:
-            self.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS, "receiver has too many open transfers")
-            return None
+            problem = (ErrorCode.MALFORMED_BODY, "inconsistent chunking in KV_BEGIN")
+        elif len(self.inn) >= self.cfg.transfer.max_transfers:
+            problem = (ErrorCode.TOO_MANY_TRANSFERS, "receiver has too many open transfers")
         loop = asyncio.get_running_loop()
         budget = begin.deadline_ms / 1000 if begin.deadline_ms else self.cfg.transfer.default_deadline_s
         t = InTransfer(tid, begin.request_id, engine, self.key, dest, begin.chunk_bytes,
                        loop.time() + budget, loop=loop)
+        if problem is not None:
+            self.reject_in(tid, begin, *problem)
+            t.state = State.FAILED
+            self.host.transfer_failed(t, "in", int(problem[0]), problem[1])
+            return None
         t.state = State.MOVING
         self.inn[tid] = t
         self.routes[tid] = t.route
@@ -614,14 +672,20 @@ class PeerSession:
         return t
 
     def reject_in(self, tid: int, begin: m.KvBegin, code: int, message: str) -> None:
-        self.m.error(ErrorCode(code))
+        self.m.error(code_name(code))
         self.log.warning("refused incoming KV", transfer_id=tid, request_id=begin.request_id,
-                         code=ErrorCode(code).name, reason=message)
+                         code=code_name(code), reason=message)
         self._send(FrameType.KV_REJECT, m.KvReject(begin.request_id, int(code), message), tid=tid)
 
-    def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool) -> None:
+    def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False) -> None:
         """A bulk thread finished reading chunk ``k`` (main loop)."""
         t = self.inn.get(tid)
+        if invalid:
+            if t is not None:
+                self._spawn(self._fail_in(t, ErrorCode.MALFORMED_BODY,
+                                          f"chunk {k} of {nbytes} bytes does not fit the announced transfer",
+                                          notify_peer=True), "invalid")
+            return
         if not claimed:
             # Not written: a duplicate of a verified chunk is acknowledged again, anything
             # else (a cancelled or finished transfer) is dropped.
@@ -687,8 +751,8 @@ class PeerSession:
         self._forget_in(t)
         if notify_peer:
             self._send(FrameType.KV_CANCEL, m.KvCancel(t.request_id, int(code), message, True), tid=t.tid)
-        self.m.transfers.labels(peer=self.key, direction="in", outcome=ErrorCode(code).name.lower()).inc()
-        self.m.error(ErrorCode(code))
+        self.m.transfers.labels(peer=self.key, direction="in", outcome=code_name(code).lower()).inc()
+        self.m.error(code_name(code))
         self.host.transfer_failed(t, "in", int(code), message)
 
     def _on_cancel(self, tid: int, msg: m.KvCancel) -> None:
@@ -780,21 +844,41 @@ class PeerSession:
 
     # ------------------------------------------------------------------ tokens
     def send_tokens(self, request_id: str, tokens: list[int]) -> int:
-        """Queue token IDs for ``request_id``; returns the sequence number of the first one."""
+        """Queue token IDs for ``request_id``; returns the sequence number of the first one.
+        Frames carry at most ``limits.max_tokens_per_frame`` tokens."""
         ts = self.tok_out.get(request_id)
         if ts is None:
-            if len(self.tok_out) >= self.cfg.transfer.max_transfers * 4:
-                raise PddWireError("too many open token streams to this peer", ErrorCode.LIMIT_EXCEEDED)
+            self._evict_token_streams()
             ts = self.tok_out[request_id] = TokenStream()
-        seq = ts.next_seq
-        ts.next_seq += len(tokens)
-        ts.unacked.append((seq, tokens, time.monotonic()))
-        ts.touched = time.monotonic()
-        if sum(len(x[1]) for x in ts.unacked) > 1 << 20:
-            raise PddWireError("over a million unacknowledged tokens for one request", ErrorCode.LIMIT_EXCEEDED)
-        self._send(FrameType.TOKENS, m.Tokens(request_id, seq, tokens), lane=Lane.TOKEN)
+        else:
+            self.tok_out.move_to_end(request_id)
+        if ts.pending + len(tokens) > MAX_UNACKED_TOKENS:
+            raise PddWireError(f"over {MAX_UNACKED_TOKENS} unacknowledged tokens for request {request_id!r}",
+                               ErrorCode.LIMIT_EXCEEDED)
+        first = ts.next_seq
+        step = self.cfg.limits.max_tokens_per_frame
+        now = time.monotonic()
+        for i in range(0, len(tokens), step):
+            part = tokens[i:i + step]
+            seq = ts.next_seq
+            ts.next_seq += len(part)
+            ts.pending += len(part)
+            ts.unacked.append((seq, part, now))
+            self._send(FrameType.TOKENS, m.Tokens(request_id, seq, part), lane=Lane.TOKEN)
+        ts.touched = now
         self.m.tokens.labels(peer=self.key, direction="tx").inc(len(tokens))
-        return seq
+        return first
+
+    def _evict_token_streams(self) -> None:
+        """Bound the streams kept: forget the least recently used ones with nothing unacknowledged."""
+        cap = self.cfg.transfer.max_transfers * 4
+        if len(self.tok_out) < cap:
+            return
+        for rid in [r for r, ts in self.tok_out.items() if not ts.unacked][: len(self.tok_out) - cap + 1]:
+            del self.tok_out[rid]
+        if len(self.tok_out) >= cap:
+            raise PddWireError("too many token streams with unacknowledged tokens to this peer",
+                               ErrorCode.LIMIT_EXCEEDED)
 
     def _on_tokens(self, msg: m.Tokens) -> None:
         expect = self.tok_in.get(msg.request_id, 0)
@@ -808,8 +892,9 @@ class PeerSession:
             return
         fresh = msg.tokens[expect - msg.seq:]
         self.tok_in[msg.request_id] = end
+        self.tok_in.move_to_end(msg.request_id)
         if len(self.tok_in) > self.cfg.transfer.max_transfers * 8:
-            self.tok_in.pop(next(iter(self.tok_in)))
+            self.tok_in.popitem(last=False)  # least recently used
         self._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, end), lane=Lane.TOKEN)
         self.m.tokens.labels(peer=self.key, direction="rx").inc(len(fresh))
         self.host.tokens_received(self, m.Tokens(msg.request_id, expect, fresh))
@@ -820,7 +905,8 @@ class PeerSession:
             return
         now = time.monotonic()
         while ts.unacked and ts.unacked[0][0] + len(ts.unacked[0][1]) <= msg.next_seq:
-            _, _, sent = ts.unacked.popleft()
+            _, part, sent = ts.unacked.popleft()
+            ts.pending -= len(part)
             self.m.token_seconds.observe(now - sent)
 
     # ------------------------------------------------------------------ heartbeat and housekeeping
@@ -851,8 +937,6 @@ class PeerSession:
                     t.retransmits += 1
                     self.m.retransmits.labels(peer=self.key, reason="ack_timeout").inc()
                     self._requeue(t, k)
-            for rid in [r for r, ts in self.tok_out.items() if not ts.unacked and now - ts.touched > 300]:
-                del self.tok_out[rid]
 
     def describe(self) -> dict:
         return {"peer": self.key, "address": self.peer.address, "transport": self.peer.transport,
@@ -882,6 +966,7 @@ class BulkHandler:
         self.resolve = resolve
         self.on_attach = on_attach
         self._claim: tuple[Route, int] | None = None
+        self._invalid = False
         self.conn = FrameProtocol(max_body=max_body, max_payload=64 << 20, sink=self._sink, bulk=True)
         self.conn.on_frame = self._on_frame
         self.conn.on_lost = self._on_lost
@@ -891,8 +976,13 @@ class BulkHandler:
             self._claim = None
             return None
         route = self.session.routes.get(header.transfer_id)
+        self._invalid = False
         if route is None:
             self._claim = None
+            return None
+        if not route.fits(header.seq, header.payload_len):
+            self._claim = None
+            self._invalid = True
             return None
         views = route.claim(header.seq, header.payload_len)
         self._claim = (route, header.seq) if views is not None else None
@@ -909,7 +999,8 @@ class BulkHandler:
             if claim is not None:
                 claim[0].settle(claim[1], frame.payload_ok)
             self.main.call_soon_threadsafe(s.chunk_arrived, h.transfer_id, h.seq, frame.payload_ok,
-                                           h.payload_len, claim is not None)
+                                           h.payload_len, claim is not None, self._invalid)
+            self._invalid = False
             return
         try:
             msg = decode_body(h.type, frame.body)
@@ -923,7 +1014,7 @@ class BulkHandler:
                     conn.fail(ProtocolError("unknown session token or peer on a bulk connection",
                                             ErrorCode.UNKNOWN_SESSION))
                     return
-                if not 0 <= msg.stream < session.streams:
+                if not session.is_up or not 0 <= msg.stream < session.streams:
                     conn.fail(ProtocolError(f"bulk stream {msg.stream} out of range", ErrorCode.UNEXPECTED_FRAME))
                     return
                 self.session = session

@@ -48,6 +48,12 @@ class Route:
         self.closed = False
         self.quiesced: asyncio.Future = loop.create_future()
 
+    def fits(self, k: int, length: int) -> bool:
+        if not 0 <= k < self.n_chunks:
+            return False
+        start, end = chunk_range(k, self.dest.total, self.chunk_bytes)
+        return end - start == length
+
     def claim(self, k: int, length: int):
         with self._lock:
             if self.closed or k in self.verified or k in self._writing or not 0 <= k < self.n_chunks:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import socket
 import ssl
 import struct
@@ -37,6 +38,7 @@ PREAMBLE_MAGIC = b"PDDW"
 KIND_CONTROL = ord("C")
 KIND_BULK = ord("B")
 PREAMBLE_VERSION = 1
+BULK_NICE = 5
 
 
 def preamble(kind: int) -> bytes:
@@ -44,8 +46,8 @@ def preamble(kind: int) -> bytes:
 
 
 def parse_preamble(raw: bytes) -> int:
-    magic, kind, ver, _ = PREAMBLE.unpack(raw)
-    if magic != PREAMBLE_MAGIC or kind not in (KIND_CONTROL, KIND_BULK):
+    magic, kind, ver, reserved = PREAMBLE.unpack(raw)
+    if magic != PREAMBLE_MAGIC or kind not in (KIND_CONTROL, KIND_BULK) or reserved != 0:
         raise ProtocolError(f"bad connection preamble {raw!r}", ErrorCode.BAD_MAGIC)
     if ver != PREAMBLE_VERSION:
         raise ProtocolError(f"preamble version {ver} not supported", ErrorCode.UNSUPPORTED_FRAME_VERSION)
@@ -100,6 +102,12 @@ class BulkLoop:
         self._started = threading.Event()
 
     def _run(self) -> None:
+        # Bulk threads yield the CPU to the control loop: on a saturated host the kernel runs
+        # the main thread (token and control frames) first. Per-thread on Linux.
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BULK_NICE)
+        except (OSError, AttributeError):
+            pass
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._started.set)
         self.loop.run_forever()
@@ -252,7 +260,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         except Exception:
             pass
         self.error = exc
-        self.abort()
+        # close() flushes the ERROR frame (under TLS too); a peer that does not read gets aborted.
+        self.transport.close()
+        asyncio.get_event_loop().call_later(1.0, self.abort)
 
     def abort(self) -> None:
         if self.transport is not None and not self.transport.is_closing():

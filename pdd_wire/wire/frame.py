@@ -124,6 +124,8 @@ def encode_bytes(type: int, body: bytes = b"", **kw) -> bytes:
     return b"".join(bytes(b) for b in encode(type, body, **kw))
 
 
+KNOWN_FLAGS = int(Flags.PAYLOAD_CHECKSUM)  # LZ4 is reserved: version 1 refuses it
+
 #: ``sink(header, body) -> buffers`` gives where a frame's payload must land, or None to
 #: have it read into scratch space (and then discarded by the caller).
 PayloadSink = Callable[[Header, bytes], "Sequence[memoryview] | None"]
@@ -157,6 +159,7 @@ class FrameReader:
         self._segments: list[memoryview] = []
         self._seg = 0
         self._scratch: bytearray | None = None
+        self._hasher = None
         self.frames: list[Frame] = []
 
     # -- the bulk-mode interface -------------------------------------------------------
@@ -179,7 +182,12 @@ class FrameReader:
             if self._n == len(self._bview):
                 return self._on_body()
             return None
-        if self._n == len(self._segments[self._seg]):
+        seg = self._segments[self._seg]
+        if self._hasher is not None:
+            # Hash what just arrived while it is still in cache (a second pass over a 4 MiB
+            # chunk after the fact reads it back from memory).
+            self._hasher.update(seg[self._n - n:self._n])
+        if self._n == len(seg):
             self._seg += 1
             self._n = 0
             if self._seg == len(self._segments):
@@ -226,6 +234,10 @@ class FrameReader:
         self._n = 0
         if reserved != 0:
             raise ProtocolError("reserved header bytes 44..47 must be zero", ErrorCode.MALFORMED_BODY)
+        if flags & ~KNOWN_FLAGS:
+            raise ProtocolError(f"unknown or unsupported flags 0x{flags:02x}", ErrorCode.MALFORMED_BODY)
+        if lane > Lane.BULK:
+            raise ProtocolError(f"unknown lane {lane}", ErrorCode.MALFORMED_BODY)
         self._body = bytearray(blen)
         self._bview = memoryview(self._body)
         if blen:
@@ -252,6 +264,7 @@ class FrameReader:
                 raise ProtocolError("payload sink returned buffers of the wrong total size", ErrorCode.INTERNAL)
         self._segments = segs
         self._seg = 0
+        self._hasher = xxhash.xxh3_64() if h.flags & Flags.PAYLOAD_CHECKSUM else None
         self._state = self._PAYLOAD
         return None
 
@@ -262,8 +275,9 @@ class FrameReader:
         if payload_done:
             segs = self._segments
             payload = segs[0] if len(segs) == 1 else None
-            if h.flags & Flags.PAYLOAD_CHECKSUM:
-                ok = payload_checksum(segs) == h.payload_xxh3
+            if self._hasher is not None:
+                ok = self._hasher.intdigest() == h.payload_xxh3
+                self._hasher = None
         f = Frame(header=h, body=bytes(self._body), payload=payload, payload_ok=ok)
         self._state = self._HDR
         self._n = 0

@@ -1,0 +1,203 @@
+"""Benchmarks between two real ``pdd-wired`` processes on loopback, with baselines measured in
+the same run (iperf3 for goodput). Figures print as lines, or with ``--json`` one object per
+line: ``figure``, ``value``, ``unit`` and, where a baseline exists, ``baseline``,
+``baseline_value``, ``ratio``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import time
+
+from .engine import protocol as p
+from .engine.client import EngineClient
+from .harness import AgentPair, free_port
+from .memory import SharedMemory
+
+MiB = 1 << 20
+
+
+def iperf3_goodput(seconds: int = 3, write: str = "1M") -> float | None:
+    """iperf3 single stream over loopback, GB/s received; None when iperf3 is missing."""
+    if shutil.which("iperf3") is None:
+        return None
+    port = free_port()
+    srv = subprocess.Popen(["iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        out = None
+        for _ in range(50):
+            r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-l", write, "-t", str(seconds), "-J"],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                out = json.loads(r.stdout)
+                break
+            time.sleep(0.1)
+        if out is None:
+            return None
+        return out["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def pct(values: list[float], q: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+
+
+class Figures:
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.rows: list[dict] = []
+
+    def add(self, figure: str, value: float, unit: str, baseline: str | None = None,
+            baseline_value: float | None = None, note: str = "") -> None:
+        row = {"figure": figure, "value": round(value, 4), "unit": unit}
+        if baseline is not None and baseline_value:
+            row |= {"baseline": baseline, "baseline_value": round(baseline_value, 4),
+                    "ratio": round(value / baseline_value, 3)}
+        if note:
+            row["note"] = note
+        self.rows.append(row)
+        if self.as_json:
+            print(json.dumps(row), flush=True)
+        else:
+            extra = f"   {row['ratio']:.2f}x {baseline} ({baseline_value:.3f} {unit})" if "ratio" in row else ""
+            print(f"{figure:32s} {value:10.3f} {unit:5s}{extra}{'   ' + note if note else ''}", flush=True)
+
+
+async def _goodput(ea: EngineClient, eb: EngineClient, size: int, count: int, concurrency: int) -> tuple[float, list]:
+    block = MiB
+    nb = size // block
+    src = SharedMemory(size)
+    dst = SharedMemory(size * concurrency)
+    try:
+        src.buf[:] = os.urandom(size)
+        dst.buf[:] = bytes(dst.size)  # fault the pages in before timing
+        ra = await ea.register(src, block_bytes=block)
+        rb = await eb.register(dst, block_bytes=block)
+        tag = f"g{size}-{time.monotonic_ns()}"
+
+        async def one(i: int, slot: int) -> float:
+            rid = f"{tag}-{i}"
+            t0 = time.perf_counter()
+            await eb.post_recv(rid, [rb.blocks(slot * nb, nb)])
+            await ea.send_kv(rid, [ra.blocks(0, nb)], to=["B"])
+            ev = await eb.wait(rid, timeout=120)
+            if not isinstance(ev, p.KvReceived):
+                raise RuntimeError(f"transfer failed: {ev}")
+            await ea.wait(rid, timeout=120)
+            return time.perf_counter() - t0
+
+        await one(-1, 0)  # warm-up
+        slots = asyncio.Queue()
+        for s in range(concurrency):
+            slots.put_nowait(s)
+        lat = []
+
+        async def worker(i: int) -> None:
+            s = await slots.get()
+            try:
+                lat.append(await one(i, s))
+            finally:
+                slots.put_nowait(s)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(count)))
+        elapsed = time.perf_counter() - t0
+        ok = bytes(dst.buf[:size]) == bytes(src.buf)
+        if not ok:
+            raise RuntimeError("received bytes differ from the sent ones")
+        await ea.deregister(ra)
+        await eb.deregister(rb)
+        return size * count / elapsed / 1e9, lat
+    finally:
+        src.close()
+        dst.close()
+
+
+async def _token_latency(ea: EngineClient, eb: EngineClient, n: int, rid: str, until=None) -> list[float]:
+    out = []
+    for i in range(n):
+        if until is not None and until():
+            break
+        t0 = time.perf_counter()
+        await ea.send_tokens(rid, "B", [i])
+        await eb.wait_tokens(rid, timeout=10)
+        out.append((time.perf_counter() - t0) * 1e3)
+        await asyncio.sleep(0.002)
+    return out
+
+
+async def _latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, samples: int) -> tuple[list, float]:
+    size = gib << 30
+    src, dst = SharedMemory(size), SharedMemory(size)
+    lat: list[float] = []
+    try:
+        chunk = os.urandom(64 * MiB)
+        for off in range(0, size, len(chunk)):
+            src.buf[off:off + len(chunk)] = chunk
+        dst.buf[:] = bytes(size)
+        ra = await ea.register(src, block_bytes=4 * MiB)
+        rb = await eb.register(dst, block_bytes=4 * MiB)
+        nb = size // (4 * MiB)
+        seconds = []
+        k = 0
+        while len(lat) < samples and k < 20:
+            rid = f"load-{k}"
+            k += 1
+            await eb.post_recv(rid, [rb.blocks(0, nb)])
+            t0 = time.perf_counter()
+            await ea.send_kv(rid, [ra.blocks(0, nb)], to=["B"])
+            done = asyncio.ensure_future(eb.wait(rid, timeout=300))
+            await asyncio.sleep(0.02)  # let the bulk stream get going
+            lat += await _token_latency(ea, eb, samples - len(lat), f"tok-{rid}", until=done.done)
+            ev = await done
+            seconds.append(time.perf_counter() - t0)
+            if not isinstance(ev, p.KvReceived):
+                raise RuntimeError(f"load transfer failed: {ev}")
+            await ea.wait(rid, timeout=60)
+        return lat, size / statistics.median(seconds) / 1e9
+    finally:
+        src.close()
+        dst.close()
+
+
+async def _run(args) -> int:
+    figs = Figures(args.json)
+    groups = set(filter(None, args.only.split(","))) or {"goodput", "latency"}
+    quick = args.quick
+    base = None
+    if "goodput" in groups:
+        base = iperf3_goodput(2 if quick else 3)
+        if base is None:
+            print("# iperf3 not found: goodput ratios are left out (apt-get install iperf3)")
+    async with AgentPair() as pair:
+        async with EngineClient(pair.sockets["A"], "bench-A") as ea, EngineClient(pair.sockets["B"], "bench-B") as eb:
+            if "goodput" in groups:
+                for size, count, conc in ((4 * MiB, 64 if quick else 256, 8), (64 * MiB, 8 if quick else 24, 2)):
+                    gbps, lat = await _goodput(ea, eb, size, count, conc)
+                    label = f"{size // MiB}MiB"
+                    figs.add(f"kv_goodput_{label}", gbps, "GB/s", "iperf3 -l 1M", base,
+                             note=f"{count} transfers, {conc} at a time, median {statistics.median(lat) * 1e3:.1f} ms each")
+            if "latency" in groups:
+                idle = await _token_latency(ea, eb, 100 if quick else 300, "idle")
+                figs.add("token_latency_idle_p50", pct(idle, 50), "ms")
+                figs.add("token_latency_idle_p99", pct(idle, 99), "ms")
+                loaded, gbps = await _latency_under_load(ea, eb, 1, 100 if quick else 300)
+                figs.add("token_latency_under_load_p50", pct(loaded, 50), "ms")
+                figs.add("token_latency_under_load_p99", pct(loaded, 99), "ms", "idle p99", pct(idle, 99),
+                         note=f"{len(loaded)} samples during 1 GiB transfers at {gbps:.2f} GB/s")
+    return 0
+
+
+def run_bench(args) -> int:
+    import uvloop
+
+    return uvloop.run(_run(args))

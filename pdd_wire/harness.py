@@ -1,0 +1,114 @@
+"""Two real agents as subprocesses on loopback, for the demo and the benchmarks.
+
+Each agent is a ``pdd-wired`` process with a generated config (free ports, sockets in a
+temporary directory); :class:`AgentPair` starts them, waits until they see each other, and
+stops them with SIGTERM (then SIGKILL if they ignore it) whatever happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import urllib.request
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def agent_toml(site: str, node: str, wan: int, admin: int, sock: str, peers: list[tuple[str, str, int]],
+               *, streams: int = 4, chunk: int = 4 << 20, extra: str = "") -> str:
+    peer_txt = "".join(f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{p}"\n'
+                       f"streams = {streams}\n\n" for s, n, p in peers)
+    return (f'site = "{site}"\nnode = "{node}"\n\n[listen]\nwan = "127.0.0.1:{wan}"\n'
+            f'admin = "127.0.0.1:{admin}"\nengine_socket = "{sock}"\n\n{peer_txt}'
+            f"[transfer]\nchunk_bytes = {chunk}\nstreams = {streams}\n\n[log]\nformat = \"json\"\n{extra}")
+
+
+class AgentPair:
+    """Agents for sites A (a1) and B (b1) as ``pdd-wired`` subprocesses."""
+
+    def __init__(self, *, streams: int = 4, chunk: int = 4 << 20, extra: str = "", log_dir: str | None = None) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="pdd-wire-"))
+        self.log_dir = Path(log_dir) if log_dir else self.dir
+        ports = {s: (free_port(), free_port()) for s in "AB"}
+        nodes = {"A": "a1", "B": "b1"}
+        self.sockets = {s: str(self.dir / f"{s}.sock") for s in "AB"}
+        self.admin = {s: f"127.0.0.1:{ports[s][1]}" for s in "AB"}
+        self.configs = {}
+        for s in "AB":
+            other = "B" if s == "A" else "A"
+            text = agent_toml(s, nodes[s], ports[s][0], ports[s][1], self.sockets[s],
+                              [(other, nodes[other], ports[other][0])], streams=streams, chunk=chunk, extra=extra)
+            path = self.dir / f"{s}.toml"
+            path.write_text(text)
+            self.configs[s] = path
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    async def start(self, timeout: float = 20) -> "AgentPair":
+        for s in "AB":
+            log = open(self.log_dir / f"agent-{s}.log", "wb")
+            self.procs[s] = subprocess.Popen(
+                [sys.executable, "-m", "pdd_wire", "--site", s, "--config", str(self.configs[s])],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            log.close()
+        async with asyncio.timeout(timeout):
+            while not all(self._peers_up(s) for s in "AB"):
+                for s, pr in self.procs.items():
+                    if pr.poll() is not None:
+                        raise RuntimeError(f"agent {s} exited with {pr.returncode}; see {self.log_dir}/agent-{s}.log")
+                await asyncio.sleep(0.05)
+        return self
+
+    def _peers_up(self, site: str) -> bool:
+        try:
+            st = self.status(site)
+        except OSError:
+            return False
+        return all(p["up"] and p["bulk_streams_up"] == p["bulk_streams"] for p in st["peers"])
+
+    def status(self, site: str) -> dict:
+        with urllib.request.urlopen(f"http://{self.admin[site]}/v1/status", timeout=2) as r:
+            return json.load(r)
+
+    def metrics(self, site: str) -> str:
+        with urllib.request.urlopen(f"http://{self.admin[site]}/metrics", timeout=2) as r:
+            return r.read().decode()
+
+    def stop(self) -> dict[str, int]:
+        codes = {}
+        for s, pr in self.procs.items():
+            if pr.poll() is None:
+                pr.send_signal(signal.SIGTERM)
+        for s, pr in self.procs.items():
+            try:
+                codes[s] = pr.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(pr.pid, signal.SIGKILL)
+                codes[s] = pr.wait()
+        self.procs.clear()
+        return codes
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    async def __aenter__(self) -> "AgentPair":
+        try:
+            return await self.start()
+        except BaseException:
+            self.cleanup()
+            raise
+
+    async def __aexit__(self, *exc) -> None:
+        self.cleanup()
