@@ -84,6 +84,7 @@ def tool_main(argv: list[str] | None = None) -> int:
     st.add_argument("--config")
     d = sub.add_parser("demo", help="two agents, one request's KV and tokens between them")
     d.add_argument("--mib", type=int, default=256, help="KV size of the sample request (MiB)")
+    d.add_argument("--keep", action="store_true", help="leave the agents running until Ctrl-C")
     b = sub.add_parser("bench", help="benchmarks (see scripts/bench)")
     b.add_argument("--json", action="store_true")
     b.add_argument("--quick", action="store_true", help="fewer repetitions")

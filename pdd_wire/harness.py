@@ -38,9 +38,20 @@ def agent_toml(site: str, node: str, wan: int, admin: int, sock: str, peers: lis
 class AgentPair:
     """Agents for sites A (a1) and B (b1) as ``pdd-wired`` subprocesses."""
 
-    def __init__(self, *, streams: int = 4, chunk: int = 4 << 20, extra: str = "", log_dir: str | None = None) -> None:
+    def __init__(self, *, streams: int = 4, chunk: int = 4 << 20, extra: str = "", log_dir: str | None = None,
+                 embedded: bool = False) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="pdd-wire-"))
         self.log_dir = Path(log_dir) if log_dir else self.dir
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.configs: dict[str, Path | None] = {}
+        if embedded:  # the embedded default: fixed loopback ports, no config file
+            from .config import default_config
+
+            cfgs = {s: default_config(s) for s in "AB"}
+            self.sockets = {s: c.listen.engine_socket for s, c in cfgs.items()}
+            self.admin = {s: c.listen.admin for s, c in cfgs.items()}
+            self.configs = {s: None for s in "AB"}
+            return
         ports = {s: (free_port(), free_port()) for s in "AB"}
         nodes = {"A": "a1", "B": "b1"}
         self.sockets = {s: str(self.dir / f"{s}.sock") for s in "AB"}
@@ -53,13 +64,14 @@ class AgentPair:
             path = self.dir / f"{s}.toml"
             path.write_text(text)
             self.configs[s] = path
-        self.procs: dict[str, subprocess.Popen] = {}
 
     async def start(self, timeout: float = 20) -> "AgentPair":
         for s in "AB":
             log = open(self.log_dir / f"agent-{s}.log", "wb")
-            self.procs[s] = subprocess.Popen(
-                [sys.executable, "-m", "pdd_wire", "--site", s, "--config", str(self.configs[s])],
+            cmd = [sys.executable, "-m", "pdd_wire", "--site", s]
+            if self.configs[s] is not None:
+                cmd += ["--config", str(self.configs[s])]
+            self.procs[s] = subprocess.Popen(cmd,
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
             log.close()
         async with asyncio.timeout(timeout):
