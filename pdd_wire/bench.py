@@ -46,6 +46,24 @@ def iperf3_goodput(seconds: int = 3, write: str = "1M") -> float | None:
         srv.wait()
 
 
+def bare_pipe_goodput(size: int = 64 * MiB, reps: int = 16) -> float:
+    """The bare Python pipe between two processes' memfd regions (see benchpipe), GB/s."""
+    import sys
+
+    port = free_port()
+    rx = subprocess.Popen([sys.executable, "-m", "pdd_wire.benchpipe", "rx", str(port), str(size)],
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        rx.stdout.readline()  # "ready"
+        out = subprocess.run([sys.executable, "-m", "pdd_wire.benchpipe", "tx", str(port), str(size), str(reps)],
+                             capture_output=True, text=True, check=True)
+        return float(out.stdout.strip())
+    finally:
+        rx.wait(10) if rx.poll() is None else None
+        if rx.poll() is None:
+            rx.kill()
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
@@ -178,6 +196,12 @@ async def _run(args) -> int:
         base = iperf3_goodput(2 if quick else 3)
         if base is None:
             print("# iperf3 not found: goodput ratios are left out (apt-get install iperf3)")
+        pipe = bare_pipe_goodput(reps=8 if quick else 16)
+        hot = bare_pipe_goodput(MiB, reps=1024 if quick else 4096)
+        figs.add("bare_pipe_hot_1MiB", hot, "GB/s", "iperf3 -l 1M", base,
+                 note="one 1 MiB buffer, in cache: the Python I/O path reaches iperf3")
+        figs.add("bare_pipe_cold_64MiB", pipe, "GB/s", "iperf3 -l 1M", base,
+                 note="64 MiB memfd pools, as KV moves: bytes no longer come from cache")
     async with AgentPair() as pair:
         async with EngineClient(pair.sockets["A"], "bench-A") as ea, EngineClient(pair.sockets["B"], "bench-B") as eb:
             if "goodput" in groups:
@@ -186,6 +210,8 @@ async def _run(args) -> int:
                     label = f"{size // MiB}MiB"
                     figs.add(f"kv_goodput_{label}", gbps, "GB/s", "iperf3 -l 1M", base,
                              note=f"{count} transfers, {conc} at a time, median {statistics.median(lat) * 1e3:.1f} ms each")
+                    figs.add(f"kv_goodput_{label}_vs_bare_pipe", gbps, "GB/s", "bare python pipe", pipe,
+                             note="memfd to memfd, no framing or checksums (pdd_wire.benchpipe)")
             if "latency" in groups:
                 idle = await _token_latency(ea, eb, 100 if quick else 300, "idle")
                 figs.add("token_latency_idle_p50", pct(idle, 50), "ms")

@@ -27,18 +27,19 @@ def free_port() -> int:
 
 
 def agent_toml(site: str, node: str, wan: int, admin: int, sock: str, peers: list[tuple[str, str, int]],
-               *, streams: int = 4, chunk: int = 4 << 20, extra: str = "") -> str:
+               *, streams: int = 4, chunk: int = 4 << 20, bulk_threads: int = 1, extra: str = "") -> str:
     peer_txt = "".join(f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{p}"\n'
                        f"streams = {streams}\n\n" for s, n, p in peers)
     return (f'site = "{site}"\nnode = "{node}"\n\n[listen]\nwan = "127.0.0.1:{wan}"\n'
             f'admin = "127.0.0.1:{admin}"\nengine_socket = "{sock}"\n\n{peer_txt}'
-            f"[transfer]\nchunk_bytes = {chunk}\nstreams = {streams}\n\n[log]\nformat = \"json\"\n{extra}")
+            f"[transfer]\nchunk_bytes = {chunk}\nstreams = {streams}\nbulk_threads = {bulk_threads}\n\n[log]\nformat = \"json\"\n{extra}")
 
 
 class AgentPair:
     """Agents for sites A (a1) and B (b1) as ``pdd-wired`` subprocesses."""
 
-    def __init__(self, *, streams: int = 4, chunk: int = 4 << 20, extra: str = "", log_dir: str | None = None,
+    def __init__(self, *, streams: int = 4, chunk: int = 4 << 20, bulk_threads: int = 1, extra: str = "",
+                 log_dir: str | None = None,
                  embedded: bool = False) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="pdd-wire-"))
         self.log_dir = Path(log_dir) if log_dir else self.dir
@@ -60,7 +61,8 @@ class AgentPair:
         for s in "AB":
             other = "B" if s == "A" else "A"
             text = agent_toml(s, nodes[s], ports[s][0], ports[s][1], self.sockets[s],
-                              [(other, nodes[other], ports[other][0])], streams=streams, chunk=chunk, extra=extra)
+                              [(other, nodes[other], ports[other][0])], streams=streams, chunk=chunk,
+                              bulk_threads=bulk_threads, extra=extra)
             path = self.dir / f"{s}.toml"
             path.write_text(text)
             self.configs[s] = path

@@ -1,0 +1,74 @@
+"""A bare Python loopback pipe, the ceiling for KV moved from cold registered memory here.
+
+``python -m pdd_wire.benchpipe rx PORT SIZE`` receives with a uvloop ``BufferedProtocol`` and
+``recv_into`` straight into a memfd region; ``tx PORT SIZE REPS`` sends a memfd region with
+blocking ``sendall`` in 4 MiB writes and prints GB/s. No framing, no checksums, no acks: what
+pdd-wire's bulk path would cost if it did nothing but move bytes between two processes' pools.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import mmap
+import os
+import socket
+import sys
+import time
+
+
+def _region(size: int) -> memoryview:
+    fd = os.memfd_create("benchpipe")
+    os.ftruncate(fd, size)
+    m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+    os.close(fd)
+    return memoryview(m)
+
+
+def rx(port: int, size: int) -> None:
+    import uvloop
+
+    dst = _region(size)
+
+    class Sink(asyncio.BufferedProtocol):
+        n = 0
+
+        def get_buffer(self, hint):
+            return dst[self.n:]
+
+        def buffer_updated(self, nbytes):
+            self.n = (self.n + nbytes) % size
+
+        def eof_received(self):
+            done.set_result(None)
+
+    async def main():
+        global done
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        srv = await loop.create_server(Sink, "127.0.0.1", port)
+        print("ready", flush=True)
+        await done
+        srv.close()
+
+    uvloop.run(main())
+
+
+def tx(port: int, size: int, reps: int) -> float:
+    src = _region(size)
+    src[:] = os.urandom(size)
+    s = socket.create_connection(("127.0.0.1", port))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        for off in range(0, size, 4 << 20):
+            s.sendall(src[off:off + (4 << 20)])
+    s.shutdown(socket.SHUT_WR)
+    s.recv(1)
+    return size * reps / (time.perf_counter() - t0) / 1e9
+
+
+if __name__ == "__main__":
+    role, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    if role == "rx":
+        rx(port, size)
+    else:
+        print(f"{tx(port, size, int(sys.argv[4])):.4f}")
