@@ -213,8 +213,12 @@ class Agent:
                 main = asyncio.get_running_loop()
                 conn = await asyncio.wrap_future(bulk.submit(self._adopt_bulk(sock, bulk, main)))
                 await self._wait_closed(conn, bulk)
+        except FatalHandshakeError as exc:
+            self.metrics.error(exc.code)
+            self.log.warning("inbound connection refused", remote=str(addr), error=str(exc), code=exc.code.name)
+            sock.close()
         except (TransportError, ProtocolError, TimeoutError, OSError) as exc:
-            self.log.info("inbound connection failed", remote=str(addr), error=str(exc) or type(exc).__name__)
+            self.log.info("inbound connection failed", remote=str(addr), error=str(exc) or repr(exc))
             sock.close()
         finally:
             self._inbound_conns -= 1

@@ -63,9 +63,11 @@ async def _serve(cfg: cfgmod.Config) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    from .errors import PddWireError
+
     try:
         await agent.start()
-    except OSError as exc:
+    except (OSError, PddWireError) as exc:
         structlog.get_logger("pdd_wire").error("cannot start", error=str(exc))
         await agent.shutdown(0)
         return 1

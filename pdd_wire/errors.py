@@ -28,6 +28,7 @@ class ErrorCode(enum.IntEnum):
     IDENTITY_MISMATCH = 202
     UNKNOWN_SESSION = 203
     HANDSHAKE_TIMEOUT = 204
+    TLS_REFUSED = 205
     # 3xx: transfer
     NOT_POSTED = 300
     SIZE_MISMATCH = 301

@@ -190,8 +190,9 @@ class PeerSession:
                 backoff = 0.05
                 await self._lost.wait()
             except FatalHandshakeError as exc:
-                self.log.error("peer refused the handshake", error=str(exc), code=exc.code.name)
-                self.m.error(exc.code)
+                self.log.error("handshake refused", error=str(exc), code=exc.code.name)
+                if not getattr(exc, "counted", False):
+                    self.m.error(exc.code)
                 backoff = to.reconnect_max_backoff_s
             except (TransportError, HandshakeError, TimeoutError, OSError) as exc:
                 self.log.info("peer not reachable", error=str(exc) or type(exc).__name__)
@@ -452,7 +453,13 @@ class PeerSession:
                 hw = getattr(self, "_handshake_wait", None)
                 if self.control is None and hw is not None and not hw.done():
                     cls = FatalHandshakeError if 200 <= msg.code < 300 else HandshakeError
-                    hw.set_exception(cls(f"peer refused: {msg.message}", ErrorCode.UNKNOWN_PEER))
+                    try:
+                        code = ErrorCode(msg.code)
+                    except ValueError:
+                        code = ErrorCode.INTERNAL
+                    exc = cls(f"peer refused: {msg.message}", code)
+                    exc.counted = True  # the ERROR frame was counted above
+                    hw.set_exception(exc)
             case m.Goodbye():
                 self.log.info("peer said goodbye", reason=msg.reason)
             case _:

@@ -28,7 +28,7 @@ from typing import Callable
 
 import uvloop
 
-from ..errors import ErrorCode, ProtocolError, TransportError
+from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError
 from ..wire import FrameReader, FrameType, encode_bytes, encode_body
 from ..wire.frame import Frame, PayloadSink
 from ..wire.messages import Error
@@ -56,6 +56,18 @@ def parse_preamble(raw: bytes) -> int:
 
 def error_frame(code: int, message: str) -> bytes:
     return encode_bytes(FrameType.ERROR, encode_body(Error(int(code), message[:512])))
+
+
+X509_V_ERR_HOSTNAME_MISMATCH = 62
+
+
+def tls_error(exc: ssl.SSLError, what: str) -> FatalHandshakeError:
+    """A TLS failure as a named, non-retryable handshake error."""
+    if isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_code == X509_V_ERR_HOSTNAME_MISMATCH:
+        return FatalHandshakeError(f"{what}: certificate is for another node ({exc.verify_message})",
+                                   ErrorCode.IDENTITY_MISMATCH)
+    detail = getattr(exc, "verify_message", None) or exc.reason or str(exc) or type(exc).__name__
+    return FatalHandshakeError(f"{what} refused: {detail}", ErrorCode.TLS_REFUSED)
 
 
 def tune_socket(sock: socket.socket, *, nodelay: bool) -> None:
@@ -298,7 +310,7 @@ async def dial(host: str, port: int, kind: int, protocol: FrameProtocol, *,
     except TimeoutError as exc:
         raise TransportError(f"connect to {host}:{port} timed out after {timeout}s") from exc
     except ssl.SSLError as exc:
-        raise TransportError(f"TLS with {host}:{port} failed: {exc.reason or exc}") from exc
+        raise tls_error(exc, f"TLS with {host}:{port}") from exc
     except OSError as exc:
         raise TransportError(f"connect to {host}:{port} failed: {exc.strerror or exc}") from exc
     return protocol
@@ -325,7 +337,7 @@ async def adopt(sock: socket.socket, protocol: FrameProtocol, *, ssl_ctx: ssl.SS
                                            ssl_handshake_timeout=timeout if ssl_ctx else None)
     except ssl.SSLError as exc:
         sock.close()
-        raise TransportError(f"TLS handshake refused: {exc.reason or exc}") from exc
+        raise tls_error(exc, "TLS with an inbound peer") from exc
     except OSError as exc:
         sock.close()
         raise TransportError(f"accepted connection failed: {exc}") from exc
