@@ -36,6 +36,10 @@ from .wire.handshake import check_peer
 log = structlog.get_logger("pdd_wire.agent")
 
 
+MAX_REQUEST_ID = 256  # bytes; every control frame about a request carries it
+MAX_DEADLINE_S = 7 * 86400
+
+
 class Post:
     __slots__ = ("request_id", "engine", "blocks", "from_site")
 
@@ -371,6 +375,9 @@ class Agent:
                 return self._send_kv(ec, msg)
             case p.SendTokens():
                 self._refuse_when_stopping()
+                self._check_request_id(msg.request_id)
+                if any(not 0 <= t < 1 << 32 for t in msg.tokens):
+                    raise EngineRequestError("token IDs must be in 0..2^32-1", ErrorCode.BAD_REQUEST)
                 seq = self._session_for(msg.to).send_tokens(msg.request_id, msg.tokens)
                 return {"seq": seq}
             case p.Abort():
@@ -378,6 +385,12 @@ class Agent:
             case p.Status():
                 return self.describe()
         raise EngineRequestError(f"unknown request {type(msg).__name__}", ErrorCode.BAD_REQUEST)
+
+    @staticmethod
+    def _check_request_id(request_id: str) -> None:
+        if not 0 < len(request_id.encode()) <= MAX_REQUEST_ID:
+            raise EngineRequestError(f"request_id must be 1..{MAX_REQUEST_ID} bytes, got {len(request_id.encode())}",
+                                     ErrorCode.BAD_REQUEST)
 
     def _refuse_when_stopping(self) -> None:
         if self.stopping:
@@ -430,6 +443,7 @@ class Agent:
 
     def _post(self, ec: EngineConn, msg: p.PostRecv) -> None:
         self._refuse_when_stopping()
+        self._check_request_id(msg.request_id)
         if msg.request_id in self.posts:
             raise EngineRequestError(f"request {msg.request_id!r} already has a posted receive",
                                      ErrorCode.DUPLICATE_TRANSFER)
@@ -468,9 +482,11 @@ class Agent:
         if len({s.key for s in sessions}) != len(sessions):
             raise EngineRequestError("the same peer is named twice in 'to'", ErrorCode.BAD_REQUEST)
         blocks = self._blockmap(ec, msg.blocks)  # validated once, read by every destination
+        self._check_request_id(msg.request_id)
         deadline = msg.deadline_s if msg.deadline_s is not None else self.config.transfer.default_deadline_s
-        if deadline <= 0:
-            raise EngineRequestError(f"deadline_s must be > 0, got {deadline}", ErrorCode.BAD_REQUEST)
+        if not 0 < deadline <= MAX_DEADLINE_S:  # also refuses nan and inf
+            raise EngineRequestError(f"deadline_s must be in (0, {MAX_DEADLINE_S}], got {deadline}",
+                                     ErrorCode.BAD_REQUEST)
         for s in sessions:
             if len(s.out) >= self.config.transfer.max_transfers:
                 raise EngineRequestError(f"{len(s.out)} transfers open to {s.key} (limit transfer.max_transfers)",

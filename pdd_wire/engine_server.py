@@ -62,6 +62,9 @@ class EngineConn:
                 fds = array.array("i")
                 fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
                 self._fds.extend(fds)
+        if len(self._fds) > MAX_FDS:
+            self.close(f"{len(self._fds)} file descriptors sent without register requests to use them")
+            return
         if flags & socket.MSG_CTRUNC:
             self.close("too many file descriptors in one message")
             return

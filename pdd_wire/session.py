@@ -114,6 +114,7 @@ class PeerSession:
         self.window = self.cfg.transfer.credit_bytes
         self.credit = self.window
         self.chunk_bytes = self.cfg.transfer.chunk_bytes
+        self.peer_max_body = 4096  # the format's floor until the peer says more
         self.inflight: dict[tuple[int, int], tuple[int, int, float]] = {}
         self.rr: collections.deque[int] = collections.deque()
         # Token streams are kept until evicted as least recently used (and never while they hold
@@ -276,6 +277,7 @@ class PeerSession:
         if isinstance(info, m.Welcome):
             self.remote_token = info.session
         self.chunk_bytes = min(self.cfg.transfer.chunk_bytes, info.max_chunk)
+        self.peer_max_body = info.max_body
         self.window = max(negotiate_limit(self.cfg.transfer.credit_bytes, info.credit_bytes), self.chunk_bytes)
         self.streams = max(1, min(self.configured_streams, info.bulk_streams))
         self.credit = self.window - sum(n for _, n, _ in self.inflight.values())
@@ -863,7 +865,9 @@ class PeerSession:
             raise PddWireError(f"over {MAX_UNACKED_TOKENS} unacknowledged tokens for request {request_id!r}",
                                ErrorCode.LIMIT_EXCEEDED)
         first = ts.next_seq
-        step = self.cfg.limits.max_tokens_per_frame
+        # A token ID takes at most 9 bytes of msgpack; the rest of the body is the request id.
+        room = (self.peer_max_body - 64 - len(request_id.encode())) // 9
+        step = max(1, min(self.cfg.limits.max_tokens_per_frame, room))
         now = time.monotonic()
         for i in range(0, len(tokens), step):
             part = tokens[i:i + step]
@@ -979,7 +983,10 @@ class BulkHandler:
         self.conn.on_lost = self._on_lost
 
     def _sink(self, header, body):
-        if header.type != FrameType.KV_CHUNK or self.session is None:
+        if self.session is None:
+            # Refuse before a payload byte is read (no scratch for unauthenticated peers).
+            raise ProtocolError("payload before BULK_HELLO", ErrorCode.UNEXPECTED_FRAME)
+        if header.type != FrameType.KV_CHUNK:
             self._claim = None
             return None
         route = self.session.routes.get(header.transfer_id)

@@ -253,8 +253,13 @@ class FrameReader:
         self._n = 0
         if h.payload_len == 0:
             return self._finish(payload_done=False)
-        segs = self._sink(h, bytes(self._body)) if self._sink is not None else None
+        if self._sink is None:
+            # No sink: every frame gets its own payload buffer (one feed() may return several).
+            segs = [memoryview(bytearray(h.payload_len))]
+        else:
+            segs = self._sink(h, bytes(self._body))
         if segs is None:
+            # The sink declined: read into scratch space, reused, for the caller to drop.
             if self._scratch is None or len(self._scratch) < h.payload_len:
                 self._scratch = bytearray(h.payload_len)
             segs = [memoryview(self._scratch)[: h.payload_len]]
