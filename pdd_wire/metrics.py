@@ -45,6 +45,8 @@ class Metrics:
         self.engines = Gauge(p + "engines_connected", "Engines on the engine socket", registry=r)
         self.regions = Gauge(p + "regions_registered", "Registered memory regions", registry=r)
         self.region_bytes = Gauge(p + "region_bytes", "Bytes of registered memory", registry=r)
+        self.token_gaps = Counter(p + "token_gaps", "Token frames that arrived after a gap (resend asked)",
+                                  ["peer"], registry=r)
         self.tokens = Counter(p + "tokens", "Token IDs relayed", ["peer", "direction"], registry=r)
 
     def error(self, code) -> None:

@@ -28,7 +28,7 @@ from .errors import ErrorCode, FatalHandshakeError, HandshakeError, PddWireError
 from .memory import BlockMap, chunk_range
 from .transfer import InTransfer, OutTransfer, Route, State
 from .transport.tcp import KIND_BULK, KIND_CONTROL, BulkLoop, FrameProtocol, dial
-from .wire import FrameType, Lane, decode_body, encode, encode_body
+from .wire import HEADER_SIZE, FrameType, Lane, decode_body, encode, encode_body
 from .wire import messages as m
 from .wire.frame import Frame
 from .wire.handshake import CAPABILITIES, choose_version, negotiate_limit
@@ -76,6 +76,7 @@ class BulkLink:
 
 
 MAX_UNACKED_TOKENS = 1 << 20
+_LANE_NAMES = ("control", "token", "bulk")
 
 
 class TokenStream:
@@ -414,8 +415,9 @@ class PeerSession:
             self.m.error(exc.code)
             conn.fail(exc)
             return
-        self.m.frames.labels(peer=self.key, lane=Lane(h.lane).name.lower() if h.lane < 3 else "?",
-                             direction="rx").inc()
+        lane_name = _LANE_NAMES[h.lane]
+        self.m.frames.labels(peer=self.key, lane=lane_name, direction="rx").inc()
+        self.m.bytes.labels(peer=self.key, lane=lane_name, direction="rx").inc(HEADER_SIZE + h.body_len)
         match msg:
             case m.Welcome() if self.dialer and self.control is None:
                 self._on_welcome(conn, msg)
@@ -474,11 +476,14 @@ class PeerSession:
         c = self.control
         if c is None or c.closed:
             return False
+        frame = encode(ftype, encode_body(body), lane=lane, transfer_id=tid)
         try:
-            c.send(encode(ftype, encode_body(body), lane=lane, transfer_id=tid))
+            c.send(frame)
         except TransportError:
             return False
-        self.m.frames.labels(peer=self.key, lane=Lane(lane).name.lower(), direction="tx").inc()
+        lane_name = _LANE_NAMES[lane]
+        self.m.frames.labels(peer=self.key, lane=lane_name, direction="tx").inc()
+        self.m.bytes.labels(peer=self.key, lane=lane_name, direction="tx").inc(len(frame[0]))
         return True
 
     # ------------------------------------------------------------------ sending KV
@@ -898,8 +903,12 @@ class PeerSession:
             self._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect), lane=Lane.TOKEN)
             return  # a resend of what was delivered
         if msg.seq > expect:
-            self.log.error("token gap; dropping frame", request_id=msg.request_id, expected=expect, got=msg.seq)
-            self.m.error(ErrorCode.MALFORMED_BODY)
+            # A gap: something before this frame was lost. Drop it and ask for everything from
+            # the first missing token; the sender still holds all it has not seen acknowledged.
+            self.log.warning("token gap; asking for a resend", request_id=msg.request_id, expected=expect,
+                             got=msg.seq)
+            self.m.token_gaps.labels(peer=self.key).inc()
+            self._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect, True), lane=Lane.TOKEN)
             return
         fresh = msg.tokens[expect - msg.seq:]
         self.tok_in[msg.request_id] = end
@@ -919,6 +928,9 @@ class PeerSession:
             _, part, sent = ts.unacked.popleft()
             ts.pending -= len(part)
             self.m.token_seconds.observe(now - sent)
+        if msg.resend:
+            for seq, part, _ in ts.unacked:
+                self._send(FrameType.TOKENS, m.Tokens(msg.request_id, seq, part), lane=Lane.TOKEN)
 
     # ------------------------------------------------------------------ heartbeat and housekeeping
     async def _tick_forever(self) -> None:

@@ -153,6 +153,7 @@ class Tokens(msgspec.Struct, **_fast):
 class TokensAck(msgspec.Struct, **_fast):
     request_id: str
     next_seq: int
+    resend: bool = False  # a gap was seen: send again everything unacknowledged from next_seq
 
 
 BODY_TYPES: dict[int, type] = {
