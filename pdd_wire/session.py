@@ -97,6 +97,7 @@ class PeerSession:
         self.cfg = host.config
         self.peer = peer
         self.key = f"{peer.site}/{peer.node}"
+        self.index = host.config.peers.index(peer)  # spreads sessions over the bulk threads
         self.dialer = (self.cfg.site, self.cfg.node) < (peer.site, peer.node)
         self.log = log.bind(peer=self.key)
         self.m = host.metrics
@@ -366,7 +367,7 @@ class PeerSession:
     async def _dial_stream(self, stream: int, delay: float) -> None:
         backoff = max(delay, 0.05)
         host, port = parse_hostport(self.peer.address, "peer.address")
-        bulk = self.host.bulk_loop(stream)
+        bulk = self.host.bulk_loop(self.index * self.configured_streams + stream)
         main = asyncio.get_running_loop()
         if delay:
             await asyncio.sleep(delay)

@@ -63,7 +63,7 @@ shutdown_grace_s = 2
 async def run_agents(tomls: dict, sites=("A", "B"), wait_up: bool = True):
     agents = {}
     try:
-        for s in sites:
+        for s in (sites if set(sites) <= set(tomls) else [k for k in tomls if k != "ports"]):
             a = Agent(cfgmod.loads(tomls[s]))
             await a.start()
             agents[s] = a
@@ -84,3 +84,32 @@ async def wait_links(agent: Agent, timeout: float = 10) -> None:
         for sess in agent.sessions.values():
             while not (sess.is_up and len(sess.links) == sess.streams):
                 await asyncio.sleep(0.01)
+
+
+def cluster_toml(tmp: Path, nodes: list[tuple[str, str]], *, local_transport: str = "tcp", streams: int = 4,
+                 extra: str = "") -> dict[str, str]:
+    """TOML texts keyed by node name, every agent a peer of every other; same-site peers use
+    ``local_transport``. Sockets are ``tmp/<node>.sock``."""
+    ports = {n: free_port() for _, n in nodes}
+    out = {}
+    for site, node in nodes:
+        peers = "".join(
+            f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{ports[n]}"\n'
+            f'transport = "{local_transport if s == site else "tcp"}"\nstreams = {streams}\n\n'
+            for s, n in nodes if n != node)
+        out[node] = f"""
+site = "{site}"
+node = "{node}"
+[listen]
+wan = "127.0.0.1:{ports[node]}"
+admin = "127.0.0.1:0"
+engine_socket = "{tmp}/{node}.sock"
+{peers}
+[timeouts]
+heartbeat_s = 0.2
+dead_after_s = 1.5
+reconnect_max_backoff_s = 0.2
+shutdown_grace_s = 2
+{extra}
+"""
+    return out
