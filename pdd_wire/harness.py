@@ -101,7 +101,7 @@ class AgentPair:
 
     def stop(self) -> dict[str, int]:
         codes = {}
-        for s, pr in self.procs.items():
+        for pr in self.procs.values():
             if pr.poll() is None:
                 pr.send_signal(signal.SIGTERM)
         for s, pr in self.procs.items():

@@ -1,13 +1,10 @@
-"""Real agents for tests: in-process (on the test's loop) or as subprocesses."""
+"""Real agents for tests, in-process on the test's loop (subprocess agents: pdd_wire.harness)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 from pdd_wire import config as cfgmod
