@@ -18,7 +18,7 @@ import time
 
 import structlog
 
-from . import systemd
+from . import policy, systemd
 from .config import Config, parse_hostport
 from .engine import protocol as p
 from .engine_server import EngineConn, EngineServer
@@ -384,6 +384,8 @@ class Agent:
                 return {"cancelled": await self._abort(ec, msg.request_id, msg.reason)}
             case p.Status():
                 return self.describe()
+            case p.ChoosePipeline():
+                return self._choose_pipeline(msg)
         raise EngineRequestError(f"unknown request {type(msg).__name__}", ErrorCode.BAD_REQUEST)
 
     @staticmethod
@@ -391,6 +393,25 @@ class Agent:
         if not 0 < len(request_id.encode()) <= MAX_REQUEST_ID:
             raise EngineRequestError(f"request_id must be 1..{MAX_REQUEST_ID} bytes, got {len(request_id.encode())}",
                                      ErrorCode.BAD_REQUEST)
+
+    def _choose_pipeline(self, msg: p.ChoosePipeline) -> dict:
+        try:
+            req = policy.RequestFigures(input_tokens=msg.input_tokens, prefix_hit_tokens=msg.prefix_hit_tokens,
+                                        expected_output_tokens=msg.expected_output_tokens)
+        except ValueError as exc:
+            raise EngineRequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
+        session = self._session_for(msg.to)
+        link = session.link_figures()
+        try:
+            d = policy.choose_pipeline(req, link, msg.kv_bytes_per_token, self.config.policy.pipeline)
+        except ValueError as exc:
+            raise EngineRequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
+        self.metrics.pipelines.labels(pipeline=d.pipeline, reason=d.reason).inc()
+        self.log.info("pipeline chosen", request_id=msg.request_id, pipeline=d.pipeline, reason=d.reason,
+                      predicted_wan_s=d.predicted_wan_s, detail=d.detail)
+        return {"pipeline": d.pipeline, "reason": d.reason, "predicted_wan_s": d.predicted_wan_s,
+                "detail": d.detail, "link": {"bandwidth_Bps": link.bandwidth_Bps, "queue_bytes": link.queue_bytes,
+                                             "rtt_s": link.rtt_s, "peer": session.key}}
 
     def _refuse_when_stopping(self) -> None:
         if self.stopping:

@@ -17,6 +17,7 @@ from typing import Literal
 import msgspec
 
 from .errors import ConfigError
+from .policy import HandoffPolicy, PipelineConfig
 
 MiB = 1 << 20
 
@@ -79,6 +80,13 @@ class Tls(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True)
         return bool(self.cert)
 
 
+class Policy(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """PDD's per-request choices (see pdd_wire.policy for every field)."""
+
+    pipeline: PipelineConfig = PipelineConfig()
+    handoff: HandoffPolicy = HandoffPolicy()
+
+
 class Log(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     level: Literal["debug", "info", "warning", "error"] = "info"
     format: Literal["auto", "json", "console"] = "auto"
@@ -93,6 +101,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     limits: Limits = Limits()
     timeouts: Timeouts = Timeouts()
     tls: Tls = Tls()
+    policy: Policy = Policy()
     log: Log = Log()
 
     def peer_sites(self) -> dict[str, set[str]]:

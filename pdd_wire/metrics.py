@@ -47,6 +47,8 @@ class Metrics:
         self.region_bytes = Gauge(p + "region_bytes", "Bytes of registered memory", registry=r)
         self.token_gaps = Counter(p + "token_gaps", "Token frames that arrived after a gap (resend asked)",
                                   ["peer"], registry=r)
+        self.pipelines = Counter(p + "pipeline_choices", "Pipelines chosen for requests, by reason",
+                                 ["pipeline", "reason"], registry=r)
         self.tokens = Counter(p + "tokens", "Token IDs relayed", ["peer", "direction"], registry=r)
 
     def error(self, code) -> None:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import structlog
 
+from . import policy
 from .config import Config, Peer, parse_hostport
 from .errors import ErrorCode, FatalHandshakeError, HandshakeError, PddWireError, ProtocolError, TransportError
 from .memory import BlockMap, chunk_range
@@ -132,6 +133,7 @@ class PeerSession:
         self._last_rx = time.monotonic()
         self._ping_nonce = itertools.count(1)
         self.rtt_s: float | None = None
+        self.goodput_Bps = 0.0  # EWMA of finished transfers' goodput
         self.m.peer_up.labels(peer=self.key).set(0)
 
     # ------------------------------------------------------------------ lifecycle
@@ -608,6 +610,9 @@ class PeerSession:
         dt = time.monotonic() - t.started
         self.m.transfers.labels(peer=self.key, direction="out", outcome="done").inc()
         self.m.transfer_seconds.labels(direction="out").observe(dt)
+        if t.total >= 1 << 20 and dt > 0:  # small transfers measure the RTT, not the bandwidth
+            rate = t.total / dt
+            self.goodput_Bps = rate if not self.goodput_Bps else 0.8 * self.goodput_Bps + 0.2 * rate
         self.host.kv_sent(t)
 
     def _release_out(self, t: OutTransfer) -> None:
@@ -962,8 +967,16 @@ class PeerSession:
                     self.m.retransmits.labels(peer=self.key, reason="ack_timeout").inc()
                     self._requeue(t, k)
 
+    def link_figures(self) -> "policy.LinkFigures":
+        """The live estimate of this link: goodput of recent transfers (EWMA), the KV bytes
+        still to send, and the control-lane RTT. Bandwidth is 0 (unknown) until a transfer of
+        at least 1 MiB has finished, or while the peer is down."""
+        queued = sum(t.total - len(t.acked) * t.chunk_bytes for t in self.out.values())
+        return policy.LinkFigures(bandwidth_Bps=self.goodput_Bps if self.is_up else 0.0,
+                                  queue_bytes=max(0, queued), rtt_s=self.rtt_s or 0.0)
+
     def describe(self) -> dict:
-        return {"peer": self.key, "address": self.peer.address, "transport": self.peer.transport,
+        return {"peer": self.key, "goodput_Bps": round(self.goodput_Bps), "address": self.peer.address, "transport": self.peer.transport,
                 "role": "dialer" if self.dialer else "listener", "up": self.is_up,
                 "bulk_streams_up": len(self.links), "bulk_streams": self.streams,
                 "rtt_ms": round(self.rtt_s * 1e3, 3) if self.rtt_s is not None else None,

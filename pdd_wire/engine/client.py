@@ -151,6 +151,15 @@ class EngineClient:
     async def status(self) -> dict:
         return await self._call(p.Status())
 
+    async def choose_pipeline(self, request_id: str, *, to: str, input_tokens: int, prefix_hit_tokens: int,
+                              expected_output_tokens: int, kv_bytes_per_token: int) -> dict:
+        """The agent's pipeline choice for a request (``P-MD``, ``P-RLD-MD`` or, only through
+        the anomalous-traffic filter, ``P-RLD``), from the live link to ``to``. Returns
+        ``{"pipeline", "reason", "predicted_wan_s", "detail", "link": {...}}``."""
+        return await self._call(p.ChoosePipeline(
+            request_id=request_id, to=to, input_tokens=input_tokens, prefix_hit_tokens=prefix_hit_tokens,
+            expected_output_tokens=expected_output_tokens, kv_bytes_per_token=kv_bytes_per_token))
+
     # -- events ------------------------------------------------------------------------------
     async def wait(self, request_id: str, *, kinds=(p.KvReceived, p.KvSent, p.TransferFailed),
                    timeout: float | None = None) -> p.Msg:

@@ -80,6 +80,17 @@ class Status(Msg, tag="status"):
     pass
 
 
+class ChoosePipeline(Msg, tag="choose_pipeline"):
+    """Which PDD pipeline for a request, from its figures and the live link to ``to``."""
+
+    request_id: str
+    to: str  # the main decoder's site (or site/node)
+    input_tokens: int
+    prefix_hit_tokens: int
+    expected_output_tokens: int
+    kv_bytes_per_token: int
+
+
 # -- replies (agent -> engine) -----------------------------------------------------------
 class Ok(Msg, tag="ok"):
     result: dict = {}
@@ -129,7 +140,7 @@ class Shutdown(Msg, tag="shutdown"):
     grace_s: float
 
 
-Request = Hello | Register | Deregister | PostRecv | SendKv | SendTokens | Abort | Status
+Request = Hello | Register | Deregister | PostRecv | SendKv | SendTokens | Abort | Status | ChoosePipeline
 ToEngine = Ok | Err | KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown
 Event = KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown
 
