@@ -291,6 +291,7 @@ class PeerSession:
         if not first:
             self.m.reconnects.labels(peer=self.key).inc()
         self.log.info("peer up", resumed=not restarted, streams=self.streams)
+        self._send(FrameType.PING, m.Ping(next(self._ping_nonce), time.monotonic_ns()))  # an RTT at once
         self._resume()
         if self.dialer:
             for s in range(self.streams):
