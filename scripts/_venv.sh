@@ -51,7 +51,7 @@ ensure_venv() {
         echo "==> installing pdd-wire (editable, extra 'test') into $venv" >&2
         # shellcheck disable=SC2086  # ${CI:+...} expands to two words or none
         if ! (cd "$_PDD_ROOT" && "$venv/bin/python" -m pip install --disable-pip-version-check \
-                ${CI:+--progress-bar off} -e '.[test]'); then
+                ${CI:+--progress-bar off} -e '.[test]' >&2); then
             echo "error: installing pdd-wire into $venv failed (see pip's output above)." >&2
             return 1
         fi
