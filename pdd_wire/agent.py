@@ -114,7 +114,8 @@ class Agent:
         self.engine_server = EngineServer(cfg.listen.engine_socket, cfg.listen.engine_socket_mode,
                                           handler=self._engine_request, on_gone=self._engine_gone,
                                           max_engines=cfg.limits.max_engines, max_message=16 << 20,
-                                          allowed_uids=uids, on_error=self.metrics.error)
+                                          allowed_uids=uids, on_error=self.metrics.error,
+                                          max_out=cfg.limits.engine_queue_bytes)
         await self.engine_server.start()
         if cfg.listen.admin:
             from .admin import AdminServer

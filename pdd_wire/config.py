@@ -55,7 +55,7 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     max_regions: int = 4096  # per engine
     max_tokens_per_frame: int = 8192
     max_peer_connections: int = 64  # inbound WAN connections at once
-    engine_queue: int = 65536  # events queued for one engine before it is cut off as stuck
+    engine_queue_bytes: int = 64 * MiB  # unread events for one engine before it is cut off as stuck
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

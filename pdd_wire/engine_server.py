@@ -23,7 +23,6 @@ from .errors import EngineRequestError, ErrorCode, PddWireError, ProtocolError
 log = structlog.get_logger("pdd_wire.engine")
 
 MAX_FDS = 4
-MAX_OUT = 64 << 20  # bytes of unread events before an engine is cut off
 
 
 class EngineConn:
@@ -107,7 +106,7 @@ class EngineConn:
         if self.closed:
             return
         self._out += p.encode(msg)
-        if len(self._out) > MAX_OUT:
+        if len(self._out) > self.server.max_out:
             self.close(f"engine is not reading its events ({len(self._out)} bytes queued)")
             return
         if not self._writing:
@@ -158,7 +157,7 @@ class EngineServer:
 
     def __init__(self, path: str, mode: int, *, handler: Callable[..., Awaitable[dict | None]],
                  on_gone: Callable[[EngineConn], Awaitable[None]], max_engines: int, max_message: int,
-                 allowed_uids: set[int], on_error=lambda code: None) -> None:
+                 allowed_uids: set[int], on_error=lambda code: None, max_out: int = 64 << 20) -> None:
         self.path = path
         self.mode = mode
         self.handler = handler
@@ -166,6 +165,7 @@ class EngineServer:
         self.on_error = on_error
         self.max_engines = max_engines
         self.max_message = max_message
+        self.max_out = max_out  # bytes of unread events before an engine is cut off
         self.allowed_uids = allowed_uids
         self.engines: dict[int, EngineConn] = {}
         self._sock: socket.socket | None = None

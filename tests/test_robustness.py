@@ -782,3 +782,31 @@ async def test_receiving_engine_killed_mid_transfer(tmp_sock_dir, engines):
             await ea.send_tokens("after", "B", [8, 9])
             assert (await survivor.wait_tokens("after", timeout=10)).tokens == [8, 9]
             assert bytes(dst.buf) == snapshot
+
+
+async def test_engine_that_stops_reading_is_cut_off(tmp_sock_dir):
+    """Replies and events for an engine that never reads pile up only to limits.engine_queue_bytes;
+    then the agent drops that engine (and what it holds), not its own memory bound."""
+    import socket as _socket
+
+    from pdd_wire.engine import protocol as ep
+    from support.agents import run_agents as _run, two_site_toml as _toml
+
+    tomls = _toml(tmp_sock_dir, extra="[limits]\nengine_queue_bytes = 65536\n")
+    async with _run(tomls) as ag:
+        a = ag["A"]
+        sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+        sock.connect(str(tmp_sock_dir / "A.sock"))
+        sock.setsockopt(_socket.SOL_SOCKET, _socket.SO_RCVBUF, 4096)
+        try:
+            async with asyncio.timeout(20):
+                while not a.engine_server.engines:
+                    await asyncio.sleep(0.01)
+                # status replies are large; never read any of them
+                req = b"".join(ep.encode(ep.Status(id=i + 1)) for i in range(400))
+                await asyncio.to_thread(sock.sendall, req)
+                while a.engine_server.engines:
+                    await asyncio.sleep(0.01)
+            assert not a.engine_server.engines
+        finally:
+            sock.close()
