@@ -184,9 +184,6 @@ class BlockMap:
             i += 1
         return out
 
-    def alive(self) -> bool:
-        return not any(r.closed for r in self.regions.values())
-
 
 def n_chunks(total: int, chunk_bytes: int) -> int:
     return (total + chunk_bytes - 1) // chunk_bytes

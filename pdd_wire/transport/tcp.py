@@ -174,8 +174,6 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.error: BaseException | None = None
         self._gulp = bytearray(64 * 1024)
         self._gulp_view = memoryview(self._gulp)
-        self._paused = False
-        self._drain: asyncio.Future | None = None
         self.connected = asyncio.get_event_loop().create_future()
         self.peer_names: set[str] = set()
         self._close_callbacks: list[Callable[[], None]] = []
@@ -222,8 +220,6 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         first = not self.closed
         self.closed = True
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_exception(TransportError("connection lost"))
         if not self.connected.done():
             self.connected.set_exception(TransportError("connection lost before it was made"))
         if first or self.error is not None:
@@ -233,34 +229,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
         for cb in callbacks:
             cb()
 
-    def pause_writing(self) -> None:
-        self._paused = True
-
-    def resume_writing(self) -> None:
-        self._paused = False
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
-
     # use ------------------------------------------------------------------------------
     def send(self, buffers) -> None:
-        """Queue a frame's buffers (from :func:`pdd_wire.wire.encode`); memoryviews are not copied."""
+        """Queue a frame's buffers (from :func:`pdd_wire.wire.encode`); memoryviews are not copied.
+        There is no drain: what a session queues on its bulk connections is bounded by its credit
+        window (and held as views of registered memory), control frames are small."""
         if self.closed or self.transport is None:
             raise TransportError("connection closed")
         self.transport.writelines(buffers)
-
-    def send_bytes(self, data: bytes) -> None:
-        if self.closed or self.transport is None:
-            raise TransportError("connection closed")
-        self.transport.write(data)
-
-    async def drain(self) -> None:
-        if self._paused and not self.closed:
-            self._drain = asyncio.get_running_loop().create_future()
-            await self._drain
-
-    @property
-    def write_buffer_size(self) -> int:
-        return self.transport.get_write_buffer_size() if self.transport and not self.closed else 0
 
     def fail(self, exc: BaseException) -> None:
         """Send an ERROR frame naming ``exc`` (best effort) and abort the connection."""
