@@ -123,10 +123,6 @@ class Agent:
             self.admin = AdminServer(self)
             await self.admin.start()
         for peer in cfg.peers:
-            if peer.transport == "ucx":
-                # pdd_wire.transport.ucx exists and is tested; sessions do not drive it yet.
-                self.log.warning("UCX data path not wired into sessions yet; KV to this peer uses TCP",
-                                 peer=f"{peer.site}/{peer.node}")
             s = PeerSession(self, peer)
             self.sessions[s.key] = s
             self.by_site[peer.site].append(s)

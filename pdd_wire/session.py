@@ -25,9 +25,11 @@ import structlog
 
 from . import policy
 from .config import Config, Peer, parse_hostport
-from .errors import ErrorCode, FatalHandshakeError, HandshakeError, PddWireError, ProtocolError, TransportError
+from .errors import (ErrorCode, FatalHandshakeError, HandshakeError, PddWireError, ProtocolError, TransferError,
+                     TransportError)
 from .memory import BlockMap, chunk_range
 from .transfer import InTransfer, OutTransfer, Route, State
+from .transport import ucx
 from .transport.tcp import KIND_BULK, KIND_CONTROL, BulkLoop, FrameProtocol, dial
 from .wire import HEADER_SIZE, FrameType, Lane, decode_body, encode, encode_body
 from .wire import messages as m
@@ -133,11 +135,27 @@ class PeerSession:
         self._last_rx = time.monotonic()
         self._ping_nonce = itertools.count(1)
         self.rtt_s: float | None = None
+        # The same-site UCX path: KV chunks as tagged UCX messages instead of bulk TCP streams.
+        self.ucx: ucx.UcxPeer | None = None
+        self.ucx_loop: ucx.UcxLoop | None = None
+        self.ucx_ready = False  # endpoint to the peer's worker made (this connection)
+        self._ucx_remote = b""
+        self._dir_out = ucx.DIR_DIALER if self.dialer else ucx.DIR_ACCEPTOR
+        self._dir_in = ucx.DIR_ACCEPTOR if self.dialer else ucx.DIR_DIALER
         self.goodput_Bps = 0.0  # EWMA of finished transfers' goodput
         self.m.peer_up.labels(peer=self.key).set(0)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
+        self._main = asyncio.get_running_loop()
+        if self.peer.transport == "ucx":
+            ok, why = ucx.available()
+            if ok:
+                self.ucx_loop = ucx.acquire_loop()
+                self.ucx = ucx.UcxPeer(self.ucx_loop, name=self.key)
+                self.log.info("KV to this peer goes over UCX", ucx=why)
+            else:
+                self.log.warning("transport = 'ucx' but UCX is unavailable; KV to this peer uses TCP", reason=why)
         if self.dialer:
             self._spawn(self._dial_forever(), "dial")
         self._spawn(self._tick_forever(), "tick")
@@ -163,6 +181,15 @@ class PeerSession:
             self._fail_out(t, ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
         for t in list(self.inn.values()):
             await self._fail_in(t, ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
+        if self.ucx is not None:
+            self.ucx.close()
+            try:
+                async with asyncio.timeout(5):
+                    await self.ucx_loop.run(self.ucx.wait_closed())
+            except (TimeoutError, TransportError, RuntimeError):
+                pass
+            ucx.release_loop(self.ucx_loop)
+            self.ucx = None
 
     @property
     def is_up(self) -> bool:
@@ -182,7 +209,8 @@ class PeerSession:
                 hello = m.Hello(versions=list(m.SUPPORTED_VERSIONS), site=self.cfg.site, node=self.cfg.node,
                                 incarnation=self.host.incarnation, capabilities=list(CAPABILITIES),
                                 max_body=self.cfg.limits.max_body, max_chunk=64 << 20,
-                                credit_bytes=self.cfg.transfer.credit_bytes, bulk_streams=self.configured_streams)
+                                credit_bytes=self.cfg.transfer.credit_bytes, bulk_streams=self.configured_streams,
+                                ucx_address=self.ucx.local_address() if self.ucx else b"")
                 self._handshake_wait = asyncio.get_running_loop().create_future()
                 self._handshake_conn = conn
                 conn.send(encode(FrameType.HELLO, encode_body(hello)))
@@ -249,7 +277,8 @@ class PeerSession:
                             capabilities=list(CAPABILITIES), max_body=self.cfg.limits.max_body,
                             max_chunk=64 << 20, credit_bytes=self.cfg.transfer.credit_bytes,
                             bulk_streams=self.configured_streams,
-                            resumed=self.remote_incarnation == hello.incarnation)
+                            resumed=self.remote_incarnation == hello.incarnation,
+                            ucx_address=self.ucx.local_address() if self.ucx else b"")
         conn.send(encode(FrameType.WELCOME, encode_body(welcome)))
         self._established(conn, hello.incarnation, hello)
         return welcome
@@ -293,9 +322,82 @@ class PeerSession:
         self.log.info("peer up", resumed=not restarted, streams=self.streams)
         self._send(FrameType.PING, m.Ping(next(self._ping_nonce), time.monotonic_ns()))  # an RTT at once
         self._resume()
-        if self.dialer:
+        if self.ucx is not None and info.ucx_address:
+            if not self.ucx_ready:
+                self._spawn(self._ucx_connect(info.ucx_address), "ucx-connect")
+            elif info.ucx_address != self._ucx_remote:
+                # The peer restarted with a new UCX worker; ours is bound to its old one. Start
+                # over with a fresh worker (a new handshake carries its address).
+                self._spawn(self._ucx_renew(), "ucx-renew")
+        elif self.dialer:
             for s in range(self.streams):
                 self._start_stream(s)
+
+    @property
+    def over_ucx(self) -> bool:
+        return self.ucx is not None and self.ucx_ready
+
+    async def _ucx_connect(self, remote: bytes) -> None:
+        try:
+            await self.ucx_loop.run(self.ucx.connect(remote))
+        except (TransportError, RuntimeError) as exc:
+            self.log.error("UCX endpoint failed; KV to this peer waits", error=str(exc))
+            return
+        self._ucx_remote = remote
+        self.ucx_ready = True
+        self.log.info("UCX endpoint up")
+        self._pump()
+
+    async def _ucx_renew(self) -> None:
+        old, self.ucx, self.ucx_ready = self.ucx, ucx.UcxPeer(self.ucx_loop, name=self.key), False
+        old.close()
+        if self.control is not None:
+            self.control.abort()
+
+    async def _ucx_send(self, tid: int, k: int, views) -> None:
+        """On the UCX loop. A chunk whose blocks are not contiguous is gathered first (a copy)."""
+        buf = views[0] if len(views) == 1 else b"".join(views)
+        await self.ucx.send(ucx.tag_for(self._dir_out, tid, k), buf)
+
+    def _ucx_sent(self, tid: int, k: int, fut) -> None:
+        """A UCX send ended (main loop): a failure requeues the chunk; delivery is acked on control."""
+        if fut.cancelled() or fut.exception() is None:
+            return
+        self.log.warning("UCX send failed", transfer_id=tid, chunk=k, error=str(fut.exception()))
+        self._uninflight(tid, k)
+        t = self.out.get(tid)
+        if t is not None:
+            t.retransmits += 1
+            self.m.retransmits.labels(peer=self.key, reason="ucx_error").inc()
+            asyncio.get_running_loop().call_later(0.1, self._requeue, t, k)
+
+    async def _ucx_recv(self, t: InTransfer, k: int, main: asyncio.AbstractEventLoop) -> None:
+        """On the UCX loop: receive chunk ``k`` straight into the posted blocks (staged only when
+        they are not contiguous). No xxh3 here: UCX moves the bytes memory to memory (RDMA carries
+        its own link CRC), and the checksum pass would cost as much as the copy."""
+        start, end = chunk_range(k, t.total, t.chunk_bytes)
+        views = t.route.claim(k, end - start)
+        if views is None:
+            return
+        ok = False
+        try:
+            tag = ucx.tag_for(self._dir_in, t.tid, k)
+            if len(views) == 1:
+                await self.ucx.recv(tag, views[0])
+            else:
+                staging = bytearray(end - start)
+                await self.ucx.recv(tag, staging)
+                pos = 0
+                for v in views:
+                    v[:] = staging[pos:pos + len(v)]
+                    pos += len(v)
+            ok = True
+        except (TransferError, TransportError, asyncio.CancelledError):
+            pass
+        finally:
+            t.route.settle(k, ok)
+        if ok:
+            main.call_soon_threadsafe(self.chunk_arrived, t.tid, k, True, end - start, True)
 
     def _on_control_lost(self, conn: FrameProtocol, exc) -> None:
         if conn is not self.control:
@@ -525,7 +627,7 @@ class PeerSession:
 
     def _pump(self) -> None:
         """Dispatch chunks while credit and bulk connections allow, round robin over transfers."""
-        if not self.links or not self.is_up:
+        if not self.is_up or not (self.links or self.over_ucx):
             return
         links = list(self.links.values())
         while self.rr:
@@ -543,9 +645,15 @@ class PeerSession:
                 return
             t.pending.popleft()
             self.rr.rotate(-1)
+            self.credit -= n
+            if self.over_ucx:
+                self.inflight[(t.tid, k)] = (-1, n, time.monotonic())
+                fut = self.ucx_loop.submit(self._ucx_send(t.tid, k, views))
+                fut.add_done_callback(lambda f, tid=t.tid, k=k: self._main.call_soon_threadsafe(
+                    self._ucx_sent, tid, k, f))
+                continue
             link = min(links, key=lambda lk: lk.outstanding)
             link.outstanding += n
-            self.credit -= n
             self.inflight[(t.tid, k)] = (link.stream, n, time.monotonic())
             link.loop.call(_bulk_send, link.conn, t.tid, k, views)
         self.m.inflight_bytes.labels(peer=self.key).set(self.window - self.credit)
@@ -689,6 +797,9 @@ class PeerSession:
         t.timer = loop.call_at(t.deadline + 1.0, lambda: asyncio.ensure_future(
             self._fail_in(t, ErrorCode.TRANSFER_TIMEOUT, "transfer deadline passed", notify_peer=True)))
         self.m.inflight.labels(direction="in").inc()
+        if self.over_ucx:
+            for k in range(t.n_chunks):  # waiting receives cost nothing until their message comes
+                self.ucx_loop.submit(self._ucx_recv(t, k, loop))
         self._send(FrameType.KV_ACCEPT, m.KvAccept(begin.request_id), tid=tid)
         return t
 
@@ -768,7 +879,12 @@ class PeerSession:
             return
         t.state = State.FAILED
         self.routes.pop(t.tid, None)
-        await self._quiesce(t.route)  # no bulk thread writes into the blocks after this
+        if self.ucx is not None and self.ucx_loop.running:
+            try:
+                await self.ucx_loop.run(self.ucx.cancel_transfer(self._dir_in, t.tid, drain_s=5.0))
+            except TransportError:
+                pass
+        await self._quiesce(t.route)  # no bulk thread (nor UCX) writes into the blocks after this
         self._forget_in(t)
         if notify_peer:
             self._send(FrameType.KV_CANCEL, m.KvCancel(t.request_id, int(code), message, True), tid=t.tid)
@@ -977,7 +1093,8 @@ class PeerSession:
                                   queue_bytes=max(0, queued), rtt_s=self.rtt_s or 0.0)
 
     def describe(self) -> dict:
-        return {"peer": self.key, "goodput_Bps": round(self.goodput_Bps), "address": self.peer.address, "transport": self.peer.transport,
+        return {"peer": self.key, "goodput_Bps": round(self.goodput_Bps),
+                "data_path": "ucx" if self.over_ucx else "tcp", "address": self.peer.address, "transport": self.peer.transport,
                 "role": "dialer" if self.dialer else "listener", "up": self.is_up,
                 "bulk_streams_up": len(self.links), "bulk_streams": self.streams,
                 "rtt_ms": round(self.rtt_s * 1e3, 3) if self.rtt_s is not None else None,

@@ -33,6 +33,7 @@ class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     max_chunk: int = 64 << 20
     credit_bytes: int = 256 << 20  # bytes of unacknowledged KV this side accepts in flight
     bulk_streams: int = 4
+    ucx_address: bytes = b""  # UCX worker address for the same-site path; empty = TCP only
 
 
 class Welcome(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -49,6 +50,7 @@ class Welcome(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     credit_bytes: int = 256 << 20
     bulk_streams: int = 4
     resumed: bool = False  # same incarnations as the last session: transfers resume
+    ucx_address: bytes = b""
 
 
 class BulkHello(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
