@@ -90,7 +90,8 @@ class Figures:
             print(f"{figure:32s} {value:10.3f} {unit:5s}{extra}{'   ' + note if note else ''}", flush=True)
 
 
-async def _goodput(ea: EngineClient, eb: EngineClient, size: int, count: int, concurrency: int) -> tuple[float, list]:
+async def _goodput(ea: EngineClient, eb: EngineClient, size: int, count: int, concurrency: int,
+                   to: str = "B") -> tuple[float, list]:
     block = MiB
     nb = size // block
     src = SharedMemory(size)
@@ -106,7 +107,7 @@ async def _goodput(ea: EngineClient, eb: EngineClient, size: int, count: int, co
             rid = f"{tag}-{i}"
             t0 = time.perf_counter()
             await eb.post_recv(rid, [rb.blocks(slot * nb, nb)])
-            await ea.send_kv(rid, [ra.blocks(0, nb)], to=["B"])
+            await ea.send_kv(rid, [ra.blocks(0, nb)], to=[to])
             ev = await eb.wait(rid, timeout=120)
             if not isinstance(ev, p.KvReceived):
                 raise RuntimeError(f"transfer failed: {ev}")
@@ -189,7 +190,7 @@ async def _latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, samp
 
 async def _run(args) -> int:
     figs = Figures(args.json)
-    groups = set(filter(None, args.only.split(","))) or {"goodput", "latency"}
+    groups = set(filter(None, args.only.split(","))) or {"goodput", "latency", "ucx"}
     quick = args.quick
     base = None
     if "goodput" in groups:
@@ -202,6 +203,10 @@ async def _run(args) -> int:
                  note="one 1 MiB buffer, in cache: the Python I/O path reaches iperf3")
         figs.add("bare_pipe_cold_64MiB", pipe, "GB/s", "iperf3 -l 1M", base,
                  note="64 MiB memfd pools, as KV moves: bytes no longer come from cache")
+    if "ucx" in groups:
+        await _ucx_figures(figs, quick)
+    if not groups & {"goodput", "latency"}:
+        return 0
     async with AgentPair() as pair:
         async with EngineClient(pair.sockets["A"], "bench-A") as ea, EngineClient(pair.sockets["B"], "bench-B") as eb:
             if "goodput" in groups:
@@ -221,6 +226,30 @@ async def _run(args) -> int:
                 figs.add("token_latency_under_load_p99", pct(loaded, 99), "ms", "idle p99", pct(idle, 99),
                          note=f"{len(loaded)} samples during 1 GiB transfers at {gbps:.2f} GB/s")
     return 0
+
+
+async def _ucx_figures(figs: Figures, quick: bool) -> None:
+    """KV between two agents of one site over UCX, next to bare ucxx tag send/recv (same sizes,
+    same UCX_TLS, measured by pdd_wire.bench_ucx in this run)."""
+    from . import bench_ucx
+    from .transport import ucx
+
+    ok, why = ucx.available()
+    if not ok:
+        print(f"# UCX figures left out: {why}")
+        return
+    bare = {r["figure"]: r for r in await asyncio.to_thread(bench_ucx.run, quick)}
+    async with AgentPair(same_site_ucx=True) as pair:
+        async with EngineClient(pair.sockets["A"], "bench-A") as ea, EngineClient(pair.sockets["B"], "bench-B") as eb:
+            for size, count, conc in ((4 * MiB, 64 if quick else 256, 8), (64 * MiB, 8 if quick else 24, 2)):
+                gbps, lat = await _goodput(ea, eb, size, count, conc, to=pair.dest)
+                label = f"{size // MiB}MiB"
+                row = bare.get(f"ucx_goodput_{label}", {})
+                figs.add(f"ucx_agent_goodput_{label}", gbps, "GB/s", row.get("baseline"), row.get("baseline_value"),
+                         note=f"two agents of site A, transport ucx; {count} transfers, {conc} at a time")
+    for name, row in bare.items():
+        figs.add(name, row["value"], row["unit"], row.get("baseline"), row.get("baseline_value"),
+                 note="measured by pdd_wire.bench_ucx between two processes")
 
 
 def run_bench(args) -> int:

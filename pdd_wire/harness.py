@@ -27,9 +27,10 @@ def free_port() -> int:
 
 
 def agent_toml(site: str, node: str, wan: int, admin: int, sock: str, peers: list[tuple[str, str, int]],
-               *, streams: int = 4, chunk: int = 4 << 20, bulk_threads: int = 1, extra: str = "") -> str:
+               *, streams: int = 4, chunk: int = 4 << 20, bulk_threads: int = 1, extra: str = "",
+               transport: str = "tcp") -> str:
     peer_txt = "".join(f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{p}"\n'
-                       f"streams = {streams}\n\n" for s, n, p in peers)
+                       f'streams = {streams}\ntransport = "{transport}"\n\n' for s, n, p in peers)
     return (f'site = "{site}"\nnode = "{node}"\n\n[listen]\nwan = "127.0.0.1:{wan}"\n'
             f'admin = "127.0.0.1:{admin}"\nengine_socket = "{sock}"\n\n{peer_txt}'
             f"[transfer]\nchunk_bytes = {chunk}\nstreams = {streams}\nbulk_threads = {bulk_threads}\n\n[log]\nformat = \"json\"\n{extra}")
@@ -40,11 +41,12 @@ class AgentPair:
 
     def __init__(self, *, streams: int = 4, chunk: int = 4 << 20, bulk_threads: int = 1, extra: str = "",
                  log_dir: str | None = None,
-                 embedded: bool = False) -> None:
+                 embedded: bool = False, same_site_ucx: bool = False) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="pdd-wire-"))
         self.log_dir = Path(log_dir) if log_dir else self.dir
         self.procs: dict[str, subprocess.Popen] = {}
         self.configs: dict[str, Path | None] = {}
+        self.sites = {"A": "A", "B": "B"}  # process key -> the site it runs as
         if embedded:  # the embedded default: fixed loopback ports, no config file
             from .config import default_config
 
@@ -54,15 +56,19 @@ class AgentPair:
             self.configs = {s: None for s in "AB"}
             return
         ports = {s: (free_port(), free_port()) for s in "AB"}
-        nodes = {"A": "a1", "B": "b1"}
+        # same_site_ucx: the second agent is node a2 of site A, reached over UCX (the local path).
+        nodes = {"A": "a1", "B": "a2" if same_site_ucx else "b1"}
+        sites = self.sites = {"A": "A", "B": "A" if same_site_ucx else "B"}
+        self.dest = f"{sites['B']}/{nodes['B']}"
         self.sockets = {s: str(self.dir / f"{s}.sock") for s in "AB"}
         self.admin = {s: f"127.0.0.1:{ports[s][1]}" for s in "AB"}
         self.configs = {}
         for s in "AB":
             other = "B" if s == "A" else "A"
-            text = agent_toml(s, nodes[s], ports[s][0], ports[s][1], self.sockets[s],
-                              [(other, nodes[other], ports[other][0])], streams=streams, chunk=chunk,
-                              bulk_threads=bulk_threads, extra=extra)
+            text = agent_toml(sites[s], nodes[s], ports[s][0], ports[s][1], self.sockets[s],
+                              [(sites[other], nodes[other], ports[other][0])], streams=streams, chunk=chunk,
+                              bulk_threads=bulk_threads, extra=extra,
+                              transport="ucx" if same_site_ucx else "tcp")
             path = self.dir / f"{s}.toml"
             path.write_text(text)
             self.configs[s] = path
@@ -70,7 +76,7 @@ class AgentPair:
     async def start(self, timeout: float = 20) -> "AgentPair":
         for s in "AB":
             log = open(self.log_dir / f"agent-{s}.log", "wb")
-            cmd = [sys.executable, "-m", "pdd_wire", "--site", s]
+            cmd = [sys.executable, "-m", "pdd_wire", "--site", self.sites[s]]
             if self.configs[s] is not None:
                 cmd += ["--config", str(self.configs[s])]
             self.procs[s] = subprocess.Popen(cmd,
@@ -89,7 +95,8 @@ class AgentPair:
             st = self.status(site)
         except OSError:
             return False
-        return all(p["up"] and p["bulk_streams_up"] == p["bulk_streams"] for p in st["peers"])
+        return all(p["up"] and (p["bulk_streams_up"] == p["bulk_streams"] or p["data_path"] == "ucx")
+                   for p in st["peers"])
 
     def status(self, site: str) -> dict:
         with urllib.request.urlopen(f"http://{self.admin[site]}/v1/status", timeout=2) as r:
