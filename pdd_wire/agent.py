@@ -25,7 +25,8 @@ from .engine_server import EngineConn, EngineServer
 from .errors import EngineRequestError, ErrorCode, FatalHandshakeError, PddWireError, ProtocolError, TransportError
 from .memory import HOST_FD, BlockMap, HostRegion, as_extents
 from .metrics import Metrics
-from .session import BulkHandler, PeerSession
+from .bulk import BulkHandler
+from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
 from .transport.tcp import (KIND_CONTROL, BulkLoop, FrameProtocol, adopt, client_tls_context, read_preamble,
                             server_tls_context)

@@ -29,6 +29,8 @@ from .errors import (ErrorCode, FatalHandshakeError, HandshakeError, PddWireErro
                      TransportError)
 from .memory import BlockMap, chunk_range
 from .transfer import InTransfer, OutTransfer, Route, State
+from .bulk import BulkHandler, bulk_send
+from .relay import TokenRelay
 from .transport import ucx
 from .transport.tcp import KIND_BULK, KIND_CONTROL, BulkLoop, FrameProtocol, dial
 from .wire import HEADER_SIZE, FrameType, Lane, decode_body, encode, encode_body
@@ -78,20 +80,7 @@ class BulkLink:
         self.outstanding = 0  # bytes dispatched on it and not yet acknowledged
 
 
-MAX_UNACKED_TOKENS = 1 << 20
 _LANE_NAMES = ("control", "token", "bulk")
-
-
-class TokenStream:
-    """Outgoing token IDs of one request: sent but unacknowledged frames are kept for resend."""
-
-    __slots__ = ("next_seq", "unacked", "touched", "pending")
-
-    def __init__(self) -> None:
-        self.next_seq = 0
-        self.pending = 0
-        self.unacked: collections.deque[tuple[int, list[int], float]] = collections.deque()
-        self.touched = time.monotonic()
 
 
 class PeerSession:
@@ -122,10 +111,7 @@ class PeerSession:
         self.peer_max_body = 4096  # the format's floor until the peer says more
         self.inflight: dict[tuple[int, int], tuple[int, int, float]] = {}
         self.rr: collections.deque[int] = collections.deque()
-        # Token streams are kept until evicted as least recently used (and never while they hold
-        # unacknowledged tokens), so a sequence number never restarts under a live receiver.
-        self.tok_out: collections.OrderedDict[str, TokenStream] = collections.OrderedDict()
-        self.tok_in: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self.tokens = TokenRelay(self)
         self.up = asyncio.Event()
         self.down_since: float | None = time.monotonic()
         self._lost = asyncio.Event()
@@ -554,9 +540,9 @@ class PeerSession:
             case m.KvStatus():
                 self._on_status(h.transfer_id, msg)
             case m.Tokens():
-                self._on_tokens(msg)
+                self.tokens.on_tokens(msg)
             case m.TokensAck():
-                self._on_tokens_ack(msg)
+                self.tokens.on_ack(msg)
             case m.Error():
                 self.log.warning("peer reported an error", code=code_name(msg.code), message=msg.message)
                 self.m.error(code_name(msg.code))
@@ -655,7 +641,7 @@ class PeerSession:
             link = min(links, key=lambda lk: lk.outstanding)
             link.outstanding += n
             self.inflight[(t.tid, k)] = (link.stream, n, time.monotonic())
-            link.loop.call(_bulk_send, link.conn, t.tid, k, views)
+            link.loop.call(bulk_send, link.conn, t.tid, k, views)
         self.m.inflight_bytes.labels(peer=self.key).set(self.window - self.credit)
 
     def _on_ack(self, tid: int, first: int, count: int) -> None:
@@ -929,9 +915,7 @@ class PeerSession:
                 self._announce(t)
             elif t.state == State.RESUMING:
                 self._send(FrameType.KV_RESUME, m.KvResume(t.request_id), tid=t.tid)
-        for rid, ts in self.tok_out.items():
-            for seq, toks, _ in ts.unacked:
-                self._send(FrameType.TOKENS, m.Tokens(rid, seq, toks), lane=Lane.TOKEN)
+        self.tokens.resend_unacked()
         self._pump()
 
     def _on_resume(self, tid: int, msg: m.KvResume) -> None:
@@ -973,87 +957,15 @@ class PeerSession:
             self._spawn(self._fail_in(t, ErrorCode.PEER_RESTARTED, f"peer {self.key} restarted",
                                       notify_peer=False), "restart")
         self.completed_in.clear()
-        self.tok_out.clear()
-        self.tok_in.clear()
+        self.tokens.clear()
         self.inflight.clear()
         for link in self.links.values():
             link.outstanding = 0
 
     # ------------------------------------------------------------------ tokens
     def send_tokens(self, request_id: str, tokens: list[int]) -> int:
-        """Queue token IDs for ``request_id``; returns the sequence number of the first one.
-        Frames carry at most ``limits.max_tokens_per_frame`` tokens."""
-        ts = self.tok_out.get(request_id)
-        if ts is None:
-            self._evict_token_streams()
-            ts = self.tok_out[request_id] = TokenStream()
-        else:
-            self.tok_out.move_to_end(request_id)
-        if ts.pending + len(tokens) > MAX_UNACKED_TOKENS:
-            raise PddWireError(f"over {MAX_UNACKED_TOKENS} unacknowledged tokens for request {request_id!r}",
-                               ErrorCode.LIMIT_EXCEEDED)
-        first = ts.next_seq
-        # A token ID takes at most 9 bytes of msgpack; the rest of the body is the request id.
-        room = (self.peer_max_body - 64 - len(request_id.encode())) // 9
-        step = max(1, min(self.cfg.limits.max_tokens_per_frame, room))
-        now = time.monotonic()
-        for i in range(0, len(tokens), step):
-            part = tokens[i:i + step]
-            seq = ts.next_seq
-            ts.next_seq += len(part)
-            ts.pending += len(part)
-            ts.unacked.append((seq, part, now))
-            self._send(FrameType.TOKENS, m.Tokens(request_id, seq, part), lane=Lane.TOKEN)
-        ts.touched = now
-        self.m.tokens.labels(peer=self.key, direction="tx").inc(len(tokens))
-        return first
-
-    def _evict_token_streams(self) -> None:
-        """Bound the streams kept: forget the least recently used ones with nothing unacknowledged."""
-        cap = self.cfg.transfer.max_transfers * 4
-        if len(self.tok_out) < cap:
-            return
-        for rid in [r for r, ts in self.tok_out.items() if not ts.unacked][: len(self.tok_out) - cap + 1]:
-            del self.tok_out[rid]
-        if len(self.tok_out) >= cap:
-            raise PddWireError("too many token streams with unacknowledged tokens to this peer",
-                               ErrorCode.LIMIT_EXCEEDED)
-
-    def _on_tokens(self, msg: m.Tokens) -> None:
-        expect = self.tok_in.get(msg.request_id, 0)
-        end = msg.seq + len(msg.tokens)
-        if end <= expect:
-            self._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect), lane=Lane.TOKEN)
-            return  # a resend of what was delivered
-        if msg.seq > expect:
-            # A gap: something before this frame was lost. Drop it and ask for everything from
-            # the first missing token; the sender still holds all it has not seen acknowledged.
-            self.log.warning("token gap; asking for a resend", request_id=msg.request_id, expected=expect,
-                             got=msg.seq)
-            self.m.token_gaps.labels(peer=self.key).inc()
-            self._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect, True), lane=Lane.TOKEN)
-            return
-        fresh = msg.tokens[expect - msg.seq:]
-        self.tok_in[msg.request_id] = end
-        self.tok_in.move_to_end(msg.request_id)
-        if len(self.tok_in) > self.cfg.transfer.max_transfers * 8:
-            self.tok_in.popitem(last=False)  # least recently used
-        self._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, end), lane=Lane.TOKEN)
-        self.m.tokens.labels(peer=self.key, direction="rx").inc(len(fresh))
-        self.host.tokens_received(self, m.Tokens(msg.request_id, expect, fresh))
-
-    def _on_tokens_ack(self, msg: m.TokensAck) -> None:
-        ts = self.tok_out.get(msg.request_id)
-        if ts is None:
-            return
-        now = time.monotonic()
-        while ts.unacked and ts.unacked[0][0] + len(ts.unacked[0][1]) <= msg.next_seq:
-            _, part, sent = ts.unacked.popleft()
-            ts.pending -= len(part)
-            self.m.token_seconds.observe(now - sent)
-        if msg.resend:
-            for seq, part, _ in ts.unacked:
-                self._send(FrameType.TOKENS, m.Tokens(msg.request_id, seq, part), lane=Lane.TOKEN)
+        """Relay token IDs for ``request_id``; returns the index of the first one."""
+        return self.tokens.send(request_id, tokens)
 
     # ------------------------------------------------------------------ heartbeat and housekeeping
     async def _tick_forever(self) -> None:
@@ -1101,97 +1013,3 @@ class PeerSession:
                 "credit_window_bytes": self.window, "bytes_in_flight": self.window - self.credit,
                 "chunk_bytes": self.chunk_bytes,
                 "transfers_out": len(self.out), "transfers_in": len(self.inn)}
-
-
-def _bulk_send(conn: FrameProtocol, tid: int, k: int, views) -> None:
-    """On the bulk loop: checksum and queue one chunk (the views are not copied)."""
-    if conn.closed:
-        return  # the main loop requeues it when it hears the connection is gone
-    conn.send(encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=tid, seq=k, payload=views))
-
-
-class BulkHandler:
-    """Frames of one bulk connection, on its bulk loop. Chunks land through the session's routes."""
-
-    def __init__(self, session: PeerSession | None, stream: int, main: asyncio.AbstractEventLoop, *,
-                 resolve=None, max_body: int = 64 << 10, on_attach=None) -> None:
-        self.session = session
-        self.stream = stream
-        self.main = main
-        self.resolve = resolve
-        self.on_attach = on_attach
-        self._claim: tuple[Route, int] | None = None
-        self._invalid = False
-        self.conn = FrameProtocol(max_body=max_body, max_payload=64 << 20, sink=self._sink, bulk=True)
-        self.conn.on_frame = self._on_frame
-        self.conn.on_lost = self._on_lost
-
-    def _sink(self, header, body):
-        if self.session is None:
-            # Refuse before a payload byte is read (no scratch for unauthenticated peers).
-            raise ProtocolError("payload before BULK_HELLO", ErrorCode.UNEXPECTED_FRAME)
-        if header.type != FrameType.KV_CHUNK:
-            self._claim = None
-            return None
-        route = self.session.routes.get(header.transfer_id)
-        self._invalid = False
-        if route is None:
-            self._claim = None
-            return None
-        if not route.fits(header.seq, header.payload_len):
-            self._claim = None
-            self._invalid = True
-            return None
-        views = route.claim(header.seq, header.payload_len)
-        self._claim = (route, header.seq) if views is not None else None
-        return views
-
-    def _on_frame(self, conn: FrameProtocol, frame: Frame) -> None:
-        h = frame.header
-        if h.type == FrameType.KV_CHUNK:
-            s = self.session
-            if s is None:
-                conn.fail(ProtocolError("KV_CHUNK before BULK_HELLO", ErrorCode.UNEXPECTED_FRAME))
-                return
-            claim, self._claim = self._claim, None
-            if claim is not None:
-                claim[0].settle(claim[1], frame.payload_ok)
-            self.main.call_soon_threadsafe(s.chunk_arrived, h.transfer_id, h.seq, frame.payload_ok,
-                                           h.payload_len, claim is not None, self._invalid)
-            self._invalid = False
-            return
-        try:
-            msg = decode_body(h.type, frame.body)
-        except ProtocolError as exc:
-            conn.fail(exc)
-            return
-        match msg:
-            case m.BulkHello() if self.resolve is not None and self.session is None:
-                session = self.resolve(msg)
-                if session is None:
-                    conn.fail(ProtocolError("unknown session token or peer on a bulk connection",
-                                            ErrorCode.UNKNOWN_SESSION))
-                    return
-                if not session.is_up or not 0 <= msg.stream < session.streams:
-                    conn.fail(ProtocolError(f"bulk stream {msg.stream} out of range", ErrorCode.UNEXPECTED_FRAME))
-                    return
-                self.session = session
-                self.stream = msg.stream
-                conn.send(encode(FrameType.BULK_WELCOME, encode_body(m.BulkWelcome(msg.stream))))
-                self.on_attach(self)
-            case m.BulkWelcome():
-                w = getattr(conn, "bulk_welcomed", None)
-                if w is not None and not w.done():
-                    w.set_result(None)
-            case m.Error():
-                log.warning("peer reported an error on a bulk connection", code=msg.code, message=msg.message)
-            case _:
-                conn.fail(ProtocolError(f"unexpected {FrameType(h.type).name} on a bulk connection",
-                                        ErrorCode.UNEXPECTED_FRAME))
-
-    def _on_lost(self, conn: FrameProtocol, exc) -> None:
-        claim, self._claim = self._claim, None
-        if claim is not None:
-            claim[0].settle(claim[1], False)
-        if self.session is not None:
-            self.main.call_soon_threadsafe(self.session.bulk_lost, conn, self.stream, exc)

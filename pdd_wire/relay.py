@@ -1,0 +1,131 @@
+"""Token-ID relay for one peer session: per-request sequence numbers, in order, exactly once.
+
+The sender keeps every frame until TOKENS_ACK covers it and sends the unacknowledged ones again
+after a reconnect; the receiver delivers each index once, drops what it already delivered, and
+asks for a resend when it sees a gap. Frames travel on the session's control connection, so they
+never queue behind KV. Rules: ``proto/transfer.md``.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING
+
+from .errors import ErrorCode, PddWireError
+from .wire import FrameType, Lane
+from .wire import messages as m
+
+if TYPE_CHECKING:
+    from .session import PeerSession
+
+
+MAX_UNACKED_TOKENS = 1 << 20
+
+
+class TokenStream:
+    """Outgoing token IDs of one request: sent but unacknowledged frames are kept for resend."""
+
+    __slots__ = ("next_seq", "unacked", "touched", "pending")
+
+    def __init__(self) -> None:
+        self.next_seq = 0
+        self.pending = 0
+        self.unacked: collections.deque[tuple[int, list[int], float]] = collections.deque()
+        self.touched = time.monotonic()
+
+
+class TokenRelay:
+    """Both directions of token relay with one peer. Streams are kept until evicted least
+    recently used (never with unacknowledged tokens), so an index never restarts under a live
+    receiver."""
+
+    def __init__(self, session: "PeerSession") -> None:
+        self.s = session
+        self.tok_out: collections.OrderedDict[str, TokenStream] = collections.OrderedDict()
+        self.tok_in: collections.OrderedDict[str, int] = collections.OrderedDict()
+
+    def clear(self) -> None:
+        """The peer restarted: its streams are gone, and so are ours to it."""
+        self.tok_out.clear()
+        self.tok_in.clear()
+
+    def resend_unacked(self) -> None:
+        for rid, ts in self.tok_out.items():
+            for seq, toks, _ in ts.unacked:
+                self.s._send(FrameType.TOKENS, m.Tokens(rid, seq, toks), lane=Lane.TOKEN)
+
+    def send(self, request_id: str, tokens: list[int]) -> int:
+        """Queue token IDs for ``request_id``; returns the sequence number of the first one.
+        Frames carry at most ``limits.max_tokens_per_frame`` tokens."""
+        ts = self.tok_out.get(request_id)
+        if ts is None:
+            self._evict_token_streams()
+            ts = self.tok_out[request_id] = TokenStream()
+        else:
+            self.tok_out.move_to_end(request_id)
+        if ts.pending + len(tokens) > MAX_UNACKED_TOKENS:
+            raise PddWireError(f"over {MAX_UNACKED_TOKENS} unacknowledged tokens for request {request_id!r}",
+                               ErrorCode.LIMIT_EXCEEDED)
+        first = ts.next_seq
+        # A token ID takes at most 9 bytes of msgpack; the rest of the body is the request id.
+        room = (self.s.peer_max_body - 64 - len(request_id.encode())) // 9
+        step = max(1, min(self.s.cfg.limits.max_tokens_per_frame, room))
+        now = time.monotonic()
+        for i in range(0, len(tokens), step):
+            part = tokens[i:i + step]
+            seq = ts.next_seq
+            ts.next_seq += len(part)
+            ts.pending += len(part)
+            ts.unacked.append((seq, part, now))
+            self.s._send(FrameType.TOKENS, m.Tokens(request_id, seq, part), lane=Lane.TOKEN)
+        ts.touched = now
+        self.s.m.tokens.labels(peer=self.s.key, direction="tx").inc(len(tokens))
+        return first
+
+    def _evict_token_streams(self) -> None:
+        """Bound the streams kept: forget the least recently used ones with nothing unacknowledged."""
+        cap = self.s.cfg.transfer.max_transfers * 4
+        if len(self.tok_out) < cap:
+            return
+        for rid in [r for r, ts in self.tok_out.items() if not ts.unacked][: len(self.tok_out) - cap + 1]:
+            del self.tok_out[rid]
+        if len(self.tok_out) >= cap:
+            raise PddWireError("too many token streams with unacknowledged tokens to this peer",
+                               ErrorCode.LIMIT_EXCEEDED)
+
+    def on_tokens(self, msg: m.Tokens) -> None:
+        expect = self.tok_in.get(msg.request_id, 0)
+        end = msg.seq + len(msg.tokens)
+        if end <= expect:
+            self.s._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect), lane=Lane.TOKEN)
+            return  # a resend of what was delivered
+        if msg.seq > expect:
+            # A gap: something before this frame was lost. Drop it and ask for everything from
+            # the first missing token; the sender still holds all it has not seen acknowledged.
+            self.s.log.warning("token gap; asking for a resend", request_id=msg.request_id, expected=expect,
+                             got=msg.seq)
+            self.s.m.token_gaps.labels(peer=self.s.key).inc()
+            self.s._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect, True), lane=Lane.TOKEN)
+            return
+        fresh = msg.tokens[expect - msg.seq:]
+        self.tok_in[msg.request_id] = end
+        self.tok_in.move_to_end(msg.request_id)
+        if len(self.tok_in) > self.s.cfg.transfer.max_transfers * 8:
+            self.tok_in.popitem(last=False)  # least recently used
+        self.s._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, end), lane=Lane.TOKEN)
+        self.s.m.tokens.labels(peer=self.s.key, direction="rx").inc(len(fresh))
+        self.s.host.tokens_received(self.s, m.Tokens(msg.request_id, expect, fresh))
+
+    def on_ack(self, msg: m.TokensAck) -> None:
+        ts = self.tok_out.get(msg.request_id)
+        if ts is None:
+            return
+        now = time.monotonic()
+        while ts.unacked and ts.unacked[0][0] + len(ts.unacked[0][1]) <= msg.next_seq:
+            _, part, sent = ts.unacked.popleft()
+            ts.pending -= len(part)
+            self.s.m.token_seconds.observe(now - sent)
+        if msg.resend:
+            for seq, part, _ in ts.unacked:
+                self.s._send(FrameType.TOKENS, m.Tokens(msg.request_id, seq, part), lane=Lane.TOKEN)
