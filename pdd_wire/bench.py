@@ -16,7 +16,7 @@ import time
 
 from .engine import protocol as p
 from .engine.client import EngineClient
-from .harness import AgentPair, free_port
+from .harness import AgentPair, free_port, metric_value
 from .memory import SharedMemory
 
 MiB = 1 << 20
@@ -154,6 +154,20 @@ async def _token_latency(ea: EngineClient, eb: EngineClient, n: int, rid: str, u
     return out
 
 
+async def _relay_bytes(pair: AgentPair, ea: EngineClient, eb: EngineClient, per_frame: int) -> float:
+    """Bytes on A's token lane per relayed token (from A's metrics), token IDs as a 150K vocab gives."""
+    rid = f"relay-{per_frame}"
+    before = metric_value(pair.metrics("A"), "pddwire_bytes_total", lane="token", direction="tx")
+    tokens = [100_000 + 37 * i for i in range(100)]
+    for i in range(0, 100, per_frame):
+        await ea.send_tokens(rid, "B", tokens[i:i + per_frame])
+    got = 0
+    while got < 100:
+        got += len((await eb.wait_tokens(rid, timeout=10)).tokens)
+    after = metric_value(pair.metrics("A"), "pddwire_bytes_total", lane="token", direction="tx")
+    return (after - before) / 100
+
+
 async def _latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, samples: int) -> tuple[list, float]:
     size = gib << 30
     src, dst = SharedMemory(size), SharedMemory(size)
@@ -221,6 +235,11 @@ async def _run(args) -> int:
                 idle = await _token_latency(ea, eb, 100 if quick else 300, "idle")
                 figs.add("token_latency_idle_p50", pct(idle, 50), "ms")
                 figs.add("token_latency_idle_p99", pct(idle, 99), "ms")
+                for per_frame in (1, 100):
+                    figs.add(f"relay_bytes_per_token{'' if per_frame == 1 else '_batched'}",
+                             await _relay_bytes(pair, ea, eb, per_frame), "B",
+                             note=f"TOKENS frames A->B for 100 tokens sent {per_frame} per call, "
+                                  "header and msgpack body (PDD: 1.5 KB per 100 tokens)")
                 loaded, gbps = await _latency_under_load(ea, eb, 1, 100 if quick else 300)
                 figs.add("token_latency_under_load_p50", pct(loaded, 50), "ms")
                 figs.add("token_latency_under_load_p99", pct(loaded, 99), "ms", "idle p99", pct(idle, 99),

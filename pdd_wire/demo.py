@@ -10,22 +10,10 @@ import time
 
 from .engine import protocol as p
 from .engine.client import EngineClient
-from .harness import AgentPair
+from .harness import AgentPair, metric_value
 from .memory import SharedMemory
 
 MiB = 1 << 20
-
-
-def _metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples of ``name`` whose labels include ``labels`` (Prometheus text)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for sample in fam.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 async def _demo(mib: int, keep: bool) -> int:
@@ -73,11 +61,11 @@ async def _demo(mib: int, keep: bool) -> int:
                       f"sent after the KV started, all in {tok_at:.1f} ms after it started, "
                       f"the KV done at {dt * 1e3:.1f} ms")
                 m_a, m_b = pair.metrics("A"), pair.metrics("B")
-                kv_bytes = _metric(m_a, "pddwire_bytes_total", direction="tx", lane="bulk")
-                chunks = _metric(m_a, "pddwire_chunks_total", direction="tx")
+                kv_bytes = metric_value(m_a, "pddwire_bytes_total", direction="tx", lane="bulk")
+                chunks = metric_value(m_a, "pddwire_chunks_total", direction="tx")
                 streams = pair.status("A")["peers"][0]["bulk_streams_up"]
-                bad = _metric(m_b, "pddwire_checksum_failures_total")
-                again = _metric(m_a, "pddwire_retransmits_total")
+                bad = metric_value(m_b, "pddwire_checksum_failures_total")
+                again = metric_value(m_a, "pddwire_retransmits_total")
                 print(f"  wire: A sent {kv_bytes:.0f} KV bytes in {chunks:.0f} chunks over {streams} bulk "
                       f"connections; checksum failures {bad:.0f}, retransmits {again:.0f}")
                 print("\nwhere to look:")

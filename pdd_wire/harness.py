@@ -36,6 +36,18 @@ def agent_toml(site: str, node: str, wan: int, admin: int, sock: str, peers: lis
             f"[transfer]\nchunk_bytes = {chunk}\nstreams = {streams}\nbulk_threads = {bulk_threads}\n\n[log]\nformat = \"json\"\n{extra}")
 
 
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (Prometheus text)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
 class AgentPair:
     """Agents for sites A (a1) and B (b1) as ``pdd-wired`` subprocesses."""
 
