@@ -71,6 +71,7 @@ class Agent:
         self.admin = None
         self.wan_address: tuple[str, int] | None = None
         self.ready = asyncio.Event()
+        self._transfer_ended = asyncio.Event()  # set by sessions whenever a transfer ends
         self.stopping = False
         self._listen_sock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
@@ -86,6 +87,9 @@ class Agent:
     # ------------------------------------------------------------------ SessionHost
     def next_transfer_id(self) -> int:
         return next(self._tids)
+
+    def transfer_ended(self) -> None:
+        self._transfer_ended.set()
 
     def bulk_loop(self, stream: int) -> BulkLoop:
         return self.bulk_loops[stream % len(self.bulk_loops)]
@@ -154,9 +158,13 @@ class Agent:
         if self.engine_server is not None:
             await self.engine_server.stop_accepting()
             self.engine_server.broadcast(p.Shutdown(grace_s=grace))
-        deadline = time.monotonic() + grace
-        while self.open_transfers() and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
+        try:
+            async with asyncio.timeout(grace):
+                while self.open_transfers():
+                    self._transfer_ended.clear()
+                    await self._transfer_ended.wait()
+        except TimeoutError:
+            pass
         left = self.open_transfers()
         if left:
             self.log.warning("grace period over; cancelling transfers", cancelled=left)

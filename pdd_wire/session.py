@@ -60,6 +60,7 @@ class SessionHost(Protocol):
     incarnation: int
 
     def next_transfer_id(self) -> int: ...
+    def transfer_ended(self) -> None: ...
     def bulk_loop(self, stream: int) -> BulkLoop: ...
     def ssl_client(self): ...
     def incoming_begin(self, session: "PeerSession", tid: int, begin: m.KvBegin) -> None: ...
@@ -711,6 +712,7 @@ class PeerSession:
         self.host.kv_sent(t)
 
     def _release_out(self, t: OutTransfer) -> None:
+        self.host.transfer_ended()
         if t.timer is not None:
             t.timer.cancel()
         for k in range(t.n_chunks):
@@ -856,6 +858,7 @@ class PeerSession:
     def _forget_in(self, t: InTransfer) -> None:
         if self.inn.pop(t.tid, None) is not None:
             self.m.inflight.labels(direction="in").dec()
+            self.host.transfer_ended()
         self.routes.pop(t.tid, None)
         if t.timer is not None:
             t.timer.cancel()
