@@ -649,13 +649,8 @@ class PeerSession:
         t = self.out.get(tid)
         now = time.monotonic()
         for k in range(first, first + count):
-            entry = self.inflight.pop((tid, k), None)
-            if entry is not None:
-                stream, n, sent = entry
-                self.credit += n
-                link = self.links.get(stream)
-                if link is not None:
-                    link.outstanding -= n
+            sent = self._uninflight(tid, k)
+            if sent is not None:
                 self.m.chunk_seconds.observe(now - sent)
             if t is not None and k not in t.acked:
                 t.acked.add(k)
@@ -682,14 +677,17 @@ class PeerSession:
                          transfer_id=tid, request_id=t.request_id, chunk=k)
         self._requeue(t, k)
 
-    def _uninflight(self, tid: int, k: int) -> None:
+    def _uninflight(self, tid: int, k: int) -> float | None:
+        """Take chunk k off the in-flight books (credit back); returns when it was sent."""
         entry = self.inflight.pop((tid, k), None)
-        if entry is not None:
-            stream, n, _ = entry
-            self.credit += n
-            link = self.links.get(stream)
-            if link is not None:
-                link.outstanding -= n
+        if entry is None:
+            return None
+        stream, n, sent = entry
+        self.credit += n
+        link = self.links.get(stream)
+        if link is not None:
+            link.outstanding -= n
+        return sent
 
     def _requeue(self, t: OutTransfer, k: int) -> None:
         if self.out.get(t.tid) is t and k not in t.acked and (t.tid, k) not in self.inflight:
