@@ -4,8 +4,7 @@ import asyncio
 
 import pytest
 from conftest import fill_random, metric, same_bytes
-from support.agents import free_port, run_agents, two_site_toml
-from support.relay import Relay
+from support.agents import relayed_toml, run_agents, two_site_toml
 
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
@@ -146,9 +145,7 @@ async def test_from_site_restricts_who_may_fill_a_post(tmp_sock_dir, engines):
 
 
 async def test_flipped_byte_is_caught_and_the_chunk_sent_again(tmp_sock_dir, engines):
-    ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
-        tomls = two_site_toml(tmp_sock_dir, ports=ports, wan_override={"B": f"127.0.0.1:{relay.port}"})
+    async with relayed_toml(tmp_sock_dir) as (relay, tomls):
         # A dials B, so A->B is the relay's client-to-server direction. Offset 10 MiB + 12345 of
         # a bulk stream is inside the third chunk's payload (frames are 48 + 4 MiB bytes).
         relay.flip_byte_at(10 * MiB + 12345, direction="c2s", min_conn_bytes=MiB)
@@ -164,11 +161,7 @@ async def test_flipped_byte_is_caught_and_the_chunk_sent_again(tmp_sock_dir, eng
 
 
 async def test_bulk_connection_cut_mid_transfer_completes_resending_only_unacked(tmp_sock_dir, engines):
-    ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
-        tomls = two_site_toml(tmp_sock_dir, ports=ports, wan_override={"B": f"127.0.0.1:{relay.port}"})
-        tomls = {k: (v.replace("[transfer]\n", "[transfer]\ncredit_bytes = 33554432\n") if k in "AB" else v)
-                 for k, v in tomls.items()}
+    async with relayed_toml(tmp_sock_dir, transfer="credit_bytes = 33554432") as (relay, tomls):
         relay.cut_after(40 * MiB, direction="c2s", count=1)
         async with run_agents(tomls) as ag:
             size = 256 * MiB
@@ -185,11 +178,7 @@ async def test_bulk_connection_cut_mid_transfer_completes_resending_only_unacked
 
 
 async def test_whole_link_drop_resumes_without_resending_verified_chunks(tmp_sock_dir, engines):
-    ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
-        tomls = two_site_toml(tmp_sock_dir, ports=ports, wan_override={"B": f"127.0.0.1:{relay.port}"})
-        tomls = {k: (v.replace("[transfer]\n", "[transfer]\ncredit_bytes = 33554432\n") if k in "AB" else v)
-                 for k, v in tomls.items()}
+    async with relayed_toml(tmp_sock_dir, transfer="credit_bytes = 33554432") as (relay, tomls):
         async with run_agents(tomls) as ag:
             size = 256 * MiB
             ea, eb, src, dst, ra, rb = await _pair(engines, tmp_sock_dir, size)
@@ -209,9 +198,7 @@ async def test_whole_link_drop_resumes_without_resending_verified_chunks(tmp_soc
 
 
 async def test_tokens_are_relayed_in_order_exactly_once_across_a_reconnect(tmp_sock_dir, engines):
-    ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
-        tomls = two_site_toml(tmp_sock_dir, ports=ports, wan_override={"B": f"127.0.0.1:{relay.port}"})
+    async with relayed_toml(tmp_sock_dir) as (relay, tomls):
         async with run_agents(tomls):
             ea = await engines.connect(tmp_sock_dir / "A.sock", "rld")
             eb = await engines.connect(tmp_sock_dir / "B.sock", "md")

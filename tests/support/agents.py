@@ -110,3 +110,19 @@ shutdown_grace_s = 2
 {extra}
 """
     return out
+
+
+@contextlib.asynccontextmanager
+async def relayed_toml(tmp: Path, *, transfer: str = ""):
+    """A fault-injecting relay in front of B (A dials B through it: A->B is the relay's c2s) and
+    the two agents' TOML; ``transfer`` adds lines to both [transfer] tables."""
+    from .relay import Relay
+
+    ports = {"A": free_port(), "B": free_port()}
+    async with Relay("127.0.0.1", ports["B"]) as relay:
+        tomls = two_site_toml(tmp, ports=ports, wan_override={"B": f"127.0.0.1:{relay.port}"})
+        if transfer:
+            tomls = {k: (v.replace("[transfer]\n", f"[transfer]\n{transfer}\n") if k in "AB" else v)
+                     for k, v in tomls.items()}
+        yield relay, tomls
+
