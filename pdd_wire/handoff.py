@@ -50,7 +50,6 @@ from .policy import DEFAULT_POLICY, HandoffMode, HandoffPolicy, ModeDecision
 
 Owner = Literal["RLD", "MD"]
 
-_fast = dict(array_like=True, frozen=True, gc=False, forbid_unknown_fields=False)
 
 
 class HandoffError(Exception):
@@ -71,52 +70,8 @@ class HandoffUsageError(HandoffError):
 # Fields are only ever appended, with defaults. ``reason`` and ``mode`` strings are informational.
 
 
-class HandoffProgress(msgspec.Struct, **_fast):
-    """MD -> RLD: MD holds the request's KV and has absorbed every relayed token ``< absorbed``.
-    The first one (after the KV arrived) says "ready"; then one after every extend, until the
-    commit. Monotone: a smaller ``absorbed`` than one seen before is a stale copy."""
-
-    request_id: str
-    epoch: int
-    absorbed: int
-
-
-class HandoffCommit(msgspec.Struct, **_fast):
-    """RLD -> MD: RLD emitted exactly positions ``[0, position)``, has relayed all of them, and
-    emits nothing more unless MD releases; MD owns the output from ``position`` (>= 1)."""
-
-    request_id: str
-    epoch: int
-    position: int
-    mode: str = ""  # "one-shot" | "catch-up": for MD's logs and metrics
-
-
-class HandoffTaken(msgspec.Struct, **_fast):
-    """MD -> RLD: MD has absorbed every token < ``position`` and emits from it: RLD may free the
-    request (its KV, its slot)."""
-
-    request_id: str
-    epoch: int
-    position: int
-
-
-class HandoffRelease(msgspec.Struct, **_fast):
-    """MD -> RLD: MD has not emitted any position of this request and never will (this epoch).
-    Before the commit: RLD keeps ownership. After it: RLD resumes from the commit position."""
-
-    request_id: str
-    epoch: int
-    reason: str = ""  # "kv_cancelled", "md_failed", "deadline", ...
-
-
-class HandoffAbort(msgspec.Struct, **_fast):
-    """RLD -> MD: RLD never committed and never will (this epoch): it keeps the output. MD drops
-    the request's KV and tokens."""
-
-    request_id: str
-    epoch: int
-    reason: str = ""  # "deadline", "md_failed", "finished", "md_released"
-
+from .wire.messages import (HandoffAbort, HandoffCommit, HandoffProgress, HandoffRelease,  # noqa: E402
+                            HandoffTaken)
 
 HandoffMessage = HandoffProgress | HandoffCommit | HandoffTaken | HandoffRelease | HandoffAbort
 

@@ -48,6 +48,11 @@ class FrameType(enum.IntEnum):
     KV_STATUS = 19
     TOKENS = 20
     TOKENS_ACK = 21
+    HANDOFF_PROGRESS = 22
+    HANDOFF_COMMIT = 23
+    HANDOFF_TAKEN = 24
+    HANDOFF_RELEASE = 25
+    HANDOFF_ABORT = 26
 
 
 class Lane(enum.IntEnum):

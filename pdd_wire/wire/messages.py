@@ -158,6 +158,55 @@ class TokensAck(msgspec.Struct, **_fast):
     resend: bool = False  # a gap was seen: send again everything unacknowledged from next_seq
 
 
+# Handoff of output ownership from relay decode to main decode (pdd_wire.handoff drives them;
+# proto/handoff.md specifies them). Control connection, lane TOKEN, transfer_id 0.
+class HandoffProgress(msgspec.Struct, **_fast):
+    """MD -> RLD: MD holds the request's KV and has absorbed every relayed token ``< absorbed``.
+    The first one (after the KV arrived) says "ready"; then one after every extend, until the
+    commit. Monotone: a smaller ``absorbed`` than one seen before is a stale copy."""
+
+    request_id: str
+    epoch: int
+    absorbed: int
+
+
+class HandoffCommit(msgspec.Struct, **_fast):
+    """RLD -> MD: RLD emitted exactly positions ``[0, position)``, has relayed all of them, and
+    emits nothing more unless MD releases; MD owns the output from ``position`` (>= 1)."""
+
+    request_id: str
+    epoch: int
+    position: int
+    mode: str = ""  # "one-shot" | "catch-up": for MD's logs and metrics
+
+
+class HandoffTaken(msgspec.Struct, **_fast):
+    """MD -> RLD: MD has absorbed every token < ``position`` and emits from it: RLD may free the
+    request (its KV, its slot)."""
+
+    request_id: str
+    epoch: int
+    position: int
+
+
+class HandoffRelease(msgspec.Struct, **_fast):
+    """MD -> RLD: MD has not emitted any position of this request and never will (this epoch).
+    Before the commit: RLD keeps ownership. After it: RLD resumes from the commit position."""
+
+    request_id: str
+    epoch: int
+    reason: str = ""  # "kv_cancelled", "md_failed", "deadline", ...
+
+
+class HandoffAbort(msgspec.Struct, **_fast):
+    """RLD -> MD: RLD never committed and never will (this epoch): it keeps the output. MD drops
+    the request's KV and tokens."""
+
+    request_id: str
+    epoch: int
+    reason: str = ""  # "deadline", "md_failed", "finished", "md_released"
+
+
 BODY_TYPES: dict[int, type] = {
     FrameType.HELLO: Hello,
     FrameType.WELCOME: Welcome,
@@ -178,6 +227,11 @@ BODY_TYPES: dict[int, type] = {
     FrameType.KV_STATUS: KvStatus,
     FrameType.TOKENS: Tokens,
     FrameType.TOKENS_ACK: TokensAck,
+    FrameType.HANDOFF_PROGRESS: HandoffProgress,
+    FrameType.HANDOFF_COMMIT: HandoffCommit,
+    FrameType.HANDOFF_TAKEN: HandoffTaken,
+    FrameType.HANDOFF_RELEASE: HandoffRelease,
+    FrameType.HANDOFF_ABORT: HandoffAbort,
 }
 TYPE_OF: dict[type, int] = {v: k for k, v in BODY_TYPES.items()}
 

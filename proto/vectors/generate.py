@@ -197,6 +197,16 @@ def build(v: Vectors) -> None:
          frame(FrameType.TOKENS, tokens, lane=Lane.TOKEN))
     v.ok("tokens_ack", "TOKENS_ACK: everything before 8 delivered",
          frame(FrameType.TOKENS_ACK, m.TokensAck("req-42", 8), lane=Lane.TOKEN))
+    v.ok("handoff_progress", "HANDOFF_PROGRESS: MD holds the KV and absorbed tokens < 40 (epoch 1)",
+         frame(FrameType.HANDOFF_PROGRESS, m.HandoffProgress("req-42", 1, 40), lane=Lane.TOKEN))
+    v.ok("handoff_commit", "HANDOFF_COMMIT: RLD emitted [0, 100), MD owns from 100, one-shot",
+         frame(FrameType.HANDOFF_COMMIT, m.HandoffCommit("req-42", 1, 100, "one-shot"), lane=Lane.TOKEN))
+    v.ok("handoff_taken", "HANDOFF_TAKEN: MD emits from 100",
+         frame(FrameType.HANDOFF_TAKEN, m.HandoffTaken("req-42", 1, 100), lane=Lane.TOKEN))
+    v.ok("handoff_release", "HANDOFF_RELEASE: MD never emitted; RLD keeps or resumes",
+         frame(FrameType.HANDOFF_RELEASE, m.HandoffRelease("req-42", 1, "kv_cancelled"), lane=Lane.TOKEN))
+    v.ok("handoff_abort", "HANDOFF_ABORT: RLD keeps the output",
+         frame(FrameType.HANDOFF_ABORT, m.HandoffAbort("req-42", 1, "deadline"), lane=Lane.TOKEN))
 
     # -- two frames back to back, fed in two pieces split at an odd offset inside the second header
     f1 = frame(FrameType.KV_ACK, m.KvAck(5, 1), transfer_id=tid)
