@@ -98,9 +98,6 @@ class EngineConn:
                 self.send(p.Err(id=msg.id, code=int(ErrorCode.INTERNAL), message=f"internal error: {exc}"))
             else:
                 self.send(p.Ok(id=msg.id, result=result or {}))
-            finally:
-                if fd is not None and isinstance(msg, p.Register):
-                    pass  # ownership of the fd passed to the region (closed once mapped)
 
     def send(self, msg: p.Msg) -> None:
         if self.closed:

@@ -100,7 +100,6 @@ class PeerSession:
         self.remote_incarnation: int | None = None
         self.token = random.getrandbits(63)  # bulk connections present it (listener side)
         self.remote_token = 0
-        self.welcome: m.Welcome | m.Hello | None = None
         self.links: dict[int, BulkLink] = {}
         self.out: dict[int, OutTransfer] = {}
         self.inn: dict[int, InTransfer] = {}
@@ -288,7 +287,6 @@ class PeerSession:
         first = self.remote_incarnation is None
         restarted = not first and self.remote_incarnation != incarnation
         self.control = conn
-        self.welcome = info
         self._last_rx = time.monotonic()
         if restarted:
             self.log.warning("peer restarted; failing every transfer with it")

@@ -18,6 +18,13 @@ def metric(agent, name: str, **labels) -> float:
     return agent.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+async def wait_rx_chunks(agent, peer: str, n: int, timeout: float = 30) -> None:
+    """Until ``agent`` has verified ``n`` chunks from ``peer`` (a transfer is under way)."""
+    async with asyncio.timeout(timeout):
+        while metric(agent, "pddwire_chunks_total", peer=peer, direction="rx") < n:
+            await asyncio.sleep(0.0005)
+
+
 async def fill_random(mem: SharedMemory) -> None:
     """Random bytes, filled off the loop (in-process agents must keep their heartbeats)."""
 

@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from conftest import fill_random, metric, same_bytes
+from conftest import fill_random, metric, same_bytes, wait_rx_chunks
 from support.agents import relayed_toml, run_agents, two_site_toml
 
 from pdd_wire.engine import protocol as p
@@ -64,9 +64,7 @@ async def test_token_frame_overtakes_running_bulk_transfer(tmp_sock_dir, engines
         ea, eb, src, dst, ra, rb = await _pair(engines, tmp_sock_dir, size)
         await eb.post_recv("big", [rb.blocks(0, 256)])
         await ea.send_kv("big", [ra.blocks(0, 256)], to=["B"])
-        async with asyncio.timeout(30):
-            while metric(ag["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") < 2:
-                await asyncio.sleep(0.001)
+        await wait_rx_chunks(ag["B"], "A/a1", 2)
         await ea.send_tokens("big", "B", [11, 22, 33])
         first = await eb.wait_for(lambda e: e.request_id == "big", timeout=30)
         # Tokens were sent after the KV started and arrive before the KV finishes.
@@ -76,8 +74,9 @@ async def test_token_frame_overtakes_running_bulk_transfer(tmp_sock_dir, engines
         assert isinstance(await eb.wait("big", timeout=60), p.KvReceived)
 
 
-async def test_dual_destination_send_reads_blocks_once_each_destination_completes(tmp_sock_dir, engines):
-    """One send naming a destination twice is refused; an unknown site names the known ones."""
+async def test_send_naming_a_peer_twice_or_an_unknown_site_is_refused(tmp_sock_dir, engines):
+    """One send naming a destination twice is refused; an unknown site names the known ones.
+    (Delivery to several destinations: tests/test_dual_path.py.)"""
     async with run_agents(two_site_toml(tmp_sock_dir)):
         ea, eb, src, dst, ra, rb = await _pair(engines, tmp_sock_dir, 4 * MiB)
         with pytest.raises(EngineRequestError) as ei:
@@ -114,7 +113,6 @@ async def test_size_mismatch_is_refused_and_both_engines_are_told(tmp_sock_dir, 
 
 
 async def test_unposted_kv_waits_then_is_refused(tmp_sock_dir, engines):
-    extra = "[transfer]\n"  # placeholder: the wait is set below through the toml
     tomls = two_site_toml(tmp_sock_dir)
     tomls = {k: (v.replace("[transfer]\n", "[transfer]\nunposted_wait_s = 0.3\n") if k in "AB" else v)
              for k, v in tomls.items()}
@@ -131,7 +129,6 @@ async def test_unposted_kv_waits_then_is_refused(tmp_sock_dir, engines):
         ev = await ea.wait("never", timeout=10)
         assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.NOT_POSTED
         assert not any(dst.buf[:])
-    del extra
 
 
 async def test_from_site_restricts_who_may_fill_a_post(tmp_sock_dir, engines):
@@ -184,9 +181,7 @@ async def test_whole_link_drop_resumes_without_resending_verified_chunks(tmp_soc
             ea, eb, src, dst, ra, rb = await _pair(engines, tmp_sock_dir, size)
             await eb.post_recv("d", [rb.blocks(0, 256)])
             await ea.send_kv("d", [ra.blocks(0, 256)], to=["B"])
-            async with asyncio.timeout(30):
-                while metric(ag["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") < 16:
-                    await asyncio.sleep(0.001)
+            await wait_rx_chunks(ag["B"], "A/a1", 16)
             relay.abort_all()  # control and bulk connections all drop at once
             assert isinstance(await eb.wait("d", timeout=60), p.KvReceived)
             assert await same_bytes(dst.buf, src.buf)
