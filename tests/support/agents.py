@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from pathlib import Path
 
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pdd_wire.harness import free_port  # noqa: F401 - tests import it from here
 
 
 def two_site_toml(tmp: Path, *, streams: int = 4, chunk: int = 4 << 20, extra: str = "",
