@@ -26,6 +26,7 @@ from .errors import EngineRequestError, ErrorCode, FatalHandshakeError, PddWireE
 from .memory import HOST_FD, BlockMap, HostRegion, as_extents
 from .metrics import Metrics
 from .bulk import BulkHandler
+from .handoffs import Handoffs
 from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
 from .transport.tcp import (KIND_CONTROL, BulkLoop, FrameProtocol, adopt, client_tls_context, read_preamble,
@@ -79,6 +80,7 @@ class Agent:
         self._inbound_conns = 0
         self._ssl_server = self._ssl_client = None
         self.started = time.time()
+        self.handoffs = Handoffs(self)
         tls = config.tls
         if tls.enabled:
             self._ssl_server = server_tls_context(tls.cert, tls.key, tls.ca)
@@ -170,6 +172,7 @@ class Agent:
             self.log.warning("grace period over; cancelling transfers", cancelled=left)
         for bt in self.pending_begins.values():
             bt[3].cancel()
+        self.handoffs.shutdown()
         await asyncio.gather(*(s.close() for s in self.sessions.values()), return_exceptions=True)
         for t in list(self._inbound):
             t.cancel()
@@ -346,6 +349,7 @@ class Agent:
     def kv_received(self, t: InTransfer) -> None:
         t.engine.send(p.KvReceived(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
                                    seconds=round(time.monotonic() - t.started, 6)))
+        self.handoffs.kv_received(t.request_id)
 
     def kv_sent(self, t: OutTransfer) -> None:
         t.engine.send(p.KvSent(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
@@ -356,8 +360,21 @@ class Agent:
                          direction=direction, code=ErrorCode(code).name, reason=message)
         t.engine.send(p.TransferFailed(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
                                        direction=direction, code=int(code), reason=message))
+        if direction == "in":
+            self.handoffs.kv_failed(t.request_id, "kv_cancelled")
+
+    def handoff_message(self, session: PeerSession, msg) -> None:
+        self.handoffs.on_message(session, msg)
+
+    def session_up(self, session: PeerSession) -> None:
+        self.handoffs.session_up(session)
+
+    def peer_lost(self, session: PeerSession, reason: str) -> None:
+        self.handoffs.peer_lost(session, reason)
 
     def tokens_received(self, session: PeerSession, msg: m.Tokens) -> None:
+        if self.handoffs.on_tokens(session, msg):
+            return  # the request's MD engine gets them as extend events
         ev = p.TokensReceived(request_id=msg.request_id, peer=session.key, seq=msg.seq, tokens=msg.tokens)
         owner = self.owners.get(msg.request_id)
         if owner is not None and not owner.closed:
@@ -388,6 +405,9 @@ class Agent:
                 self._check_request_id(msg.request_id)
                 if any(not 0 <= t < 1 << 32 for t in msg.tokens):
                     raise EngineRequestError("token IDs must be in 0..2^32-1", ErrorCode.BAD_REQUEST)
+                if self.handoffs.owns_relay(msg.request_id):
+                    raise EngineRequestError(f"request {msg.request_id!r} is in a handoff: report its tokens with "
+                                             f"handoff_tokens", ErrorCode.BAD_REQUEST)
                 seq = self._session_for(msg.to).send_tokens(msg.request_id, msg.tokens)
                 return {"seq": seq}
             case p.Abort():
@@ -396,6 +416,21 @@ class Agent:
                 return self.describe()
             case p.ChoosePipeline():
                 return self._choose_pipeline(msg)
+            case p.SetLoad():
+                if not 0 <= msg.load < float("inf"):
+                    raise EngineRequestError(f"load must be a number >= 0, got {msg.load}", ErrorCode.BAD_REQUEST)
+                ec.load = msg.load
+                return None
+            case p.HandoffRld():
+                return self.handoffs.start_rld(ec, msg)
+            case p.HandoffMd():
+                return self.handoffs.start_md(ec, msg)
+            case p.HandoffTokens():
+                return self.handoffs.tokens(ec, msg)
+            case p.HandoffExtended():
+                return self.handoffs.extended(ec, msg)
+            case p.HandoffFail():
+                return self.handoffs.fail(ec, msg)
         raise EngineRequestError(f"unknown request {type(msg).__name__}", ErrorCode.BAD_REQUEST)
 
     @staticmethod
@@ -537,7 +572,7 @@ class Agent:
         return {"transfers": out}
 
     async def _abort(self, ec: EngineConn, request_id: str, reason: str) -> int:
-        n = 0
+        n = self.handoffs.abort(ec, request_id, reason)
         for s in self.sessions.values():
             n += await s.cancel_request(request_id, ErrorCode.TRANSFER_CANCELLED, reason, ec)
         post = self.posts.get(request_id)
@@ -552,6 +587,7 @@ class Agent:
 
     async def _engine_gone(self, ec: EngineConn) -> None:
         """Cancel the engine's transfers (peers are told), drop its posts, release its memory."""
+        self.handoffs.engine_gone(ec)
         for s in self.sessions.values():
             await s.engine_gone(ec)
         for rid, post in list(self.posts.items()):
@@ -577,4 +613,5 @@ class Agent:
                         for e in (self.engine_server.engines.values() if self.engine_server else [])],
             "regions": len(self.regions), "posted_receives": len(self.posts),
             "unposted_waiting": len(self.pending_begins),
+            "handoffs": self.handoffs.describe(),
         }

@@ -202,9 +202,50 @@ async def _latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, samp
         dst.close()
 
 
+async def _handoff_latency(ep: EngineClient, er: EngineClient, em: EngineClient, mode: str, reps: int,
+                           behind: int = 100) -> tuple[list[float], list[int]]:
+    """MD ready (its first extend event, sent as the KV lands) to ownership passed (MD told to
+    start), in ms, with MD ``behind`` tokens behind RLD; RLD decodes a token every 20 ms. Extends
+    cost nothing here: the figure is the protocol's and the agents' own time."""
+    from .engine.sim import MdSim, RldSim, check_stream
+
+    src, dst = SharedMemory(MiB), SharedMemory(MiB)
+    try:
+        ra = await ep.register(src, block_bytes=MiB)
+        rb = await em.register(dst, block_bytes=MiB)
+        await er.set_load(0.95 if mode == "one-shot" else 0.1)
+        out, positions = [], []
+        for i in range(reps + 1):
+            rid = f"handoff-{mode}-{i}-{time.monotonic_ns()}"
+            n = behind + 20
+            await em.post_recv(rid, [rb.blocks(0, 1)], from_site="A")
+            md = MdSim(em, rid, "A", n_tokens=n)
+            await md.start()
+            rld = RldSim(er, rid, "B", n_tokens=n, step_s=0.02, hold_at=behind, burst_to_hold=True)
+            tasks = [asyncio.ensure_future(rld.run(60)), asyncio.ensure_future(md.run(60))]
+            await asyncio.wait_for(rld.held.wait(), 30)
+            rld.release_hold()
+            await ep.send_kv(rid, [ra.blocks(0, 1)], to=["B"])
+            await asyncio.gather(*tasks)
+            await ep.wait(rid, timeout=30)
+            await em.wait(rid, timeout=30)
+            check_stream(rid, n, rld.emitted, md.emitted)
+            if rld.done.mode != mode:
+                raise RuntimeError(f"asked for {mode}, the agent chose {rld.done.mode}")
+            if i:  # the first one warms up
+                out.append((md.started_at - md.first_extend_at) * 1e3)
+                positions.append(md.position)
+        await ep.deregister(ra)
+        await em.deregister(rb)
+        return out, positions
+    finally:
+        src.close()
+        dst.close()
+
+
 async def _run(args) -> int:
     figs = Figures(args.json)
-    groups = set(filter(None, args.only.split(","))) or {"goodput", "latency", "ucx"}
+    groups = set(filter(None, args.only.split(","))) or {"goodput", "latency", "ucx", "handoff"}
     quick = args.quick
     base = None
     if "goodput" in groups:
@@ -219,7 +260,7 @@ async def _run(args) -> int:
                  note="64 MiB memfd pools, as KV moves: bytes no longer come from cache")
     if "ucx" in groups:
         await _ucx_figures(figs, quick)
-    if not groups & {"goodput", "latency"}:
+    if not groups & {"goodput", "latency", "handoff"}:
         return 0
     async with AgentPair() as pair:
         async with EngineClient(pair.sockets["A"], "bench-A") as ea, EngineClient(pair.sockets["B"], "bench-B") as eb:
@@ -244,6 +285,16 @@ async def _run(args) -> int:
                 figs.add("token_latency_under_load_p50", pct(loaded, 50), "ms")
                 figs.add("token_latency_under_load_p99", pct(loaded, 99), "ms", "idle p99", pct(idle, 99),
                          note=f"{len(loaded)} samples during 1 GiB transfers at {gbps:.2f} GB/s")
+            if "handoff" in groups:
+                async with EngineClient(pair.sockets["A"], "bench-RLD") as er:
+                    for mode, name in (("one-shot", "oneshot"), ("catch-up", "catchup")):
+                        ms, pos = await _handoff_latency(ea, er, eb, mode, 10 if quick else 30)
+                        rtt = metric_value(pair.metrics("A"), "pddwire_control_rtt_seconds_sum", peer="B/b1") / max(
+                            1, metric_value(pair.metrics("A"), "pddwire_control_rtt_seconds_count", peer="B/b1"))
+                        figs.add(f"handoff_{name}_100_ms", statistics.median(ms), "ms",
+                                 note=f"median of {len(ms)}, p90 {pct(ms, 90):.2f} ms; MD 100 tokens behind at "
+                                      f"ready, commit at {statistics.median(pos):.0f}; RLD 20 ms/token, extends "
+                                      f"free; control RTT {rtt * 1e3:.2f} ms")
     return 0
 
 

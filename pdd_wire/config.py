@@ -67,6 +67,8 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     chunk_ack_s: float = 15.0  # a chunk unacknowledged this long is sent again (safety net)
     peer_give_up_s: float = 30.0  # transfers fail once a peer has been unreachable this long
     shutdown_grace_s: float = 10.0
+    handoff_s: float = 60.0  # RLD commits a handoff by then or keeps the output (per request: deadline_s)
+    handoff_md_margin_s: float = 5.0  # MD's deadline is handoff_s plus this: it rarely races a commit
 
 
 class Tls(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

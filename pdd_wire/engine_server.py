@@ -44,6 +44,7 @@ class EngineConn:
         self.closed = False
         self.done = self.loop.create_future()
         self.regions: dict[int, object] = {}
+        self.load = 0.0  # the engine's decode load, as it last reported (set_load)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._worker = asyncio.create_task(self._serve(), name=f"{self.name}:serve")
         self.loop.add_reader(sock.fileno(), self._readable)

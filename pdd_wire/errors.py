@@ -47,6 +47,8 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_PEER_SITE = 403
     ENGINE_GONE = 404
     LIMIT_EXCEEDED = 405
+    UNKNOWN_REQUEST = 406
+    UNSUPPORTED_BY_PEER = 407
     # 5xx: agent lifecycle
     SHUTTING_DOWN = 500
     INTERNAL = 501

@@ -140,7 +140,8 @@ class Done(msgspec.Struct, frozen=True):
     * RLD side: ``one_shot``, ``catch_up_converged``, ``catch_up_forced`` (MD took over);
       ``md_failed_after_commit`` (owner MD, but RLD was told MD failed after it committed: whether
       MD emits the rest is unknown here; RLD never resumes); ``finished_on_rld``, ``deadline``,
-      ``md_failed``, ``md_released`` (owner RLD).
+      ``md_failed``, ``md_released``, ``rld_failed`` (owner RLD; for ``rld_failed`` RLD gave the
+      request up and nobody emits the rest).
     * MD side: ``took_over``; or owner RLD with RLD's abort reason or MD's own release reason.
     """
 
@@ -255,6 +256,14 @@ class RldHandoff:
             self.state = RldState.MD_OWNS
             self.lost = True
             return [self._settle("MD", "md_failed_after_commit")]
+        return []
+
+    def on_rld_failed(self, reason: str = "rld_failed") -> list[Action]:
+        """RLD itself gives the request up (its engine aborted it or disconnected, the agent
+        stops). Before the commit MD is told to drop it (nobody emits any more); after the
+        commit MD owns the output and nothing needs saying."""
+        if self.state is RldState.RELAYING:
+            return self._abort(reason, done_reason="rld_failed")
         return []
 
     def on_timeout(self, now: float) -> list[Action]:

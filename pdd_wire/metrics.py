@@ -50,6 +50,17 @@ class Metrics:
         self.pipelines = Counter(p + "pipeline_choices", "Pipelines chosen for requests, by reason",
                                  ["pipeline", "reason"], registry=r)
         self.tokens = Counter(p + "tokens", "Token IDs relayed", ["peer", "direction"], registry=r)
+        self.handoffs = Counter(p + "handoffs", "Handoffs settled, by role, mode and reason (who owns the output)",
+                                ["role", "mode", "reason"], registry=r)
+        self.handoff_modes = Counter(p + "handoff_modes", "Handoff modes chosen by RLD, by reason",
+                                     ["mode", "reason"], registry=r)
+        self.handoff_seconds = Histogram(p + "handoff_seconds",
+                                         "MD ready (its KV arrived) to ownership passed (RLD: MD's TAKEN; MD: "
+                                         "it starts emitting)", ["role", "mode"], buckets=_LAT + (5, 10, 30),
+                                         registry=r)
+        self.handoffs_open = Gauge(p + "handoffs_open", "Handoffs this agent tracks", ["role"], registry=r)
+        self.handoff_errors = Counter(p + "handoff_protocol_errors", "Handoff messages that broke the protocol",
+                                      ["peer"], registry=r)
 
     def error(self, code) -> None:
         self.errors.labels(code=getattr(code, "name", str(code))).inc()

@@ -69,6 +69,9 @@ class SessionHost(Protocol):
     def transfer_failed(self, t, direction: str, code: int, message: str) -> None: ...
     def tokens_received(self, session: "PeerSession", msg: m.Tokens) -> None: ...
     def incoming_cancelled(self, session: "PeerSession", tid: int, msg: m.KvCancel) -> None: ...
+    def handoff_message(self, session: "PeerSession", msg) -> None: ...
+    def session_up(self, session: "PeerSession") -> None: ...
+    def peer_lost(self, session: "PeerSession", reason: str) -> None: ...
 
 
 class BulkLink:
@@ -98,6 +101,7 @@ class PeerSession:
         self.streams = self.configured_streams  # after the handshake: the smaller of both sides
         self.control: FrameProtocol | None = None
         self.remote_incarnation: int | None = None
+        self.remote_caps: frozenset[str] | None = None  # what the peer advertised (None: not met yet)
         self.token = random.getrandbits(63)  # bulk connections present it (listener side)
         self.remote_token = 0
         self.links: dict[int, BulkLink] = {}
@@ -292,6 +296,7 @@ class PeerSession:
             self.log.warning("peer restarted; failing every transfer with it")
             self._peer_restarted()
         self.remote_incarnation = incarnation
+        self.remote_caps = frozenset(info.capabilities)
         if isinstance(info, m.Welcome):
             self.remote_token = info.session
         self.chunk_bytes = min(self.cfg.transfer.chunk_bytes, info.max_chunk)
@@ -307,6 +312,7 @@ class PeerSession:
         self.log.info("peer up", resumed=not restarted, streams=self.streams)
         self._send(FrameType.PING, m.Ping(next(self._ping_nonce), time.monotonic_ns()))  # an RTT at once
         self._resume()
+        self.host.session_up(self)
         if self.ucx is not None and info.ucx_address:
             if not self.ucx_ready:
                 self._spawn(self._ucx_connect(info.ucx_address), "ucx-connect")
@@ -542,6 +548,8 @@ class PeerSession:
                 self.tokens.on_tokens(msg)
             case m.TokensAck():
                 self.tokens.on_ack(msg)
+            case m.HandoffProgress() | m.HandoffCommit() | m.HandoffTaken() | m.HandoffRelease() | m.HandoffAbort():
+                self.host.handoff_message(self, msg)
             case m.Error():
                 self.log.warning("peer reported an error", code=code_name(msg.code), message=msg.message)
                 self.m.error(code_name(msg.code))
@@ -562,6 +570,11 @@ class PeerSession:
                                     ErrorCode.UNEXPECTED_FRAME)
                 self.m.error(exc.code)
                 conn.fail(exc)
+
+    def send_message(self, body, *, lane: int = Lane.TOKEN) -> bool:
+        """Send a control message whose frame type follows from its body (handoff messages);
+        False if the control connection is down (the caller resends on reconnect)."""
+        return self._send(m.TYPE_OF[type(body)], body, lane=lane)
 
     def _send(self, ftype: int, body, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool:
         c = self.control
@@ -957,6 +970,7 @@ class PeerSession:
                                       notify_peer=False), "restart")
         self.completed_in.clear()
         self.tokens.clear()
+        self.host.peer_lost(self, "peer_restarted")
         self.inflight.clear()
         for link in self.links.values():
             link.outstanding = 0
@@ -980,6 +994,7 @@ class PeerSession:
                 else:
                     self._send(FrameType.PING, m.Ping(next(self._ping_nonce), time.monotonic_ns()))
             elif self.down_since is not None and now - self.down_since > to.peer_give_up_s:
+                self.host.peer_lost(self, "peer_unreachable")
                 for t in list(self.out.values()):
                     self._fail_out(t, ErrorCode.PEER_UNREACHABLE,
                                    f"peer {self.key} unreachable for {to.peer_give_up_s}s", notify_peer=False)

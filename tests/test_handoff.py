@@ -174,6 +174,19 @@ def test_md_failure_before_commit_keeps_rld():
     assert rld.on_token_generated(T(3)) == [Emit(3, T(3))]
 
 
+def test_rld_giving_up_tells_md_before_the_commit_and_nothing_after():
+    rld, md = rld_(ONE_SHOT), md_()
+    feed(md, relayed(gen(rld, 3)))
+    assert rld.on_rld_failed("engine_gone") == [Send(HandoffAbort(RID, EP, "engine_gone")), Done("RLD", "rld_failed")]
+    assert rld.on_rld_failed("again") == [] and rld.on_message(Progress(0)) == []
+    assert md.on_message(HandoffAbort(RID, EP, "engine_gone")) == [Done("RLD", "engine_gone")]
+    committed = rld_(ONE_SHOT)
+    gen(committed, 2)
+    assert [type(a) for a in committed.on_message(Progress(0))] == [ModeChosen, Send, StopGenerating]
+    assert committed.on_rld_failed("engine_gone") == []  # MD owns the output: nothing to say
+    assert committed.owner == "MD"
+
+
 def test_md_release_before_commit_keeps_rld():
     rld, md = rld_(CATCH_UP), md_()
     feed(md, relayed(gen(rld, 3)))

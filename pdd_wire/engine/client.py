@@ -160,6 +160,40 @@ class EngineClient:
             request_id=request_id, to=to, input_tokens=input_tokens, prefix_hit_tokens=prefix_hit_tokens,
             expected_output_tokens=expected_output_tokens, kv_bytes_per_token=kv_bytes_per_token))
 
+    async def set_load(self, load: float) -> None:
+        """Report this engine's decode load (0 = idle, 1 = every slot in use). RLD engines report
+        it; the handoff mode policy (one-shot when busy, catch-up with headroom) reads it."""
+        await self._call(p.SetLoad(load=load))
+
+    # -- handoff (proto/handoff.md; events: Emit, Extend, StopGenerating, StartGenerating, HandoffDone)
+    async def handoff_rld(self, request_id: str, to: str, *, epoch: int = 0,
+                          deadline_s: float | None = None) -> dict:
+        """RLD: this engine decodes ``request_id`` and hands its output to MD at ``to``. Report
+        each generated token with :meth:`handoff_tokens`; emit only what ``Emit`` events allow."""
+        return await self._call(p.HandoffRld(request_id=request_id, to=to, epoch=epoch, deadline_s=deadline_s))
+
+    async def handoff_md(self, request_id: str, from_site: str, *, epoch: int = 0,
+                         deadline_s: float | None = None) -> dict:
+        """MD: take ``request_id`` over from RLD at ``from_site`` once its posted KV is here.
+        Answer each ``Extend`` event with :meth:`handoff_extended`; decode from ``StartGenerating``."""
+        return await self._call(p.HandoffMd(request_id=request_id, from_site=from_site, epoch=epoch,
+                                            deadline_s=deadline_s))
+
+    async def handoff_tokens(self, request_id: str, tokens: list[int], *, last: bool = False) -> str:
+        """Tokens this engine generated for a handoff request; returns who owns the output now."""
+        res = await self._call(p.HandoffTokens(request_id=request_id, tokens=list(tokens), last=last))
+        return res["owner"]
+
+    async def handoff_extended(self, request_id: str, absorbed: int) -> str:
+        """MD: the extend in flight is done (every relayed token < ``absorbed`` is in the KV)."""
+        res = await self._call(p.HandoffExtended(request_id=request_id, absorbed=absorbed))
+        return res["owner"]
+
+    async def handoff_fail(self, request_id: str, reason: str = "md_failed") -> str:
+        """MD: this engine cannot take the request over; before it started, RLD keeps it."""
+        res = await self._call(p.HandoffFail(request_id=request_id, reason=reason))
+        return res["owner"]
+
     # -- events ------------------------------------------------------------------------------
     async def wait(self, request_id: str, *, kinds=(p.KvReceived, p.KvSent, p.TransferFailed),
                    timeout: float | None = None) -> p.Msg:

@@ -17,7 +17,7 @@ from ..errors import ErrorCode, ProtocolError
 
 LENGTH = struct.Struct(">I")
 MAX_MESSAGE = 16 << 20
-ENGINE_PROTOCOL_VERSION = 1
+ENGINE_PROTOCOL_VERSION = 2  # 2: set_load and the handoff ops and events
 
 _tagged = dict(tag_field="op", forbid_unknown_fields=False, kw_only=True)
 
@@ -91,6 +91,58 @@ class ChoosePipeline(Msg, tag="choose_pipeline"):
     kv_bytes_per_token: int
 
 
+class SetLoad(Msg, tag="set_load"):
+    """This engine's decode load now (0 = idle, 1 = every decode slot in use; may exceed 1).
+    RLD engines report it; the handoff mode policy reads the latest value."""
+
+    load: float
+
+
+class HandoffRld(Msg, tag="handoff_rld"):
+    """RLD side (site A): this engine decodes ``request_id`` from position 0 and will hand its
+    output to MD at ``to`` (site or site/node). From now on report every generated token with
+    :class:`HandoffTokens` and emit to the user only what :class:`Emit` events allow."""
+
+    request_id: str
+    to: str
+    epoch: int = 0
+    deadline_s: float | None = None  # commit by then or keep the output (timeouts.handoff_s)
+
+
+class HandoffMd(Msg, tag="handoff_md"):
+    """MD side (site B): this engine will take ``request_id`` over from RLD at ``from_site``
+    once its KV (posted with :class:`PostRecv`) is here. The agent sends :class:`Extend` and
+    :class:`StartGenerating` events; answer extends with :class:`HandoffExtended`."""
+
+    request_id: str
+    from_site: str
+    epoch: int = 0
+    deadline_s: float | None = None  # start by then or release (handoff_s + handoff_md_margin_s)
+
+
+class HandoffTokens(Msg, tag="handoff_tokens"):
+    """Tokens this engine generated for a handoff request, in order (RLD: from position 0; MD:
+    after :class:`StartGenerating`). ``last``: the final token of the request is among them."""
+
+    request_id: str
+    tokens: list[int]
+    last: bool = False
+
+
+class HandoffExtended(Msg, tag="handoff_extended"):
+    """MD: the extend in flight is done: every relayed token < ``absorbed`` is in MD's KV."""
+
+    request_id: str
+    absorbed: int
+
+
+class HandoffFail(Msg, tag="handoff_fail"):
+    """MD: this engine cannot take the request over (before it started: RLD keeps it)."""
+
+    request_id: str
+    reason: str = "md_failed"
+
+
 # -- replies (agent -> engine) -----------------------------------------------------------
 class Ok(Msg, tag="ok"):
     result: dict = {}
@@ -140,9 +192,55 @@ class Shutdown(Msg, tag="shutdown"):
     grace_s: float
 
 
-Request = Hello | Register | Deregister | PostRecv | SendKv | SendTokens | Abort | Status | ChoosePipeline
-ToEngine = Ok | Err | KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown
-Event = KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown
+class Emit(Msg, tag="emit"):
+    """Handoff: send output positions ``[first, first + len(tokens))`` to the user. Only these
+    events authorise emitting; across RLD and MD every position is emitted exactly once."""
+
+    request_id: str
+    first: int
+    tokens: list[int]
+
+
+class Extend(Msg, tag="extend"):
+    """MD: compute the KV of relayed tokens ``[first, first + len(tokens))`` in one extend step,
+    then answer :class:`HandoffExtended` with ``absorbed = first + len(tokens)``."""
+
+    request_id: str
+    first: int
+    tokens: list[int]
+
+
+class StopGenerating(Msg, tag="stop_generating"):
+    """RLD: stop decoding the request (keep reporting tokens of a step already running; keep
+    its KV until :class:`HandoffDone`)."""
+
+    request_id: str
+
+
+class StartGenerating(Msg, tag="start_generating"):
+    """Start (MD: take over) or resume (RLD) decoding; the next token is ``position``."""
+
+    request_id: str
+    position: int
+
+
+class HandoffDone(Msg, tag="handoff_done"):
+    """Ownership is settled: ``owner`` ("RLD" or "MD") emits the rest (MD from ``position``).
+    ``reason``: a stable label (proto/handoff.md, ``Done``)."""
+
+    request_id: str
+    owner: str
+    reason: str
+    mode: str | None = None
+    position: int | None = None
+
+
+Request = (Hello | Register | Deregister | PostRecv | SendKv | SendTokens | Abort | Status | ChoosePipeline
+           | SetLoad | HandoffRld | HandoffMd | HandoffTokens | HandoffExtended | HandoffFail)
+ToEngine = (Ok | Err | KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend
+            | StopGenerating | StartGenerating | HandoffDone)
+Event = (KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend | StopGenerating
+         | StartGenerating | HandoffDone)
 
 _enc = msgspec.msgpack.Encoder()
 _dec_request = msgspec.msgpack.Decoder(Request)

@@ -1,0 +1,436 @@
+"""The agent's handoff desk: drives :mod:`pdd_wire.handoff`'s state machines for its engines.
+
+The state machines are sans-IO; this module is their I/O. For each request in a handoff it keeps
+one :class:`Entry` (the state machine, the engine that drives it, the peer session it talks
+over, a timer) and turns actions into effects, in order:
+
+=====================  ==============================================================
+action                 effect
+=====================  ==============================================================
+``Emit``               ``emit`` event to the engine (consecutive positions coalesced)
+``RelayTokens``        TOKENS frames to MD through the session's token relay (``seq`` =
+                       position; coalesced)
+``Send``               a HANDOFF_* frame on the control connection, lane TOKEN
+``Extend``             ``extend`` event (MD)
+``StopGenerating``     ``stop_generating`` event (RLD)
+``StartGenerating``    ``start_generating`` event
+``ModeChosen``         logged and counted (``pddwire_handoff_modes``)
+``Done``               ``handoff_done`` event, logged and counted (``pddwire_handoffs``)
+=====================  ==============================================================
+
+Inputs come from the engine socket (``handoff_rld``, ``handoff_md``, ``handoff_tokens``,
+``handoff_extended``, ``handoff_fail``, ``set_load``, ``abort``, a disconnect), from the peer
+session (HANDOFF_* frames, relayed TOKENS, reconnects, a restarted or unreachable peer) and
+from the KV transfer into MD (received or failed).
+
+MD's engine may learn of a request after RLD started relaying it, and after its KV arrived: the
+desk keeps relayed tokens, messages and the KV outcome of requests with no MD entry yet, bounded
+and least recently used first out, and feeds them in when ``handoff_md`` comes. A settled entry
+lingers for ``timeouts.peer_give_up_s`` so that a copy of a message lost in a reconnect is still
+answered, then it is forgotten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import TYPE_CHECKING
+
+import structlog
+
+from . import policy
+from .engine import protocol as p
+from .errors import EngineRequestError, ErrorCode
+from .handoff import (CAPABILITY, Done, Emit, Extend, HandoffError, HandoffMessage, HandoffProtocolError,
+                      HandoffUsageError, MdHandoff, ModeChosen, RelayTokens, RldHandoff, Send, StartGenerating,
+                      StopGenerating)
+from .wire import messages as m
+
+if TYPE_CHECKING:
+    from .agent import Agent
+    from .engine_server import EngineConn
+    from .session import PeerSession
+
+log = structlog.get_logger("pdd_wire.handoffs")
+
+MAX_EARLY_TOKENS = 1 << 16  # relayed tokens kept for one request that has no MD entry yet
+MAX_DEADLINE_S = 7 * 86400
+
+
+class Entry:
+    __slots__ = ("role", "sm", "engine", "session", "timer", "timer_at", "ready_at", "settled", "log")
+
+    def __init__(self, role: str, sm: RldHandoff | MdHandoff, engine: "EngineConn", session: "PeerSession") -> None:
+        self.role = role
+        self.sm = sm
+        self.engine = engine
+        self.session = session
+        self.timer: asyncio.TimerHandle | None = None
+        self.timer_at: float | None = None
+        self.ready_at: float | None = None  # RLD: MD's first progress; MD: the KV arrived
+        self.settled = False  # no more own output to emit: lingers, then is forgotten
+        self.log = log.bind(request_id=sm.request_id, role=role, peer=session.key, epoch=sm.epoch)
+
+
+class Early:
+    """What arrived for a request before its MD entry: relayed tokens, RLD's messages, KV outcome."""
+
+    __slots__ = ("session", "tokens", "messages", "kv")
+
+    def __init__(self, session: "PeerSession | None") -> None:
+        self.session = session
+        self.tokens: list[int] = []
+        self.messages: list[HandoffMessage] = []
+        self.kv: str | None = None  # None, "ready" or the failure reason
+
+
+class Handoffs:
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self.cfg = agent.config
+        self.metrics = agent.metrics
+        self.live: dict[str, Entry] = {}
+        self.early: collections.OrderedDict[str, Early] = collections.OrderedDict()
+        self.cap = self.cfg.transfer.max_transfers * 4
+
+    # ------------------------------------------------------------------ engine requests
+    def start_rld(self, ec: "EngineConn", msg: p.HandoffRld) -> dict:
+        session = self._start_checks(ec, msg.request_id, msg.to)
+        if msg.request_id in session.tokens.tok_out:
+            raise EngineRequestError(f"request {msg.request_id!r} already relayed tokens to {session.key} outside a "
+                                     f"handoff; its positions would not match", ErrorCode.DUPLICATE_TRANSFER)
+        deadline = self._deadline(msg.deadline_s, self.cfg.timeouts.handoff_s)
+        cfg = self.cfg.policy.handoff
+        sm = RldHandoff(msg.request_id, msg.epoch, deadline=deadline, policy=cfg,
+                        choose_mode=lambda gap: policy.choose_handoff_mode(max(0.0, ec.load), gap, cfg))
+        e = self._add(Entry("RLD", sm, ec, session))
+        e.log.info("handoff started", deadline_s=round(deadline - self._now(), 3))
+        self._timer(e)
+        return {"peer": session.key}
+
+    def start_md(self, ec: "EngineConn", msg: p.HandoffMd) -> dict:
+        session = self._start_checks(ec, msg.request_id, msg.from_site)
+        to = self.cfg.timeouts
+        deadline = self._deadline(msg.deadline_s, to.handoff_s + to.handoff_md_margin_s)
+        sm = MdHandoff(msg.request_id, msg.epoch, deadline=deadline)
+        e = self._add(Entry("MD", sm, ec, session))
+        e.log.info("handoff started", deadline_s=round(deadline - self._now(), 3))
+        early = self.early.pop(msg.request_id, None)
+        if early is not None:
+            if early.session is not None and early.session is not session:
+                e.log.warning("relayed tokens came from another peer; ignored", other=early.session.key)
+            else:
+                if early.tokens:
+                    self._feed(e, lambda: sm.on_tokens(0, early.tokens))
+                for hm in early.messages:
+                    self._feed(e, lambda hm=hm: sm.on_message(hm))
+            if early.kv == "ready":
+                self._feed(e, sm.on_kv_ready)
+            elif early.kv is not None:
+                self._feed(e, lambda: sm.on_kv_cancelled(early.kv))
+        self._timer(e)
+        return {"peer": session.key}
+
+    def tokens(self, ec: "EngineConn", msg: p.HandoffTokens) -> dict:
+        e = self._own_entry(ec, msg.request_id)
+        if any(not 0 <= t < 1 << 32 for t in msg.tokens):
+            raise EngineRequestError("token IDs must be in 0..2^32-1", ErrorCode.BAD_REQUEST)
+        sm = e.sm
+        n = len(msg.tokens)
+        for i, tok in enumerate(msg.tokens):
+            last = msg.last and i == n - 1
+            try:
+                acts = sm.on_token_generated(tok, last=last)
+            except HandoffUsageError as exc:
+                raise EngineRequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
+            self._run(e, acts)
+        if msg.last and sm.done is not None and sm.done.owner == e.role:
+            self._settle(e)
+        return {"owner": sm.owner}
+
+    def extended(self, ec: "EngineConn", msg: p.HandoffExtended) -> dict:
+        e = self._own_entry(ec, msg.request_id)
+        if e.role != "MD":
+            raise EngineRequestError("handoff_extended is for the MD engine", ErrorCode.BAD_REQUEST)
+        try:
+            acts = e.sm.on_md_progress(msg.absorbed)
+        except HandoffUsageError as exc:
+            raise EngineRequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
+        self._run(e, acts)
+        return {"owner": e.sm.owner}
+
+    def fail(self, ec: "EngineConn", msg: p.HandoffFail) -> dict:
+        e = self._own_entry(ec, msg.request_id)
+        if e.role != "MD":
+            raise EngineRequestError("handoff_fail is for the MD engine (RLD aborts the request)",
+                                     ErrorCode.BAD_REQUEST)
+        self._feed(e, lambda: e.sm.on_md_failed(msg.reason or "md_failed"))
+        return {"owner": e.sm.owner}
+
+    def abort(self, ec: "EngineConn", request_id: str, reason: str) -> int:
+        """The engine aborted the request: RLD keeps nothing to hand over (MD is told), MD
+        releases it (RLD keeps it, if RLD is still there)."""
+        e = self.live.get(request_id)
+        if e is None or e.engine is not ec:
+            return 0
+        self._engine_failed(e, reason or "aborted")
+        self._forget(request_id)
+        return 1
+
+    def engine_gone(self, ec: "EngineConn") -> None:
+        for rid, e in list(self.live.items()):
+            if e.engine is ec:
+                self._engine_failed(e, "engine_gone")
+                self._forget(rid)
+
+    def owns_relay(self, request_id: str) -> bool:
+        """The request's TOKENS stream belongs to a handoff (RLD side)."""
+        e = self.live.get(request_id)
+        return e is not None and e.role == "RLD"
+
+    # ------------------------------------------------------------------ from the sessions
+    def on_message(self, session: "PeerSession", msg: HandoffMessage) -> None:
+        e = self.live.get(msg.request_id)
+        if e is None:
+            if isinstance(msg, (m.HandoffCommit, m.HandoffAbort)):  # RLD -> MD ahead of handoff_md
+                early = self._early(msg.request_id, session)
+                if early is not None and len(early.messages) < 16:
+                    early.messages.append(msg)
+            return  # no handoff here: a late copy (the spec says ignore it)
+        if e.session is not session:
+            e.log.warning("handoff message from another peer; ignored", other=session.key, msg=type(msg).__name__)
+            return
+        self._feed(e, lambda: e.sm.on_message(msg))
+
+    def on_tokens(self, session: "PeerSession", msg: m.Tokens) -> bool:
+        """Relayed tokens (exactly once, in order). True if a handoff took them."""
+        e = self.live.get(msg.request_id)
+        if e is not None and e.role == "MD" and e.session is session:
+            self._feed(e, lambda: e.sm.on_tokens(msg.seq, msg.tokens))
+            return True
+        if e is None:
+            early = self._early(msg.request_id, session)
+            if early is not None and early.session is session and len(early.tokens) == msg.seq:
+                if len(early.tokens) + len(msg.tokens) <= MAX_EARLY_TOKENS:
+                    early.tokens.extend(msg.tokens)
+        return False
+
+    def kv_received(self, request_id: str) -> None:
+        e = self.live.get(request_id)
+        if e is not None and e.role == "MD":
+            self._feed(e, e.sm.on_kv_ready)
+        elif e is None:
+            early = self._early(request_id, None)
+            if early is not None:
+                early.kv = "ready"
+
+    def kv_failed(self, request_id: str, reason: str) -> None:
+        e = self.live.get(request_id)
+        if e is not None and e.role == "MD":
+            self._feed(e, lambda: e.sm.on_kv_cancelled(reason))
+        elif e is None:
+            early = self._early(request_id, None)
+            if early is not None:
+                early.kv = reason
+
+    def session_up(self, session: "PeerSession") -> None:
+        """The control connection is back: resend each handoff's latest message."""
+        for e in list(self.live.values()):
+            if e.session is session:
+                self._feed(e, e.sm.on_reconnect)
+
+    def peer_lost(self, session: "PeerSession", reason: str) -> None:
+        """The peer's agent restarted (its state is gone) or stayed unreachable too long."""
+        for e in list(self.live.values()):
+            if e.session is session and e.sm.done is None:
+                self._feed(e, lambda e=e: e.sm.on_md_failed(reason))
+
+    def shutdown(self) -> None:
+        """The agent stops: tell the peers, so that RLD keeps (or MD takes) what it can."""
+        for rid, e in list(self.live.items()):
+            if e.sm.done is None:
+                self._engine_failed(e, "shutting_down")
+            self._forget(rid)
+        self.early.clear()
+
+    def describe(self, most: int = 100) -> list[dict]:
+        """The newest ``most`` handoffs (the count is ``pddwire_handoffs_open``)."""
+        return [{"request_id": rid, "role": e.role, "peer": e.session.key, "state": e.sm.state.value,
+                 "owner": e.sm.owner, "position": e.sm.position, "done": e.sm.done.reason if e.sm.done else None}
+                for rid, e in list(self.live.items())[-most:]]
+
+    # ------------------------------------------------------------------ internals
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _deadline(self, given: float | None, default: float) -> float:
+        d = default if given is None else given
+        if not 0 < d <= MAX_DEADLINE_S:  # also refuses nan and inf
+            raise EngineRequestError(f"deadline_s must be in (0, {MAX_DEADLINE_S}], got {d}", ErrorCode.BAD_REQUEST)
+        return self._now() + d
+
+    def _start_checks(self, ec: "EngineConn", request_id: str, peer: str) -> "PeerSession":
+        self.agent._refuse_when_stopping()
+        self.agent._check_request_id(request_id)
+        session = self.agent._session_for(peer)
+        if session.remote_caps is not None and CAPABILITY not in session.remote_caps:
+            raise EngineRequestError(f"peer {session.key} does not speak {CAPABILITY}", ErrorCode.UNSUPPORTED_BY_PEER)
+        old = self.live.get(request_id)
+        if old is not None:
+            if not old.settled:
+                raise EngineRequestError(f"request {request_id!r} is already in a handoff ({old.role})",
+                                         ErrorCode.DUPLICATE_TRANSFER)
+            self._forget(request_id)  # a new attempt (epoch) replaces a settled one
+        if len(self.live) >= self.cap:
+            self._evict_settled()
+            if len(self.live) >= self.cap:
+                raise EngineRequestError(f"{len(self.live)} handoffs open (limit 4 x transfer.max_transfers)",
+                                         ErrorCode.LIMIT_EXCEEDED)
+        return session
+
+    def _evict_settled(self) -> None:
+        for rid in [r for r, e in self.live.items() if e.settled][: max(1, len(self.live) // 8)]:
+            self._forget(rid)
+
+    def _add(self, e: Entry) -> Entry:
+        self.live[e.sm.request_id] = e
+        self.metrics.handoffs_open.labels(role=e.role).inc()
+        return e
+
+    def _own_entry(self, ec: "EngineConn", request_id: str) -> Entry:
+        e = self.live.get(request_id)
+        if e is None:
+            raise EngineRequestError(f"no handoff for request {request_id!r} (start it with handoff_rld or "
+                                     f"handoff_md)", ErrorCode.UNKNOWN_REQUEST)
+        if e.engine is not ec:
+            raise EngineRequestError(f"request {request_id!r} is handed off by another engine", ErrorCode.BAD_REQUEST)
+        return e
+
+    def _early(self, request_id: str, session: "PeerSession | None") -> Early | None:
+        early = self.early.get(request_id)
+        if early is None:
+            early = self.early[request_id] = Early(session)
+            while len(self.early) > self.cap:
+                self.early.popitem(last=False)
+        else:
+            self.early.move_to_end(request_id)
+            if early.session is None:
+                early.session = session
+        return early
+
+    def _engine_failed(self, e: Entry, reason: str) -> None:
+        if e.role == "RLD":
+            self._feed(e, lambda: e.sm.on_rld_failed(reason))
+        else:
+            self._feed(e, lambda: e.sm.on_md_failed(reason))
+
+    def _feed(self, e: Entry, event) -> None:
+        """Run one event through the state machine; a peer's protocol error is logged and
+        counted, and leaves the state as it was (proto/handoff.md §4)."""
+        try:
+            acts = event()
+        except HandoffProtocolError as exc:
+            self.metrics.handoff_errors.labels(peer=e.session.key).inc()
+            e.log.warning("handoff protocol error", error=str(exc))
+            if e.role == "MD" and e.sm.done is None:
+                # MD cannot trust its copy of the relay any more: give the request back.
+                acts = e.sm.on_md_failed("protocol_error")
+            else:
+                return
+        except HandoffError as exc:
+            e.log.error("handoff usage error", error=str(exc))
+            return
+        self._run(e, acts)
+
+    def _run(self, e: Entry, acts) -> None:
+        rid = e.sm.request_id
+        ec = e.engine
+        i = 0
+        n = len(acts)
+        while i < n:
+            a = acts[i]
+            if isinstance(a, (Emit, RelayTokens)):
+                kind = type(a)
+                first = a.position if kind is Emit else a.first
+                toks: list[int] = []
+                while i < n and type(acts[i]) is kind:
+                    b = acts[i]
+                    pos = b.position if kind is Emit else b.first
+                    if pos != first + len(toks):
+                        break
+                    toks.extend((b.token,) if kind is Emit else b.tokens)
+                    i += 1
+                if kind is Emit:
+                    ec.send(p.Emit(request_id=rid, first=first, tokens=toks))
+                else:
+                    seq = e.session.send_tokens(rid, toks)
+                    if seq != first:
+                        e.log.error("relay stream out of step with positions", seq=seq, position=first)
+                continue
+            i += 1
+            if isinstance(a, Send):
+                e.session.send_message(a.message)
+            elif isinstance(a, Extend):
+                ec.send(p.Extend(request_id=rid, first=a.first, tokens=list(a.tokens)))
+            elif isinstance(a, StopGenerating):
+                ec.send(p.StopGenerating(request_id=rid))
+            elif isinstance(a, StartGenerating):
+                ec.send(p.StartGenerating(request_id=rid, position=a.position))
+            elif isinstance(a, ModeChosen):
+                e.ready_at = self._now()
+                self.metrics.handoff_modes.labels(mode=a.decision.mode, reason=a.decision.reason).inc()
+                e.log.info("handoff mode chosen", mode=a.decision.mode, reason=a.decision.reason, gap=a.gap,
+                           detail=a.decision.detail, load=ec.load)
+            elif isinstance(a, Done):
+                self._done(e, a)
+        if e.role == "MD" and e.ready_at is None and e.sm.kv_ready:
+            e.ready_at = self._now()
+        self._timer(e)
+
+    def _done(self, e: Entry, d: Done) -> None:
+        rid = e.sm.request_id
+        e.engine.send(p.HandoffDone(request_id=rid, owner=d.owner, reason=d.reason, mode=d.mode, position=d.position))
+        self.metrics.handoffs.labels(role=e.role, mode=d.mode or "none", reason=d.reason).inc()
+        if d.owner == "MD" and e.ready_at is not None:
+            self.metrics.handoff_seconds.labels(role=e.role, mode=d.mode or "none").observe(self._now() - e.ready_at)
+        e.log.info("handoff settled", owner=d.owner, reason=d.reason, mode=d.mode, position=d.position)
+        mine = (d.owner == e.role)
+        if not mine or e.sm.finished:
+            self._settle(e)
+
+    def _settle(self, e: Entry) -> None:
+        """Nothing more for this side to emit: keep the entry a while for late copies."""
+        if e.settled:
+            return
+        e.settled = True
+        rid = e.sm.request_id
+        asyncio.get_running_loop().call_later(self.cfg.timeouts.peer_give_up_s, self._expire, rid, e)
+
+    def _expire(self, rid: str, e: Entry) -> None:
+        if self.live.get(rid) is e:
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        e = self.live.pop(rid, None)
+        if e is None:
+            return
+        if e.timer is not None:
+            e.timer.cancel()
+        self.metrics.handoffs_open.labels(role=e.role).dec()
+
+    def _timer(self, e: Entry) -> None:
+        at = e.sm.next_deadline()
+        if at == e.timer_at:
+            return
+        if e.timer is not None:
+            e.timer.cancel()
+            e.timer = None
+        e.timer_at = at
+        if at is not None:
+            e.timer = asyncio.get_running_loop().call_at(at, self._fire, e)
+
+    def _fire(self, e: Entry) -> None:
+        e.timer = None
+        e.timer_at = None
+        if self.live.get(e.sm.request_id) is e:
+            self._feed(e, lambda: e.sm.on_timeout(self._now()))
