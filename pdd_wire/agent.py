@@ -43,13 +43,15 @@ MAX_DEADLINE_S = 7 * 86400
 
 
 class Post:
-    __slots__ = ("request_id", "engine", "blocks", "from_site")
+    __slots__ = ("request_id", "engine", "blocks", "from_site", "timer", "expires")
 
     def __init__(self, request_id: str, engine: EngineConn, blocks: BlockMap, from_site: str | None) -> None:
         self.request_id = request_id
         self.engine = engine
         self.blocks = blocks
         self.from_site = from_site
+        self.timer: asyncio.TimerHandle | None = None
+        self.expires = 0.0  # loop time
 
 
 class Agent:
@@ -76,6 +78,7 @@ class Agent:
         self.stopping = False
         self._listen_sock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
+        self._audit_task: asyncio.Task | None = None
         self._inbound: set[asyncio.Task] = set()
         self._inbound_conns = 0
         self._ssl_server = self._ssl_client = None
@@ -118,10 +121,11 @@ class Agent:
         self.wan_address = sock.getsockname()[:2]
         self._accept_task = asyncio.create_task(self._accept_forever(), name="wan-accept")
         uids = {os.getuid()} | ({cfg.listen.engine_uid} if cfg.listen.engine_uid is not None else set())
+        gids = {cfg.listen.engine_gid} if cfg.listen.engine_gid is not None else set()
         self.engine_server = EngineServer(cfg.listen.engine_socket, cfg.listen.engine_socket_mode,
                                           handler=self._engine_request, on_gone=self._engine_gone,
                                           max_engines=cfg.limits.max_engines, max_message=16 << 20,
-                                          allowed_uids=uids, on_error=self.metrics.error,
+                                          allowed_uids=uids, allowed_gids=gids, on_error=self.metrics.error,
                                           max_out=cfg.limits.engine_queue_bytes)
         await self.engine_server.start()
         if cfg.listen.admin:
@@ -135,6 +139,7 @@ class Agent:
             self.by_site[peer.site].append(s)
             self.by_token[s.token] = s
             s.start()
+        self._audit_task = asyncio.create_task(self._audit_forever(), name="lease-audit")
         self.ready.set()
         self.log.info("agent ready", wan=f"{self.wan_address[0]}:{self.wan_address[1]}",
                       engine_socket=cfg.listen.engine_socket,
@@ -152,9 +157,10 @@ class Agent:
         grace = self.config.timeouts.shutdown_grace_s if grace_s is None else grace_s
         systemd.notify_stopping()
         self.log.info("shutting down", open_transfers=self.open_transfers(), grace_s=grace)
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            await asyncio.gather(self._accept_task, return_exceptions=True)
+        for task in (self._accept_task, self._audit_task):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._listen_sock is not None:
             self._listen_sock.close()
         if self.engine_server is not None:
@@ -337,7 +343,7 @@ class Agent:
             session.reject_in(tid, begin, ErrorCode.NOT_POSTED,
                               f"request {begin.request_id!r} was posted for site {post.from_site!r} only")
             return
-        del self.posts[begin.request_id]
+        self._drop_post(begin.request_id)
         session.accept_in(tid, begin, post.engine, post.blocks)
 
     def incoming_cancelled(self, session: PeerSession, tid: int, msg: m.KvCancel) -> None:
@@ -362,6 +368,37 @@ class Agent:
                                        direction=direction, code=int(code), reason=message))
         if direction == "in":
             self.handoffs.kv_failed(t.request_id, "kv_cancelled")
+
+    def request_aborted(self, session: PeerSession, msg: m.RequestAbort) -> None:
+        """A peer's engine aborted the request: end what we hold for it on that site's behalf
+        and tell our engines (proto/transfer.md §10)."""
+        rid, reason = msg.request_id, msg.reason or "aborted by the peer"
+        self.metrics.request_aborts.labels(direction="rx").inc()
+        told: set[EngineConn] = set()
+        if session.has_request(rid):
+            told |= {t.engine for t in list(session.out.values()) + list(session.inn.values()) if t.request_id == rid}
+            session._spawn(session.cancel_request(rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: "
+                                                  f"{reason}", notify_peer=False), "abort")
+        post = self.posts.get(rid)
+        if post is not None and post.from_site in (None, session.peer.site):
+            self._drop_post(rid)
+            told.add(post.engine)
+        entry = self.pending_begins.get(rid)
+        if entry is not None and entry[0] is session:
+            entry[3].cancel()
+            del self.pending_begins[rid]
+        ec = self.handoffs.request_aborted(session, rid, reason)
+        if ec is not None:
+            told.add(ec)
+        owner = self.owners.pop(rid, None)
+        if owner is not None:
+            told.add(owner)
+        for e in told:
+            if not e.closed:
+                e.send(p.RequestAborted(request_id=rid, reason=reason, origin=session.key))
+        if told:
+            self.log.info("request aborted by a peer", request_id=rid, peer=session.key, reason=reason,
+                          engines=len(told))
 
     def handoff_message(self, session: PeerSession, msg) -> None:
         self.handoffs.on_message(session, msg)
@@ -494,7 +531,7 @@ class Agent:
                 await s.cancel_request(t.request_id, ErrorCode.TRANSFER_CANCELLED, "region deregistered", ec)
         for rid_, post in list(self.posts.items()):
             if id(region) in post.blocks.regions:
-                del self.posts[rid_]
+                self._drop_post(rid_)
         self._drop_region(ec, rid)
 
     def _drop_region(self, ec: EngineConn, rid: int) -> None:
@@ -515,7 +552,13 @@ class Agent:
                                      ErrorCode.DUPLICATE_TRANSFER)
         if len(self.posts) >= self.config.transfer.max_transfers * 4:
             raise EngineRequestError("too many posted receives", ErrorCode.LIMIT_EXCEEDED)
+        ttl = self.config.transfer.post_ttl_s if msg.ttl_s is None else msg.ttl_s
+        if not 0 < ttl <= MAX_DEADLINE_S:
+            raise EngineRequestError(f"ttl_s must be in (0, {MAX_DEADLINE_S}], got {ttl}", ErrorCode.BAD_REQUEST)
         post = Post(msg.request_id, ec, self._blockmap(ec, msg.blocks), msg.from_site)
+        loop = asyncio.get_running_loop()
+        post.expires = loop.time() + ttl
+        post.timer = loop.call_at(post.expires, self._post_expired, msg.request_id, post)
         self.posts[msg.request_id] = post
         self._own(msg.request_id, ec)
         waiting = self.pending_begins.pop(msg.request_id, None)
@@ -523,6 +566,24 @@ class Agent:
             session, tid, begin, timer = waiting
             timer.cancel()
             self._match(session, tid, begin, post)
+
+    def _drop_post(self, request_id: str) -> Post | None:
+        post = self.posts.pop(request_id, None)
+        if post is not None and post.timer is not None:
+            post.timer.cancel()
+        return post
+
+    def _post_expired(self, request_id: str, post: Post) -> None:
+        """The post's lease ran out with no transfer: hand the blocks back to the engine."""
+        if self.posts.get(request_id) is not post:
+            return
+        self._drop_post(request_id)
+        self.metrics.leases_expired.labels(kind="post").inc()
+        reason = "no transfer claimed the posted receive before its ttl_s (transfer.post_ttl_s)"
+        self.log.warning("posted receive expired", request_id=request_id, engine=post.engine.name)
+        post.engine.send(p.TransferFailed(request_id=request_id, transfer_id=0, peer="", direction="in",
+                                          code=int(ErrorCode.TRANSFER_TIMEOUT), reason=reason))
+        self.handoffs.kv_failed(request_id, "post_expired")
 
     def _own(self, request_id: str, ec: EngineConn) -> None:
         self.owners[request_id] = ec
@@ -572,12 +633,16 @@ class Agent:
         return {"transfers": out}
 
     async def _abort(self, ec: EngineConn, request_id: str, reason: str) -> int:
+        self._check_request_id(request_id)
+        self.metrics.request_aborts.labels(direction="tx").inc()
+        for s in self.sessions.values():
+            s.send_abort(request_id, reason)
         n = self.handoffs.abort(ec, request_id, reason)
         for s in self.sessions.values():
             n += await s.cancel_request(request_id, ErrorCode.TRANSFER_CANCELLED, reason, ec)
         post = self.posts.get(request_id)
         if post is not None and post.engine is ec:
-            del self.posts[request_id]
+            self._drop_post(request_id)
             n += 1
         entry = self.pending_begins.pop(request_id, None)
         if entry is not None:
@@ -592,12 +657,54 @@ class Agent:
             await s.engine_gone(ec)
         for rid, post in list(self.posts.items()):
             if post.engine is ec:
-                del self.posts[rid]
+                self._drop_post(rid)
         for rid in list(ec.regions):
             self._drop_region(ec, rid)
         for rid in [r for r, e in self.owners.items() if e is ec]:
             del self.owners[rid]
         self.metrics.engines.set(len(self.engine_server.engines) if self.engine_server else 0)
+
+    # ------------------------------------------------------------------ leases
+    def audit(self) -> tuple[dict[str, int], int]:
+        """Blocks the agent holds for peers (posted receives, transfers in and out), and how many
+        of them are *stranded*: held past their lease -- their engine is gone, their peer has
+        been unreachable longer than ``dead_after_s + peer_give_up_s`` plus a heartbeat, or a
+        post outlived its ttl by a heartbeat. Every path that ends a lease releases the blocks
+        before then, so stranded reads 0 unless something is wrong."""
+        to = self.config.timeouts
+        now, mono = asyncio.get_running_loop().time(), time.monotonic()
+        slack = 2 * to.heartbeat_s
+        lease = to.peer_give_up_s + slack
+        pinned = {"post": 0, "send": 0, "recv": 0}
+        stranded = 0
+        for post in self.posts.values():
+            n = post.blocks.total // post.blocks.block_bytes
+            pinned["post"] += n
+            if self._engine_dead(post.engine, mono, slack) or now > post.expires + slack:
+                stranded += n
+        for s in self.sessions.values():
+            gone = s.down_since is not None and mono - s.down_since > lease
+            for kind, ts in (("send", s.out), ("recv", s.inn)):
+                for t in ts.values():
+                    n = t.blocks.total // t.blocks.block_bytes
+                    pinned[kind] += n
+                    if self._engine_dead(t.engine, mono, slack) or gone:
+                        stranded += n
+        return pinned, stranded
+
+    @staticmethod
+    def _engine_dead(ec: EngineConn, mono: float, slack: float) -> bool:
+        return ec.closed and mono - ec.closed_at > slack
+
+    async def _audit_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.timeouts.heartbeat_s)
+            pinned, stranded = self.audit()
+            for kind, n in pinned.items():
+                self.metrics.pinned_blocks.labels(kind=kind).set(n)
+            self.metrics.stranded_blocks.set(stranded)
+            if stranded:
+                self.log.error("blocks held past their lease", stranded=stranded, pinned=pinned)
 
     # ------------------------------------------------------------------ status
     def describe(self) -> dict:

@@ -28,6 +28,7 @@ class Listen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     admin: str  # host:port of the admin HTTP server (/metrics, /v1/status); "" disables
     engine_socket_mode: int = 0o600
     engine_uid: int | None = None  # extra uid allowed on the engine socket besides our own (SO_PEERCRED)
+    engine_gid: int | None = None  # processes of this group are allowed too (SO_PEERCRED gid)
 
 
 class Peer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -46,6 +47,7 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     max_transfers: int = 4096  # open transfers per peer and direction
     unposted_wait_s: float = 10.0  # how long incoming KV waits for its receive to be posted
     default_deadline_s: float = 300.0
+    post_ttl_s: float = 300.0  # a posted receive no transfer has claimed by then is dropped (engine told)
     bulk_threads: int = 1  # event-loop threads that carry the bulk connections
 
 

@@ -13,6 +13,7 @@ import asyncio
 import os
 import socket
 import struct
+import time
 from typing import Awaitable, Callable
 
 import structlog
@@ -42,6 +43,7 @@ class EngineConn:
         self._out = bytearray()
         self._writing = False
         self.closed = False
+        self.closed_at = 0.0
         self.done = self.loop.create_future()
         self.regions: dict[int, object] = {}
         self.load = 0.0  # the engine's decode load, as it last reported (set_load)
@@ -134,6 +136,7 @@ class EngineConn:
         if self.closed:
             return
         self.closed = True
+        self.closed_at = time.monotonic()
         self.log.info("engine disconnected", reason=why)
         try:
             self.loop.remove_reader(self.sock.fileno())
@@ -155,7 +158,8 @@ class EngineServer:
 
     def __init__(self, path: str, mode: int, *, handler: Callable[..., Awaitable[dict | None]],
                  on_gone: Callable[[EngineConn], Awaitable[None]], max_engines: int, max_message: int,
-                 allowed_uids: set[int], on_error=lambda code: None, max_out: int = 64 << 20) -> None:
+                 allowed_uids: set[int], allowed_gids: set[int] = frozenset(), on_error=lambda code: None,
+                 max_out: int = 64 << 20) -> None:
         self.path = path
         self.mode = mode
         self.handler = handler
@@ -165,6 +169,7 @@ class EngineServer:
         self.max_message = max_message
         self.max_out = max_out  # bytes of unread events before an engine is cut off
         self.allowed_uids = allowed_uids
+        self.allowed_gids = allowed_gids
         self.engines: dict[int, EngineConn] = {}
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
@@ -203,8 +208,9 @@ class EngineServer:
             conn.setblocking(False)
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             pid, uid, gid = struct.unpack("3i", creds)
-            if uid not in self.allowed_uids and uid != 0:
-                log.warning("engine refused: uid not allowed", uid=uid, pid=pid)
+            if uid not in self.allowed_uids and uid != 0 and gid not in self.allowed_gids:
+                log.warning("engine refused: neither its uid nor its gid is allowed (listen.engine_uid, "
+                            "listen.engine_gid)", uid=uid, gid=gid, pid=pid)
                 self.on_error(ErrorCode.BAD_REQUEST)
                 conn.close()
                 continue

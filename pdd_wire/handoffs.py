@@ -177,6 +177,17 @@ class Handoffs:
         self._forget(request_id)
         return 1
 
+    def request_aborted(self, session: "PeerSession", request_id: str, reason: str) -> "EngineConn | None":
+        """The peer says the request is dead: settle and forget its handoff with that peer."""
+        e = self.live.get(request_id)
+        self.early.pop(request_id, None)
+        if e is None or e.session is not session:
+            return None
+        if e.sm.done is None:
+            self._engine_failed(e, "aborted")
+        self._forget(request_id)
+        return e.engine
+
     def engine_gone(self, ec: "EngineConn") -> None:
         for rid, e in list(self.live.items()):
             if e.engine is ec:

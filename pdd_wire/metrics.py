@@ -50,6 +50,14 @@ class Metrics:
         self.pipelines = Counter(p + "pipeline_choices", "Pipelines chosen for requests, by reason",
                                  ["pipeline", "reason"], registry=r)
         self.tokens = Counter(p + "tokens", "Token IDs relayed", ["peer", "direction"], registry=r)
+        self.request_aborts = Counter(p + "request_aborts", "REQUEST_ABORTs sent (an engine aborted) and received",
+                                      ["direction"], registry=r)
+        self.leases_expired = Counter(p + "leases_expired", "Memory handed back because its lease ran out",
+                                      ["kind"], registry=r)
+        self.pinned_blocks = Gauge(p + "pinned_blocks", "Engine blocks the agent holds for peers, by kind",
+                                   ["kind"], registry=r)
+        self.stranded_blocks = Gauge(p + "stranded_blocks", "Pinned blocks past their lease (engine gone, peer "
+                                     "gone, or post past its ttl): should read 0", registry=r)
         self.handoffs = Counter(p + "handoffs", "Handoffs settled, by role, mode and reason (who owns the output)",
                                 ["role", "mode", "reason"], registry=r)
         self.handoff_modes = Counter(p + "handoff_modes", "Handoff modes chosen by RLD, by reason",

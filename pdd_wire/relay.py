@@ -50,6 +50,11 @@ class TokenRelay:
         self.tok_out.clear()
         self.tok_in.clear()
 
+    def drop(self, request_id: str) -> None:
+        """The request is dead: forget its streams both ways (nothing is resent)."""
+        self.tok_out.pop(request_id, None)
+        self.tok_in.pop(request_id, None)
+
     def resend_unacked(self) -> None:
         for rid, ts in self.tok_out.items():
             for seq, toks, _ in ts.unacked:

@@ -72,6 +72,7 @@ class SessionHost(Protocol):
     def handoff_message(self, session: "PeerSession", msg) -> None: ...
     def session_up(self, session: "PeerSession") -> None: ...
     def peer_lost(self, session: "PeerSession", reason: str) -> None: ...
+    def request_aborted(self, session: "PeerSession", msg: m.RequestAbort) -> None: ...
 
 
 class BulkLink:
@@ -550,6 +551,9 @@ class PeerSession:
                 self.tokens.on_ack(msg)
             case m.HandoffProgress() | m.HandoffCommit() | m.HandoffTaken() | m.HandoffRelease() | m.HandoffAbort():
                 self.host.handoff_message(self, msg)
+            case m.RequestAbort():
+                self.tokens.drop(msg.request_id)
+                self.host.request_aborted(self, msg)
             case m.Error():
                 self.log.warning("peer reported an error", code=code_name(msg.code), message=msg.message)
                 self.m.error(code_name(msg.code))
@@ -903,16 +907,28 @@ class PeerSession:
             self.host.incoming_cancelled(self, tid, msg)
 
     # ------------------------------------------------------------------ cancellation from engines
-    async def cancel_request(self, request_id: str, code: int, message: str, engine=None) -> int:
+    async def cancel_request(self, request_id: str, code: int, message: str, engine=None, *,
+                             notify_peer: bool = True) -> int:
         """Cancel every transfer of ``request_id`` (of ``engine`` when given); tells the peer."""
         n = 0
         for t in [t for t in self.out.values() if t.request_id == request_id and engine in (None, t.engine)]:
-            self._fail_out(t, code, message, notify_peer=True)
+            self._fail_out(t, code, message, notify_peer=notify_peer)
             n += 1
         for t in [t for t in self.inn.values() if t.request_id == request_id and engine in (None, t.engine)]:
-            await self._fail_in(t, code, message, notify_peer=True)
+            await self._fail_in(t, code, message, notify_peer=notify_peer)
             n += 1
         return n
+
+    def has_request(self, request_id: str) -> bool:
+        return any(t.request_id == request_id for t in self.out.values()) or \
+            any(t.request_id == request_id for t in self.inn.values())
+
+    def send_abort(self, request_id: str, reason: str) -> bool:
+        """Tell the peer the request is dead (REQUEST_ABORT), if it is up and understands it."""
+        self.tokens.drop(request_id)
+        if self.is_up and self.remote_caps is not None and "abort.v1" in self.remote_caps:
+            return self._send(FrameType.REQUEST_ABORT, m.RequestAbort(request_id, reason), lane=Lane.TOKEN)
+        return False
 
     async def engine_gone(self, engine) -> None:
         for t in [t for t in self.out.values() if t.engine is engine]:

@@ -52,6 +52,7 @@ class PostRecv(Msg, tag="post_recv"):
     request_id: str
     blocks: list[tuple[int, int, int]]
     from_site: str | None = None  # only this site may fill them; None = any peer site
+    ttl_s: float | None = None  # dropped (transfer_failed) if no transfer claims it by then; None = post_ttl_s
 
 
 class SendKv(Msg, tag="send_kv"):
@@ -186,6 +187,15 @@ class TokensReceived(Msg, tag="tokens"):
     tokens: list[int]
 
 
+class RequestAborted(Msg, tag="aborted"):
+    """The request is dead: an engine aborted it here or at ``origin`` (a peer, "site/node").
+    The agent has dropped everything it held for it on this engine's behalf."""
+
+    request_id: str
+    reason: str
+    origin: str
+
+
 class Shutdown(Msg, tag="shutdown"):
     """The agent is stopping; open transfers end with TransferFailed(SHUTTING_DOWN)."""
 
@@ -238,9 +248,9 @@ class HandoffDone(Msg, tag="handoff_done"):
 Request = (Hello | Register | Deregister | PostRecv | SendKv | SendTokens | Abort | Status | ChoosePipeline
            | SetLoad | HandoffRld | HandoffMd | HandoffTokens | HandoffExtended | HandoffFail)
 ToEngine = (Ok | Err | KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend
-            | StopGenerating | StartGenerating | HandoffDone)
+            | StopGenerating | StartGenerating | HandoffDone | RequestAborted)
 Event = (KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend | StopGenerating
-         | StartGenerating | HandoffDone)
+         | StartGenerating | HandoffDone | RequestAborted)
 
 _enc = msgspec.msgpack.Encoder()
 _dec_request = msgspec.msgpack.Decoder(Request)

@@ -53,6 +53,7 @@ class FrameType(enum.IntEnum):
     HANDOFF_TAKEN = 24
     HANDOFF_RELEASE = 25
     HANDOFF_ABORT = 26
+    REQUEST_ABORT = 27
 
 
 class Lane(enum.IntEnum):

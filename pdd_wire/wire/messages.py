@@ -207,6 +207,15 @@ class HandoffAbort(msgspec.Struct, **_fast):
     reason: str = ""  # "deadline", "md_failed", "finished", "md_released"
 
 
+class RequestAbort(msgspec.Struct, **_fast):
+    """Either way: the request is dead (its client went away, an engine aborted it). The
+    receiver ends everything it holds for it from the sender's site -- transfers, posted
+    receives, KV waiting unposted, token streams, handoffs -- and tells its engines."""
+
+    request_id: str
+    reason: str = ""
+
+
 BODY_TYPES: dict[int, type] = {
     FrameType.HELLO: Hello,
     FrameType.WELCOME: Welcome,
@@ -232,6 +241,7 @@ BODY_TYPES: dict[int, type] = {
     FrameType.HANDOFF_TAKEN: HandoffTaken,
     FrameType.HANDOFF_RELEASE: HandoffRelease,
     FrameType.HANDOFF_ABORT: HandoffAbort,
+    FrameType.REQUEST_ABORT: RequestAbort,
 }
 TYPE_OF: dict[type, int] = {v: k for k, v in BODY_TYPES.items()}
 

@@ -207,6 +207,8 @@ def build(v: Vectors) -> None:
          frame(FrameType.HANDOFF_RELEASE, m.HandoffRelease("req-42", 1, "kv_cancelled"), lane=Lane.TOKEN))
     v.ok("handoff_abort", "HANDOFF_ABORT: RLD keeps the output",
          frame(FrameType.HANDOFF_ABORT, m.HandoffAbort("req-42", 1, "deadline"), lane=Lane.TOKEN))
+    v.ok("request_abort", "REQUEST_ABORT: the request is dead on every site",
+         frame(FrameType.REQUEST_ABORT, m.RequestAbort("req-42", "client disconnected"), lane=Lane.TOKEN))
 
     # -- two frames back to back, fed in two pieces split at an odd offset inside the second header
     f1 = frame(FrameType.KV_ACK, m.KvAck(5, 1), transfer_id=tid)

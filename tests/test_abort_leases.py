@@ -1,0 +1,189 @@
+"""Aborts that reach both sites, leases that hand memory back, and who may use the engine socket.
+
+Real in-process agents for sites A and B on loopback, real engines on their sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+
+import pytest
+
+from conftest import metric
+from pdd_wire.engine import protocol as p
+from pdd_wire.engine.sim import MdSim, RldSim
+from pdd_wire.errors import EngineRequestError, ErrorCode
+from support.agents import run_agents, two_site_toml
+
+MiB = 1 << 20
+
+
+async def pair_engines(engines, tmp, size=16 * MiB):
+    a = await engines.connect(tmp / "A.sock", "a")
+    b = await engines.connect(tmp / "B.sock", "b")
+    ma, mb = engines.memory(size), engines.memory(size)
+    ra = await a.register(ma, block_bytes=MiB)
+    rb = await b.register(mb, block_bytes=MiB)
+    return a, b, ra, rb
+
+
+async def until(pred, timeout=10.0):
+    async with asyncio.timeout(timeout):
+        while not pred():
+            await asyncio.sleep(0.005)
+
+
+async def test_abort_on_one_site_drops_the_other_sites_post_and_tells_its_engine(tmp_sock_dir, engines):
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir)
+        await b.post_recv("x1", [rb.blocks(0, 4)], from_site="A")  # nothing sent yet
+        await a.send_tokens("x1", "B", [1, 2, 3])
+        await b.wait_tokens("x1", timeout=5)
+        await a.abort("x1", "client disconnected")
+        ev = await b.wait("x1", kinds=(p.RequestAborted,), timeout=5)
+        assert ev.reason == "client disconnected" and ev.origin == "A/a1"
+        assert "x1" not in agents["B"].posts
+        assert metric(agents["A"], "pddwire_request_aborts_total", direction="tx") == 1
+        assert metric(agents["B"], "pddwire_request_aborts_total", direction="rx") == 1
+        # The blocks are free again: the same request id may be posted anew.
+        await b.post_recv("x1", [rb.blocks(0, 4)], from_site="A")
+
+
+async def test_abort_mid_transfer_ends_it_on_both_sites(tmp_sock_dir, engines):
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir, size=256 * MiB)
+        await b.post_recv("x2", [rb.blocks(0, 256)])
+        await a.send_kv("x2", [ra.blocks(0, 256)], to=["B"])
+        await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2)
+        await b.abort("x2", "request cancelled")  # the *receiver's* engine aborts
+        ev = await a.wait("x2", timeout=10)
+        assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.TRANSFER_CANCELLED
+        ab = await a.wait("x2", kinds=(p.RequestAborted,), timeout=5)
+        assert ab.origin == "B/b1"
+        await until(lambda: not agents["A"].sessions["B/b1"].out and not agents["B"].sessions["A/a1"].inn)
+        assert agents["A"].audit() == ({"post": 0, "send": 0, "recv": 0}, 0)
+        assert agents["B"].audit() == ({"post": 0, "send": 0, "recv": 0}, 0)
+
+
+async def test_abort_reaches_a_handoff_on_the_other_site(tmp_sock_dir, engines):
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        R = await engines.connect(tmp_sock_dir / "A.sock", "rld")
+        M = await engines.connect(tmp_sock_dir / "B.sock", "md")
+        mem = engines.memory(4 * MiB)
+        reg = await M.register(mem, block_bytes=MiB)
+        await M.post_recv("x3", [reg.blocks(0, 4)], from_site="A")
+        md = MdSim(M, "x3", "A", n_tokens=200)
+        await md.start()
+        rld = RldSim(R, "x3", "B", n_tokens=200, step_s=0.005)
+        rt = asyncio.create_task(rld.run(30))
+        await until(lambda: rld.generated >= 20)
+        await M.abort("x3", "client disconnected")  # the user went away: at MD's site
+        ev = await R.wait("x3", kinds=(p.RequestAborted,), timeout=5)
+        assert ev.origin == "B/b1"
+        rt.cancel()
+        await asyncio.gather(rt, return_exceptions=True)
+        assert "x3" not in agents["A"].handoffs.live and "x3" not in agents["B"].handoffs.live
+
+
+async def test_abort_storm_does_not_stall_token_relay(tmp_sock_dir, engines):
+    n = 3000
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir)
+        b2 = await engines.connect(tmp_sock_dir / "B.sock", "b2")
+        for i in range(n):
+            await b.post_recv(f"s{i}", [rb.blocks(i % 16, 1)], from_site="A")
+
+        async def storm():
+            for i in range(n):
+                await a.abort(f"s{i}", "storm")
+
+        async def tokens():
+            got = []
+            for i in range(50):
+                await a.send_tokens("live", "B", [i])
+                got += (await b2.wait_tokens("live", timeout=10)).tokens
+            return got
+
+        _, got = await asyncio.gather(storm(), tokens())
+        assert got == list(range(50))  # delivered in order while the storm ran
+        await until(lambda: not agents["B"].posts, timeout=30)
+        assert metric(agents["B"], "pddwire_request_aborts_total", direction="rx") == n
+        told = [e for e in b.events() if isinstance(e, p.RequestAborted)]
+        assert len(told) == n and {e.request_id for e in told} == {f"s{i}" for i in range(n)}
+
+
+async def test_post_that_no_transfer_claims_is_handed_back_at_its_ttl(tmp_sock_dir, engines):
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir)
+        await b.post_recv("t1", [rb.blocks(0, 2)], ttl_s=0.3)
+        await b.post_recv("t2", [rb.blocks(2, 2)])  # the default ttl: stays
+        assert agents["B"].audit()[0]["post"] == 4
+        ev = await b.wait("t1", timeout=5)
+        assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.TRANSFER_TIMEOUT and "ttl_s" in ev.reason
+        assert "t1" not in agents["B"].posts and "t2" in agents["B"].posts
+        assert metric(agents["B"], "pddwire_leases_expired_total", kind="post") == 1
+        with pytest.raises(EngineRequestError) as ei:
+            await b.post_recv("t3", [rb.blocks(4, 1)], ttl_s=-1)
+        assert "ttl_s" in str(ei.value)
+
+
+async def test_memory_pinned_for_a_dead_peer_is_handed_back_and_nothing_is_stranded(tmp_sock_dir, engines):
+    tomls = two_site_toml(tmp_sock_dir)  # with a short lease (peer_give_up_s), so the test is quick
+    tomls = {k: (v.replace("shutdown_grace_s = 2", "shutdown_grace_s = 2\npeer_give_up_s = 1.0") if k in "AB" else v)
+             for k, v in tomls.items()}
+    async with run_agents(tomls) as agents:
+        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir, size=256 * MiB)
+        await b.post_recv("d1", [rb.blocks(0, 256)])
+        await a.send_kv("d1", [ra.blocks(0, 256)], to=["B"])
+        await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 1)
+        await agents["B"].shutdown(0)  # B goes away mid-transfer: A's blocks were pinned for it
+        ev = await a.wait("d1", timeout=10)
+        assert isinstance(ev, p.TransferFailed)
+        assert agents["A"].audit() == ({"post": 0, "send": 0, "recv": 0}, 0)
+        await asyncio.sleep(0.5)  # one audit tick
+        assert metric(agents["A"], "pddwire_stranded_blocks") == 0
+
+
+def _connect_as(path: str, uid: int, gid: int) -> bool:
+    """Connect to the engine socket from a child process with other credentials; True if the
+    agent kept the connection (it answers a hello), False if it closed it."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            os.close(r)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(path)
+            s.sendall(p.encode(p.Hello(id=1, engine="probe")))
+            data = s.recv(4096)
+            os.write(w, b"1" if data and len(data) > 4 else b"0")
+            code = 0
+        except OSError:
+            os.write(w, b"0")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    got = os.read(r, 1)
+    os.close(r)
+    os.waitpid(pid, 0)
+    return got == b"1"
+
+
+async def test_engine_socket_admits_the_configured_group_only(tmp_sock_dir, engines):
+    os.chmod(tmp_sock_dir, 0o755)
+    tomls = two_site_toml(tmp_sock_dir)
+    tomls["A"] = tomls["A"].replace('engine_socket = ', 'engine_socket_mode = 0o666\nengine_gid = 4242\nengine_socket = ')
+    async with run_agents(tomls, sites=("A",), wait_up=False) as agents:
+        path = str(tmp_sock_dir / "A.sock")
+        assert await asyncio.to_thread(_connect_as, path, 65534, 4242)
+        assert not await asyncio.to_thread(_connect_as, path, 65534, 65534)
+        assert metric(agents["A"], "pddwire_errors_total", code="BAD_REQUEST") >= 1
