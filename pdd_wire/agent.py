@@ -708,6 +708,7 @@ class Agent:
 
     # ------------------------------------------------------------------ status
     def describe(self) -> dict:
+        pinned, stranded = self.audit()
         return {
             "site": self.config.site, "node": self.config.node, "incarnation": self.incarnation,
             "uptime_s": round(time.time() - self.started, 3), "stopping": self.stopping,
@@ -721,4 +722,5 @@ class Agent:
             "regions": len(self.regions), "posted_receives": len(self.posts),
             "unposted_waiting": len(self.pending_begins),
             "handoffs": self.handoffs.describe(),
+            "pinned_blocks": pinned, "stranded_blocks": stranded,
         }

@@ -117,6 +117,9 @@ class PeerSession:
         self.inflight: dict[tuple[int, int], tuple[int, int, float]] = {}
         self.rr: collections.deque[int] = collections.deque()
         self.tokens = TokenRelay(self)
+        # KV_CANCELs that could not be sent (peer down), sent on reconnect; bounded.
+        self.cancel_later: collections.deque[tuple[int, m.KvCancel]] = collections.deque(
+            maxlen=2 * self.cfg.transfer.max_transfers)
         self.up = asyncio.Event()
         self.down_since: float | None = time.monotonic()
         self._lost = asyncio.Event()
@@ -295,6 +298,7 @@ class PeerSession:
         self._last_rx = time.monotonic()
         if restarted:
             self.log.warning("peer restarted; failing every transfer with it")
+            self.cancel_later.clear()  # it forgot those transfers anyway
             self._peer_restarted()
         self.remote_incarnation = incarnation
         self.remote_caps = frozenset(info.capabilities)
@@ -312,6 +316,9 @@ class PeerSession:
             self.m.reconnects.labels(peer=self.key).inc()
         self.log.info("peer up", resumed=not restarted, streams=self.streams)
         self._send(FrameType.PING, m.Ping(next(self._ping_nonce), time.monotonic_ns()))  # an RTT at once
+        while self.cancel_later:
+            tid, cancel = self.cancel_later.popleft()
+            self._send(FrameType.KV_CANCEL, cancel, tid=tid)
         self._resume()
         self.host.session_up(self)
         if self.ucx is not None and info.ucx_address:
@@ -575,6 +582,12 @@ class PeerSession:
                 self.m.error(exc.code)
                 conn.fail(exc)
 
+    def _cancel(self, tid: int, msg: m.KvCancel) -> None:
+        """KV_CANCEL now, or at the next reconnect if the peer is unreachable: a transfer given
+        up on while the link was down must not stay open on the other side once it is back."""
+        if not self._send(FrameType.KV_CANCEL, msg, tid=tid):
+            self.cancel_later.append((tid, msg))
+
     def send_message(self, body, *, lane: int = Lane.TOKEN) -> bool:
         """Send a control message whose frame type follows from its body (handoff messages);
         False if the control connection is down (the caller resends on reconnect)."""
@@ -739,7 +752,7 @@ class PeerSession:
         self._release_out(t)
         t.state = State.FAILED
         if notify_peer:
-            self._send(FrameType.KV_CANCEL, m.KvCancel(t.request_id, int(code), message, False), tid=t.tid)
+            self._cancel(t.tid, m.KvCancel(t.request_id, int(code), message, False))
         self.m.transfers.labels(peer=self.key, direction="out", outcome=code_name(code).lower()).inc()
         self.m.error(code_name(code))
         self.host.transfer_failed(t, "out", int(code), message)
@@ -889,7 +902,7 @@ class PeerSession:
         await self._quiesce(t.route)  # no bulk thread (nor UCX) writes into the blocks after this
         self._forget_in(t)
         if notify_peer:
-            self._send(FrameType.KV_CANCEL, m.KvCancel(t.request_id, int(code), message, True), tid=t.tid)
+            self._cancel(t.tid, m.KvCancel(t.request_id, int(code), message, True))
         self.m.transfers.labels(peer=self.key, direction="in", outcome=code_name(code).lower()).inc()
         self.m.error(code_name(code))
         self.host.transfer_failed(t, "in", int(code), message)
@@ -1013,10 +1026,10 @@ class PeerSession:
                 self.host.peer_lost(self, "peer_unreachable")
                 for t in list(self.out.values()):
                     self._fail_out(t, ErrorCode.PEER_UNREACHABLE,
-                                   f"peer {self.key} unreachable for {to.peer_give_up_s}s", notify_peer=False)
+                                   f"peer {self.key} unreachable for {to.peer_give_up_s}s", notify_peer=True)
                 for t in list(self.inn.values()):
                     await self._fail_in(t, ErrorCode.PEER_UNREACHABLE,
-                                        f"peer {self.key} unreachable for {to.peer_give_up_s}s", notify_peer=False)
+                                        f"peer {self.key} unreachable for {to.peer_give_up_s}s", notify_peer=True)
             stale = [key for key, (_, _, sent) in self.inflight.items() if now - sent > to.chunk_ack_s]
             for tid, k in stale:
                 self._uninflight(tid, k)
