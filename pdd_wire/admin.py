@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from .config import parse_hostport
+from .errors import PddWireError
 
 if TYPE_CHECKING:
     from .agent import Agent
@@ -23,6 +25,7 @@ class AdminServer:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/status", self.status)
+        app.router.add_post("/v1/probe", self.probe)
         self.app = app
 
     async def start(self) -> None:
@@ -60,3 +63,26 @@ class AdminServer:
 
     async def status(self, request: web.Request) -> web.Response:
         return web.json_response(self.agent.describe())
+
+    async def probe(self, request: web.Request) -> web.Response:
+        """``POST /v1/probe {"peer": "B", "seconds": 4, "streams": null}``: RTT, jitter, loss and
+        goodput over 1 and N bulk connections, measured through this agent's WAN path."""
+        req = await _probe_request(request)
+        try:
+            res = await self.agent.probe(req.peer, req.seconds, req.streams)
+        except PddWireError as exc:
+            return web.json_response({"error": str(exc), "code": exc.code.name}, status=409)
+        return web.json_response(res)
+
+
+class ProbeRequest(msgspec.Struct, forbid_unknown_fields=True):
+    peer: str
+    seconds: float = 4.0
+    streams: int | None = None
+
+
+async def _probe_request(request: web.Request) -> ProbeRequest:
+    try:
+        return msgspec.json.decode(await request.read(), type=ProbeRequest)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise web.HTTPBadRequest(text=f"bad probe request: {exc}") from exc

@@ -27,6 +27,7 @@ from .memory import HOST_FD, BlockMap, HostRegion, as_extents
 from .metrics import Metrics
 from .bulk import BulkHandler
 from .handoffs import Handoffs
+from .probe import PROBE_PREFIX, PROBE_SCRATCH_BYTES, PROBE_TRANSFER_BYTES, ProbeSink, run_probe
 from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
 from .transport.tcp import (KIND_CONTROL, BulkLoop, FrameProtocol, adopt, client_tls_context, read_preamble,
@@ -84,6 +85,9 @@ class Agent:
         self._ssl_server = self._ssl_client = None
         self.started = time.time()
         self.handoffs = Handoffs(self)
+        self.probe_sink = ProbeSink()
+        self._probe_region: HostRegion | None = None
+        self._probing: set[str] = set()
         tls = config.tls
         if tls.enabled:
             self._ssl_server = server_tls_context(tls.cert, tls.key, tls.ca)
@@ -188,6 +192,8 @@ class Agent:
         for r in list(self.regions.values()):
             r.close()
         self.regions.clear()
+        if self._probe_region is not None:
+            self._probe_region.close()
         if self.admin is not None:
             await self.admin.stop()
         for bl in self.bulk_loops:
@@ -312,6 +318,9 @@ class Agent:
 
     # ------------------------------------------------------------------ events from sessions
     def incoming_begin(self, session: PeerSession, tid: int, begin: m.KvBegin) -> None:
+        if begin.request_id.startswith(PROBE_PREFIX):
+            self._accept_probe(session, tid, begin)
+            return
         post = self.posts.get(begin.request_id)
         if post is not None:
             self._match(session, tid, begin, post)
@@ -352,10 +361,61 @@ class Agent:
             entry[3].cancel()
             del self.pending_begins[msg.request_id]
 
+    # ------------------------------------------------------------------ probes
+    def _probe_blocks(self, nbytes: int) -> BlockMap:
+        """``nbytes`` (whole MiB) of the probe scratch region: random bytes, made on first use."""
+        if self._probe_region is None:
+            from .memory import SharedMemory
+
+            mem = SharedMemory(PROBE_SCRATCH_BYTES)
+            mem.buf[:] = os.urandom(PROBE_SCRATCH_BYTES)  # incompressible, like KV would look to lz4
+            fd = os.dup(mem.fd)
+            mem.close()
+            rid = -1
+            self._probe_region = HostRegion(rid, fd, PROBE_SCRATCH_BYTES, 1 << 20, owner=self.probe_sink)
+        r = self._probe_region
+        return BlockMap({r.region_id: r}, as_extents([(r.region_id, 0, nbytes >> 20)]))
+
+    def _accept_probe(self, session: PeerSession, tid: int, begin: m.KvBegin) -> None:
+        if begin.total_bytes > PROBE_SCRATCH_BYTES or begin.total_bytes % (1 << 20) or begin.block_bytes != 1 << 20:
+            session.reject_in(tid, begin, ErrorCode.SIZE_MISMATCH,
+                              f"probe transfers are whole MiB blocks up to {PROBE_SCRATCH_BYTES >> 20} MiB")
+            return
+        session.accept_in(tid, begin, self.probe_sink, self._probe_blocks(begin.total_bytes))
+
+    async def probe(self, peer: str, seconds: float = 4.0, streams: int | None = None) -> dict:
+        """Measure the link to ``peer`` (site or site/node) through the real WAN path."""
+        self._refuse_when_stopping()
+        if not 0.2 <= seconds <= 120:
+            raise EngineRequestError(f"seconds must be in [0.2, 120], got {seconds}", ErrorCode.BAD_REQUEST)
+        if streams is not None and not 1 <= streams <= 64:
+            raise EngineRequestError(f"streams must be in 1..64, got {streams}", ErrorCode.BAD_REQUEST)
+        session = self._session_for(peer)
+        if not session.is_up:
+            raise EngineRequestError(f"peer {session.key} is not connected", ErrorCode.PEER_UNREACHABLE)
+        if session.key in self._probing:
+            raise EngineRequestError(f"a probe of {session.key} is already running", ErrorCode.LIMIT_EXCEEDED)
+        self._probing.add(session.key)
+        try:
+            self.log.info("probe started", peer=session.key, seconds=seconds, streams=streams)
+            res = await run_probe(session, self._probe_blocks(PROBE_TRANSFER_BYTES), self.probe_sink,
+                                  seconds=seconds, streams=streams)
+            self.log.info("probe done", **{k: v for k, v in res.items() if k != "peer"}, peer=session.key)
+            return res
+        finally:
+            self._probing.discard(session.key)
+
+    def _estimate(self, msg: p.Estimate) -> dict:
+        if msg.bytes < 0:
+            raise EngineRequestError(f"bytes must be >= 0, got {msg.bytes}", ErrorCode.BAD_REQUEST)
+        s = self._session_for(msg.to)
+        return {"peer": s.key, "up": s.is_up, "seconds": s.predict(msg.bytes)} | s.est.describe(s.queue_bytes())
+
     def kv_received(self, t: InTransfer) -> None:
         t.engine.send(p.KvReceived(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
                                    seconds=round(time.monotonic() - t.started, 6)))
-        self.handoffs.kv_received(t.request_id)
+        if not t.request_id.startswith(PROBE_PREFIX):
+            self.handoffs.kv_received(t.request_id)
 
     def kv_sent(self, t: OutTransfer) -> None:
         t.engine.send(p.KvSent(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
@@ -366,7 +426,7 @@ class Agent:
                          direction=direction, code=ErrorCode(code).name, reason=message)
         t.engine.send(p.TransferFailed(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
                                        direction=direction, code=int(code), reason=message))
-        if direction == "in":
+        if direction == "in" and not t.request_id.startswith(PROBE_PREFIX):
             self.handoffs.kv_failed(t.request_id, "kv_cancelled")
 
     def request_aborted(self, session: PeerSession, msg: m.RequestAbort) -> None:
@@ -453,6 +513,8 @@ class Agent:
                 return self.describe()
             case p.ChoosePipeline():
                 return self._choose_pipeline(msg)
+            case p.Estimate():
+                return self._estimate(msg)
             case p.SetLoad():
                 if not 0 <= msg.load < float("inf"):
                     raise EngineRequestError(f"load must be a number >= 0, got {msg.load}", ErrorCode.BAD_REQUEST)
@@ -474,6 +536,9 @@ class Agent:
     def _check_request_id(request_id: str) -> None:
         if not 0 < len(request_id.encode()) <= MAX_REQUEST_ID:
             raise EngineRequestError(f"request_id must be 1..{MAX_REQUEST_ID} bytes, got {len(request_id.encode())}",
+                                     ErrorCode.BAD_REQUEST)
+        if request_id.startswith("\x00"):
+            raise EngineRequestError("request ids starting with a NUL character are reserved (probes)",
                                      ErrorCode.BAD_REQUEST)
 
     def _choose_pipeline(self, msg: p.ChoosePipeline) -> dict:
@@ -700,6 +765,13 @@ class Agent:
         while True:
             await asyncio.sleep(self.config.timeouts.heartbeat_s)
             pinned, stranded = self.audit()
+            for s in self.sessions.values():
+                est, key = s.est, s.key
+                self.metrics.link_bandwidth.labels(peer=key).set(est.bandwidth_Bps or s.goodput_Bps)
+                self.metrics.link_rtt.labels(peer=key).set(est.rtt_s or 0.0)
+                self.metrics.link_jitter.labels(peer=key).set(est.jitter_s)
+                self.metrics.link_loss.labels(peer=key).set(est.loss)
+                self.metrics.link_queue.labels(peer=key).set(s.queue_bytes())
             for kind, n in pinned.items():
                 self.metrics.pinned_blocks.labels(kind=kind).set(n)
             self.metrics.stranded_blocks.set(stranded)

@@ -12,6 +12,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 
 from .engine import protocol as p
@@ -48,7 +49,6 @@ def iperf3_goodput(seconds: int = 3, write: str = "1M") -> float | None:
 
 def bare_pipe_goodput(size: int = 64 * MiB, reps: int = 16) -> float:
     """The bare Python pipe between two processes' memfd regions (see benchpipe), GB/s."""
-    import sys
 
     port = free_port()
     rx = subprocess.Popen([sys.executable, "-m", "pdd_wire.benchpipe", "rx", str(port), str(size)],
@@ -249,9 +249,36 @@ async def _handoff_latency(ep: EngineClient, er: EngineClient, em: EngineClient,
         dst.close()
 
 
+async def _probe_figures(figs: "Figures", quick: bool) -> None:
+    """``pdd-wire probe`` against a veth WAN shaped by tbf to 1 Gbit/s between two network
+    namespaces (root only): how far its goodput is from the configured rate."""
+    from .harness import ADMIN, NetnsAgents
+
+    if os.geteuid() != 0:
+        print("# probe figures left out: network namespaces need root")
+        return
+    rate_bps = 1_000_000_000
+    async with NetnsAgents("pddwb", rate_bps=rate_bps, admin=True, streams=4) as net:
+        out = await asyncio.to_thread(net.run_in, "A", [
+            sys.executable, "-c", "import sys; from pdd_wire.cli import tool_main; sys.exit(tool_main(sys.argv[1:]))",
+            "probe", "--site", "B", "--admin", ADMIN, "--seconds", "4" if quick else "8", "--json"])
+        if out.returncode != 0:
+            raise RuntimeError(f"pdd-wire probe failed: {out.stderr}")
+        res = json.loads(out.stdout)
+    rate = rate_bps / 8
+    n = str(res["streams"])
+    for k, bps in res["goodput_Bps"].items():
+        figs.add(f"probe_goodput_{k}_stream{'s' if k != '1' else ''}", bps * 8 / 1e9, "Gbit/s", "tbf rate",
+                 rate_bps / 1e9, note="veth between two namespaces; tbf counts frames, so TCP payload tops out "
+                                      "at ~0.957 of the rate")
+    figs.add("probe_rate_error", abs(res["goodput_Bps"][n] - rate) / rate, "fraction",
+             note=f"|{n}-stream probe goodput - 1 Gbit/s| / 1 Gbit/s; rtt p50 {res['rtt_ms']['p50']} ms, "
+                  f"loss {res['loss']}")
+
+
 async def _run(args) -> int:
     figs = Figures(args.json)
-    groups = set(filter(None, args.only.split(","))) or {"goodput", "latency", "ucx", "handoff"}
+    groups = set(filter(None, args.only.split(","))) or {"goodput", "latency", "ucx", "handoff", "probe"}
     quick = args.quick
     base = None
     if "goodput" in groups:
@@ -266,6 +293,8 @@ async def _run(args) -> int:
                  note="64 MiB memfd pools, as KV moves: bytes no longer come from cache")
     if "ucx" in groups:
         await _ucx_figures(figs, quick)
+    if "probe" in groups:
+        await _probe_figures(figs, quick)
     if not groups & {"goodput", "latency", "handoff"}:
         return 0
     async with AgentPair() as pair:

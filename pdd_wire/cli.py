@@ -1,7 +1,7 @@
 """Command lines. Exit status: 0 ok, 1 runtime failure, 2 bad configuration or usage.
 
 ``pdd-wired --site A [--config FILE] [--node NAME]`` runs one agent.
-``pdd-wire`` is the operator's tool: ``config``, ``status``, ``demo``, ``bench``.
+``pdd-wire`` is the operator's tool: ``config``, ``status``, ``probe``, ``demo``, ``bench``.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import asyncio
 import json
 import signal
 import sys
+import urllib.error
 import urllib.request
 
 from . import config as cfgmod
@@ -76,6 +77,37 @@ async def _serve(cfg: cfgmod.Config) -> int:
     return 0
 
 
+def _probe(args) -> int:
+    admin = args.admin
+    if not admin:
+        local = args.local
+        if not local and not args.config:
+            others = [s for s in cfgmod.DEFAULT_SITES if s != args.site.split("/")[0]]
+            if len(others) != 1:
+                raise ConfigError("--from", "name the local agent's site (or give --config / --admin)")
+            local = others[0]
+        admin = _load_config(argparse.Namespace(site=local or args.site, config=args.config, node=None)).listen.admin
+    body = json.dumps({"peer": args.site, "seconds": args.seconds, "streams": args.streams}).encode()
+    req = urllib.request.Request(f"http://{admin}/v1/probe", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=args.seconds + 60) as r:
+            res = json.load(r)
+    except urllib.error.HTTPError as exc:
+        print(f"pdd-wire: probe refused: {exc.read().decode(errors='replace')}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(res))
+        return 0
+    rtt = res["rtt_ms"]
+    print(f"probe {res['peer']} over {res['data_path']}: {res['pings']} pings, loss {res['loss'] * 100:.1f}%")
+    print(f"  rtt      min {rtt['min']} ms   p50 {rtt['p50']} ms   p99 {rtt['p99']} ms   jitter {res['jitter_ms']} ms")
+    for n, gbps in res["goodput_Gbps"].items():
+        print(f"  goodput  {n} stream{'s' if n != '1' else ''}: {gbps:.3f} Gbit/s "
+              f"({res['goodput_Bps'][n] / 1e6:.1f} MB/s)")
+    return 0
+
+
 def tool_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdd-wire", description="pdd-wire operator tool")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -87,6 +119,14 @@ def tool_main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("demo", help="two agents, one request's KV and tokens between them")
     d.add_argument("--mib", type=int, default=256, help="KV size of the sample request (MiB)")
     d.add_argument("--keep", action="store_true", help="leave the agents running until Ctrl-C")
+    pr = sub.add_parser("probe", help="measure the WAN path to a peer site through the running agents")
+    pr.add_argument("--site", required=True, help="the peer site (or site/node) to probe")
+    pr.add_argument("--from", dest="local", help="the local agent's site (embedded default: the other one)")
+    pr.add_argument("--config", help="the local agent's config file (for its admin address)")
+    pr.add_argument("--admin", help="the local agent's admin HOST:PORT (overrides --config)")
+    pr.add_argument("--seconds", type=float, default=4.0, help="goodput time, split over 1 and N streams")
+    pr.add_argument("--streams", type=int, help="bulk connections for the N-stream figure (default: all)")
+    pr.add_argument("--json", action="store_true")
     b = sub.add_parser("bench", help="benchmarks (see scripts/bench)")
     b.add_argument("--json", action="store_true")
     b.add_argument("--quick", action="store_true", help="fewer repetitions")
@@ -101,6 +141,8 @@ def tool_main(argv: list[str] | None = None) -> int:
             with urllib.request.urlopen(f"http://{cfg.listen.admin}/v1/status", timeout=5) as r:
                 print(json.dumps(json.load(r), indent=2))
             return 0
+        if args.cmd == "probe":
+            return _probe(args)
         if args.cmd == "demo":
             from .demo import run_demo
 

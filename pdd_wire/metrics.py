@@ -58,6 +58,15 @@ class Metrics:
                                    ["kind"], registry=r)
         self.stranded_blocks = Gauge(p + "stranded_blocks", "Pinned blocks past their lease (engine gone, peer "
                                      "gone, or post past its ttl): should read 0", registry=r)
+        self.link_bandwidth = Gauge(p + "link_bandwidth_bytes_per_second", "Live estimate: KV delivery rate "
+                                    "while busy", ["peer"], registry=r)
+        self.link_rtt = Gauge(p + "link_rtt_seconds", "Live estimate: median control-lane RTT", ["peer"],
+                              registry=r)
+        self.link_jitter = Gauge(p + "link_jitter_seconds", "Live estimate: mean RTT change", ["peer"], registry=r)
+        self.link_loss = Gauge(p + "link_loss_ratio", "Live estimate: PINGs unanswered (last 100)", ["peer"],
+                               registry=r)
+        self.link_queue = Gauge(p + "link_queue_bytes", "KV bytes accepted for a peer, not yet acknowledged",
+                                ["peer"], registry=r)
         self.handoffs = Counter(p + "handoffs", "Handoffs settled, by role, mode and reason (who owns the output)",
                                 ["role", "mode", "reason"], registry=r)
         self.handoff_modes = Counter(p + "handoff_modes", "Handoff modes chosen by RLD, by reason",

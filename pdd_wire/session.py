@@ -30,6 +30,7 @@ from .errors import (ErrorCode, FatalHandshakeError, HandshakeError, PddWireErro
 from .memory import BlockMap, chunk_range
 from .transfer import InTransfer, OutTransfer, Route, State
 from .bulk import BulkHandler, bulk_send
+from .probe import LinkEstimator
 from .relay import TokenRelay
 from .transport import ucx
 from .transport.tcp import KIND_BULK, KIND_CONTROL, BulkLoop, FrameProtocol, dial
@@ -129,6 +130,10 @@ class PeerSession:
         self._last_rx = time.monotonic()
         self._ping_nonce = itertools.count(1)
         self.rtt_s: float | None = None
+        self.est = LinkEstimator()
+        self.acked_bytes = 0  # KV bytes acknowledged by the peer, ever
+        self.ack_log: collections.deque[tuple[float, int]] | None = None  # (time, acked_bytes) while probing
+        self._ping_waiters: dict[int, asyncio.Future] = {}
         # The same-site UCX path: KV chunks as tagged UCX messages instead of bulk TCP streams.
         self.ucx: ucx.UcxPeer | None = None
         self.ucx_loop: ucx.UcxLoop | None = None
@@ -315,7 +320,7 @@ class PeerSession:
         if not first:
             self.m.reconnects.labels(peer=self.key).inc()
         self.log.info("peer up", resumed=not restarted, streams=self.streams)
-        self._send(FrameType.PING, m.Ping(next(self._ping_nonce), time.monotonic_ns()))  # an RTT at once
+        self._ping()  # an RTT at once
         while self.cancel_later:
             tid, cancel = self.cancel_later.popleft()
             self._send(FrameType.KV_CANCEL, cancel, tid=tid)
@@ -408,6 +413,7 @@ class PeerSession:
         self._connection_down("control lost")
 
     def _connection_down(self, why: str) -> None:
+        self.est.link_down()
         self.up.clear()
         self.control = None
         self.down_since = time.monotonic()
@@ -531,7 +537,11 @@ class PeerSession:
             case m.Pong():
                 rtt = (time.monotonic_ns() - msg.sent_ns) / 1e9
                 self.rtt_s = rtt
+                self.est.pong(msg.nonce, rtt)
                 self.m.rtt_seconds.labels(peer=self.key).observe(rtt)
+                w = self._ping_waiters.pop(msg.nonce, None)
+                if w is not None and not w.done():
+                    w.set_result(rtt)
             case m.KvBegin():
                 self._on_begin(h.transfer_id, msg)
             case m.KvAccept():
@@ -581,6 +591,25 @@ class PeerSession:
                                     ErrorCode.UNEXPECTED_FRAME)
                 self.m.error(exc.code)
                 conn.fail(exc)
+
+    def _ping(self) -> int:
+        nonce = next(self._ping_nonce)
+        if self._send(FrameType.PING, m.Ping(nonce, time.monotonic_ns())):
+            self.est.ping_sent(nonce, time.monotonic())
+        return nonce
+
+    async def ping(self, timeout: float = 1.0) -> float | None:
+        """One PING on the control lane; its round trip in seconds, or None if unanswered."""
+        fut = asyncio.get_running_loop().create_future()
+        nonce = self._ping()
+        self._ping_waiters[nonce] = fut
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        except TimeoutError:
+            return None
+        finally:
+            self._ping_waiters.pop(nonce, None)
 
     def _cancel(self, tid: int, msg: m.KvCancel) -> None:
         """KV_CANCEL now, or at the next reconnect if the peer is unreachable: a transfer given
@@ -667,7 +696,8 @@ class PeerSession:
                 fut.add_done_callback(lambda f, tid=t.tid, k=k: self._main.call_soon_threadsafe(
                     self._ucx_sent, tid, k, f))
                 continue
-            link = min(links, key=lambda lk: lk.outstanding)
+            pool = links if t.streams_limit is None else [lk for lk in links if lk.stream < t.streams_limit] or links
+            link = min(pool, key=lambda lk: lk.outstanding)
             link.outstanding += n
             self.inflight[(t.tid, k)] = (link.stream, n, time.monotonic())
             link.loop.call(bulk_send, link.conn, t.tid, k, views)
@@ -676,19 +706,26 @@ class PeerSession:
     def _on_ack(self, tid: int, first: int, count: int) -> None:
         t = self.out.get(tid)
         now = time.monotonic()
+        acked = 0
         for k in range(first, first + count):
             sent = self._uninflight(tid, k)
             if sent is not None:
                 self.m.chunk_seconds.observe(now - sent)
             if t is not None and k not in t.acked:
                 t.acked.add(k)
-                self._count_tx(t, k)
+                acked += self._count_tx(t, k)
         self._pump()
+        if acked:
+            self.acked_bytes += acked
+            if self.ack_log is not None:
+                self.ack_log.append((now, self.acked_bytes))
+            self.est.on_ack(now, acked, busy=bool(self.inflight))
 
-    def _count_tx(self, t: OutTransfer, k: int) -> None:
+    def _count_tx(self, t: OutTransfer, k: int) -> int:
         start, end = chunk_range(k, t.total, t.chunk_bytes)
         self.m.bytes.labels(peer=self.key, lane="bulk", direction="tx").inc(end - start)
         self.m.chunks.labels(peer=self.key, direction="tx").inc()
+        return end - start
 
     def _on_nack(self, tid: int, k: int, code: int = ErrorCode.CHUNK_CHECKSUM) -> None:
         self._uninflight(tid, k)
@@ -1021,7 +1058,8 @@ class PeerSession:
                                      silent_s=round(now - self._last_rx, 2))
                     self.control.abort()
                 else:
-                    self._send(FrameType.PING, m.Ping(next(self._ping_nonce), time.monotonic_ns()))
+                    self._ping()
+                self.est.expire(now)
             elif self.down_since is not None and now - self.down_since > to.peer_give_up_s:
                 self.host.peer_lost(self, "peer_unreachable")
                 for t in list(self.out.values()):
@@ -1040,15 +1078,30 @@ class PeerSession:
                     self._requeue(t, k)
 
     def link_figures(self) -> "policy.LinkFigures":
-        """The live estimate of this link: goodput of recent transfers (EWMA), the KV bytes
-        still to send, and the control-lane RTT. Bandwidth is 0 (unknown) until a transfer of
-        at least 1 MiB has finished, or while the peer is down."""
-        queued = sum(t.total - len(t.acked) * t.chunk_bytes for t in self.out.values())
-        return policy.LinkFigures(bandwidth_Bps=self.goodput_Bps if self.is_up else 0.0,
-                                  queue_bytes=max(0, queued), rtt_s=self.rtt_s or 0.0)
+        """The live estimate of this link (:class:`pdd_wire.probe.LinkEstimator`): delivery rate
+        while busy (falling back to finished transfers' goodput), the KV bytes still to send, and
+        the control-lane RTT. Bandwidth is 0 (unknown) before any KV moved, or while the peer is
+        down."""
+        bw = self.est.bandwidth_Bps or self.goodput_Bps
+        return policy.LinkFigures(bandwidth_Bps=bw if self.is_up else 0.0,
+                                  queue_bytes=self.queue_bytes(), rtt_s=self.est.rtt_s or self.rtt_s or 0.0)
+
+    def queue_bytes(self) -> int:
+        """KV bytes accepted for this peer and not yet acknowledged."""
+        return max(0, sum(t.total - len(t.acked) * t.chunk_bytes for t in self.out.values()))
+
+    def predict(self, nbytes: int) -> float | None:
+        """Seconds ``nbytes`` more KV to this peer would take now (None: bandwidth unknown)."""
+        if not self.is_up:
+            return None
+        bw = self.est.bandwidth_Bps or self.goodput_Bps
+        if bw <= 0:
+            return None
+        return (self.est.rtt_s or 0.0) + (self.queue_bytes() + nbytes) / bw
 
     def describe(self) -> dict:
         return {"peer": self.key, "goodput_Bps": round(self.goodput_Bps),
+                "link": self.est.describe(self.queue_bytes()),
                 "data_path": "ucx" if self.over_ucx else "tcp", "address": self.peer.address, "transport": self.peer.transport,
                 "role": "dialer" if self.dialer else "listener", "up": self.is_up,
                 "bulk_streams_up": len(self.links), "bulk_streams": self.streams,

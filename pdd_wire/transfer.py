@@ -120,6 +120,7 @@ class Transfer:
 class OutTransfer(Transfer):
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
+        self.streams_limit: int | None = None  # use only bulk streams below this (probes)
         self.acked: set[int] = set()
         self.pending: collections.deque[int] = collections.deque()
         self.retransmits = 0

@@ -162,6 +162,11 @@ class EngineClient:
             request_id=request_id, to=to, input_tokens=input_tokens, prefix_hit_tokens=prefix_hit_tokens,
             expected_output_tokens=expected_output_tokens, kv_bytes_per_token=kv_bytes_per_token))
 
+    async def estimate(self, to: str, nbytes: int) -> dict:
+        """How long ``nbytes`` of KV to ``to`` would take now (``seconds``; None while the link's
+        bandwidth is unknown), with the live link figures it comes from."""
+        return await self._call(p.Estimate(to=to, bytes=nbytes))
+
     async def set_load(self, load: float) -> None:
         """Report this engine's decode load (0 = idle, 1 = every slot in use). RLD engines report
         it; the handoff mode policy (one-shot when busy, catch-up with headroom) reads it."""

@@ -92,6 +92,14 @@ class ChoosePipeline(Msg, tag="choose_pipeline"):
     kv_bytes_per_token: int
 
 
+class Estimate(Msg, tag="estimate"):
+    """How long would ``bytes`` of KV to ``to`` (site or site/node) take now? From the live link
+    estimate: ``{seconds (None while unknown), bandwidth_Bps, rtt_s, jitter_s, loss, queue_bytes}``."""
+
+    to: str
+    bytes: int
+
+
 class SetLoad(Msg, tag="set_load"):
     """This engine's decode load now (0 = idle, 1 = every decode slot in use; may exceed 1).
     RLD engines report it; the handoff mode policy reads the latest value."""
@@ -246,7 +254,7 @@ class HandoffDone(Msg, tag="handoff_done"):
 
 
 Request = (Hello | Register | Deregister | PostRecv | SendKv | SendTokens | Abort | Status | ChoosePipeline
-           | SetLoad | HandoffRld | HandoffMd | HandoffTokens | HandoffExtended | HandoffFail)
+           | SetLoad | Estimate | HandoffRld | HandoffMd | HandoffTokens | HandoffExtended | HandoffFail)
 ToEngine = (Ok | Err | KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend
             | StopGenerating | StartGenerating | HandoffDone | RequestAborted)
 Event = (KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend | StopGenerating
