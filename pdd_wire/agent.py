@@ -27,6 +27,7 @@ from .memory import HOST_FD, BlockMap, HostRegion, as_extents
 from .metrics import Metrics
 from .bulk import BulkHandler
 from .handoffs import Handoffs
+from .inventory import Inventory
 from .probe import PROBE_PREFIX, PROBE_SCRATCH_BYTES, PROBE_TRANSFER_BYTES, ProbeSink, run_probe
 from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
@@ -85,6 +86,8 @@ class Agent:
         self._ssl_server = self._ssl_client = None
         self.started = time.time()
         self.handoffs = Handoffs(self)
+        self.inventory = Inventory(max_leases=config.transfer.max_transfers * 4)
+        self.predictions: collections.OrderedDict[tuple[str, str], tuple[float, float]] = collections.OrderedDict()
         self.probe_sink = ProbeSink()
         self._probe_region: HostRegion | None = None
         self._probing: set[str] = set()
@@ -352,8 +355,22 @@ class Agent:
             session.reject_in(tid, begin, ErrorCode.NOT_POSTED,
                               f"request {begin.request_id!r} was posted for site {post.from_site!r} only")
             return
+        dest = post.blocks
+        skip = begin.skip_blocks
+        if skip:
+            lease = self.inventory.get(begin.request_id)
+            if lease is None or lease.broken or len(lease.hashes) < skip or skip >= post.blocks.n_blocks:
+                # The prefix this sender was promised is gone: it sends every block instead;
+                # the post stays for that transfer.
+                session.reject_in(tid, begin, ErrorCode.PREFIX_LOST,
+                                  f"the {skip} prefix blocks matched for {begin.request_id!r} are no longer held")
+                return
+            dest = post.blocks.after_blocks(skip)
         self._drop_post(begin.request_id)
-        session.accept_in(tid, begin, post.engine, post.blocks)
+        t = session.accept_in(tid, begin, post.engine, dest)
+        if t is not None:
+            t.reused_blocks = skip
+            t.post = post
 
     def incoming_cancelled(self, session: PeerSession, tid: int, msg: m.KvCancel) -> None:
         entry = self.pending_begins.get(msg.request_id)
@@ -412,22 +429,84 @@ class Agent:
         return {"peer": s.key, "up": s.is_up, "seconds": s.predict(msg.bytes)} | s.est.describe(s.queue_bytes())
 
     def kv_received(self, t: InTransfer) -> None:
+        skip = getattr(t, "reused_blocks", 0)
+        reused = self.inventory.places(t.request_id) if skip else []
         t.engine.send(p.KvReceived(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
-                                   seconds=round(time.monotonic() - t.started, 6)))
+                                   seconds=round(time.monotonic() - t.started, 6), reused_blocks=skip,
+                                   reused=reused))
         if not t.request_id.startswith(PROBE_PREFIX):
             self.handoffs.kv_received(t.request_id)
 
+    def _prediction_checked(self, t: OutTransfer) -> None:
+        """The pipeline choice predicted this request's WAN time: record how it came out."""
+        pred = self.predictions.pop((t.request_id, t.peer_key), None)
+        if pred is None:
+            return
+        predicted, _ = pred
+        real = time.monotonic() - t.started
+        self.metrics.wan_prediction.observe(real / predicted if predicted > 0 else float("inf"))
+        self.log.info("WAN time against its prediction", request_id=t.request_id, peer=t.peer_key,
+                      predicted_s=round(predicted, 4), real_s=round(real, 4))
+
     def kv_sent(self, t: OutTransfer) -> None:
+        self._prediction_checked(t)
         t.engine.send(p.KvSent(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
                                seconds=round(time.monotonic() - t.started, 6)))
 
     def transfer_failed(self, t, direction: str, code: int, message: str) -> None:
+        if direction == "in" and code == ErrorCode.PREFIX_LOST and getattr(t, "reused_blocks", 0):
+            # Our matched prefix broke mid-transfer: the sender starts over with every block;
+            # post the whole receive again for it. The engine sees only the outcome of that.
+            post = t.post
+            if not self.stopping and post.engine is not None and not post.engine.closed and \
+                    t.request_id not in self.posts:
+                fresh = Post(t.request_id, post.engine, post.blocks, post.from_site)
+                loop = asyncio.get_running_loop()
+                fresh.expires = loop.time() + self.config.transfer.post_ttl_s
+                fresh.timer = loop.call_at(fresh.expires, self._post_expired, t.request_id, fresh)
+                self.posts[t.request_id] = fresh
+                return
         self.log.warning("transfer failed", request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
                          direction=direction, code=ErrorCode(code).name, reason=message)
         t.engine.send(p.TransferFailed(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
                                        direction=direction, code=int(code), reason=message))
         if direction == "in" and not t.request_id.startswith(PROBE_PREFIX):
             self.handoffs.kv_failed(t.request_id, "kv_cancelled")
+
+    # ------------------------------------------------------------------ prefix inventory
+    def prefix_query(self, session: PeerSession, msg: m.PrefixQuery) -> int:
+        """A sender asks how many leading blocks of a chain this node holds: lease them."""
+        if len(msg.hashes) > 1 << 16 or msg.lease_ms <= 0:
+            return 0
+        ttl = min(msg.lease_ms / 1000, self.config.transfer.prefix_lease_s * 4)
+        k, _ = self.inventory.lease(msg.request_id, msg.hashes, asyncio.get_running_loop().time(), ttl)
+        return k
+
+    def _kv_stored(self, ec: EngineConn, msg: p.KvStored) -> dict:
+        bm = self._blockmap(ec, msg.blocks)
+        if len(msg.hashes) != bm.n_blocks:
+            raise EngineRequestError(f"{len(msg.hashes)} hashes for {bm.n_blocks} blocks", ErrorCode.BAD_REQUEST)
+        places = [(e.region, e.block + i) for e in bm.extents for i in range(e.count)]
+        self.inventory.stored(ec, msg.hashes, places)
+        self.metrics.inventory_blocks.set(len(self.inventory.blocks))
+        return {"held": len(self.inventory.blocks)}
+
+    def _kv_evict(self, ec: EngineConn, msg: p.KvEvict) -> dict:
+        mine = [h for h in msg.hashes if (b := self.inventory.blocks.get(h)) is not None and b.owner is ec]
+        evicted, kept, broken = self.inventory.evict(mine, force=msg.force)
+        self._prefix_broken(broken)
+        self.metrics.inventory_blocks.set(len(self.inventory.blocks))
+        return {"evicted": evicted, "kept": kept}
+
+    def _prefix_broken(self, request_ids: list[str]) -> None:
+        """Leased prefix blocks were dropped anyway: transfers relying on them start over."""
+        for rid in request_ids:
+            self.metrics.prefix_leases_broken.inc()
+            self.inventory.release(rid)
+            for s in self.sessions.values():
+                for t in [t for t in s.inn.values() if t.request_id == rid and getattr(t, "reused_blocks", 0)]:
+                    s._spawn(s._fail_in(t, ErrorCode.PREFIX_LOST, "matched prefix blocks were evicted",
+                                        notify_peer=True), "prefix-lost")
 
     def request_aborted(self, session: PeerSession, msg: m.RequestAbort) -> None:
         """A peer's engine aborted the request: end what we hold for it on that site's behalf
@@ -512,9 +591,15 @@ class Agent:
             case p.Status():
                 return self.describe()
             case p.ChoosePipeline():
-                return self._choose_pipeline(msg)
+                return await self._choose_pipeline(msg)
             case p.Estimate():
                 return self._estimate(msg)
+            case p.KvStored():
+                return self._kv_stored(ec, msg)
+            case p.KvEvict():
+                return self._kv_evict(ec, msg)
+            case p.PrefixRelease():
+                return {"released": self.inventory.release(msg.request_id)}
             case p.SetLoad():
                 if not 0 <= msg.load < float("inf"):
                     raise EngineRequestError(f"load must be a number >= 0, got {msg.load}", ErrorCode.BAD_REQUEST)
@@ -541,22 +626,35 @@ class Agent:
             raise EngineRequestError("request ids starting with a NUL character are reserved (probes)",
                                      ErrorCode.BAD_REQUEST)
 
-    def _choose_pipeline(self, msg: p.ChoosePipeline) -> dict:
+    async def _choose_pipeline(self, msg: p.ChoosePipeline) -> dict:
+        session = self._session_for(msg.to)
+        hit = msg.prefix_hit_tokens
+        source = "engine"
+        if msg.block_hashes:
+            if msg.block_tokens <= 0:
+                raise EngineRequestError("block_tokens must be > 0 with block_hashes", ErrorCode.BAD_REQUEST)
+            k = await session.prefix_lookup(msg.request_id, list(msg.block_hashes))
+            if k is not None:
+                hit, source = min(msg.input_tokens, k * msg.block_tokens), "inventory"
         try:
-            req = policy.RequestFigures(input_tokens=msg.input_tokens, prefix_hit_tokens=msg.prefix_hit_tokens,
+            req = policy.RequestFigures(input_tokens=msg.input_tokens, prefix_hit_tokens=hit,
                                         expected_output_tokens=msg.expected_output_tokens)
         except ValueError as exc:
             raise EngineRequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
-        session = self._session_for(msg.to)
         link = session.link_figures()
         try:
             d = policy.choose_pipeline(req, link, msg.kv_bytes_per_token, self.config.policy.pipeline)
         except ValueError as exc:
             raise EngineRequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
         self.metrics.pipelines.labels(pipeline=d.pipeline, reason=d.reason).inc()
+        if d.predicted_wan_s is not None and d.pipeline != "P-RLD":
+            self.predictions[(msg.request_id, session.key)] = (d.predicted_wan_s, time.monotonic())
+            while len(self.predictions) > self.config.transfer.max_transfers * 4:
+                self.predictions.popitem(last=False)
         self.log.info("pipeline chosen", request_id=msg.request_id, pipeline=d.pipeline, reason=d.reason,
                       predicted_wan_s=d.predicted_wan_s, detail=d.detail)
         return {"pipeline": d.pipeline, "reason": d.reason, "predicted_wan_s": d.predicted_wan_s,
+                "prefix_hit_tokens": hit, "prefix_source": source,
                 "detail": d.detail, "link": {"bandwidth_Bps": link.bandwidth_Bps, "queue_bytes": link.queue_bytes,
                                              "rtt_s": link.rtt_s, "peer": session.key}}
 
@@ -674,6 +772,9 @@ class Agent:
         if len({s.key for s in sessions}) != len(sessions):
             raise EngineRequestError("the same peer is named twice in 'to'", ErrorCode.BAD_REQUEST)
         blocks = self._blockmap(ec, msg.blocks)  # validated once, read by every destination
+        if msg.block_hashes is not None and len(msg.block_hashes) != blocks.n_blocks:
+            raise EngineRequestError(f"{len(msg.block_hashes)} block_hashes for {blocks.n_blocks} blocks",
+                                     ErrorCode.BAD_REQUEST)
         self._check_request_id(msg.request_id)
         deadline = msg.deadline_s if msg.deadline_s is not None else self.config.transfer.default_deadline_s
         if not 0 < deadline <= MAX_DEADLINE_S:  # also refuses nan and inf
@@ -688,7 +789,7 @@ class Agent:
         started = []
         try:
             for s in sessions:
-                t = s.start_send(ec, msg.request_id, blocks, deadline)
+                t = s.start_send(ec, msg.request_id, blocks, deadline, hashes=msg.block_hashes)
                 started.append((s, t))
                 out.append({"to": s.key, "transfer_id": t.tid})
         except BaseException:
@@ -727,6 +828,8 @@ class Agent:
             self._drop_region(ec, rid)
         for rid in [r for r, e in self.owners.items() if e is ec]:
             del self.owners[rid]
+        self._prefix_broken(self.inventory.forget_owner(ec))
+        self.metrics.inventory_blocks.set(len(self.inventory.blocks))
         self.metrics.engines.set(len(self.engine_server.engines) if self.engine_server else 0)
 
     # ------------------------------------------------------------------ leases
@@ -765,6 +868,8 @@ class Agent:
         while True:
             await asyncio.sleep(self.config.timeouts.heartbeat_s)
             pinned, stranded = self.audit()
+            for _ in self.inventory.expire(asyncio.get_running_loop().time()):
+                self.metrics.leases_expired.labels(kind="prefix").inc()
             for s in self.sessions.values():
                 est, key = s.est, s.key
                 self.metrics.link_bandwidth.labels(peer=key).set(est.bandwidth_Bps or s.goodput_Bps)

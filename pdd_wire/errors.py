@@ -40,6 +40,7 @@ class ErrorCode(enum.IntEnum):
     DUPLICATE_TRANSFER = 307
     TOO_MANY_TRANSFERS = 308
     CHUNK_BUSY = 309
+    PREFIX_LOST = 310
     # 4xx: engine socket
     BAD_REQUEST = 400
     UNKNOWN_REGION = 401

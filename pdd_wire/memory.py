@@ -136,6 +136,7 @@ class BlockMap:
     """
 
     def __init__(self, regions: dict[int, Region], extents: Iterable[Extent]) -> None:
+        self._by_id = regions
         self.extents = list(extents)
         if not self.extents:
             raise EngineRequestError("no blocks given", ErrorCode.BAD_REQUEST)
@@ -169,6 +170,19 @@ class BlockMap:
             self._starts.append(pos)
             pos += ln
         self.total = pos
+
+    def after_blocks(self, k: int) -> "BlockMap":
+        """The same map without its first ``k`` blocks (0 < k < n_blocks)."""
+        if not 0 < k < self.n_blocks:
+            raise EngineRequestError(f"cannot skip {k} of {self.n_blocks} blocks", ErrorCode.BAD_REQUEST)
+        out = []
+        for e in self.extents:
+            if k >= e.count:
+                k -= e.count
+                continue
+            out.append(Extent(e.region, e.block + k, e.count - k))
+            k = 0
+        return BlockMap(self._by_id, out)
 
     def slice(self, start: int, end: int) -> list[memoryview]:
         """Memoryviews covering stream bytes [start, end) (no copy)."""

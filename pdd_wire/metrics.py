@@ -67,6 +67,17 @@ class Metrics:
                                registry=r)
         self.link_queue = Gauge(p + "link_queue_bytes", "KV bytes accepted for a peer, not yet acknowledged",
                                 ["peer"], registry=r)
+        self.prefix_bytes_saved = Counter(p + "prefix_bytes_saved", "KV bytes not sent: the receiver's node held "
+                                          "the prefix", ["peer"], registry=r)
+        self.prefix_hit_ratio = Histogram(p + "prefix_hit_ratio", "Share of a transfer's blocks the receiver held",
+                                          buckets=(0, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0), registry=r)
+        self.inventory_blocks = Gauge(p + "prefix_inventory_blocks", "Blocks in this node's prefix inventory",
+                                      registry=r)
+        self.prefix_leases_broken = Counter(p + "prefix_leases_broken", "Leased prefix blocks evicted anyway "
+                                            "(the transfer fell back to sending them)", registry=r)
+        self.wan_prediction = Histogram(p + "wan_prediction_ratio", "Real WAN time of a request's KV over the "
+                                        "pipeline policy's prediction", buckets=(0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25,
+                                                                                2, 4, 10), registry=r)
         self.handoffs = Counter(p + "handoffs", "Handoffs settled, by role, mode and reason (who owns the output)",
                                 ["role", "mode", "reason"], registry=r)
         self.handoff_modes = Counter(p + "handoff_modes", "Handoff modes chosen by RLD, by reason",

@@ -74,6 +74,7 @@ class SessionHost(Protocol):
     def session_up(self, session: "PeerSession") -> None: ...
     def peer_lost(self, session: "PeerSession", reason: str) -> None: ...
     def request_aborted(self, session: "PeerSession", msg: m.RequestAbort) -> None: ...
+    def prefix_query(self, session: "PeerSession", msg: m.PrefixQuery) -> int: ...
 
 
 class BulkLink:
@@ -134,6 +135,7 @@ class PeerSession:
         self.acked_bytes = 0  # KV bytes acknowledged by the peer, ever
         self.ack_log: collections.deque[tuple[float, int]] | None = None  # (time, acked_bytes) while probing
         self._ping_waiters: dict[int, asyncio.Future] = {}
+        self._lookups: dict[str, list[asyncio.Future]] = {}  # PREFIX_QUERYs of choose_pipeline
         # The same-site UCX path: KV chunks as tagged UCX messages instead of bulk TCP streams.
         self.ucx: ucx.UcxPeer | None = None
         self.ucx_loop: ucx.UcxLoop | None = None
@@ -568,6 +570,11 @@ class PeerSession:
                 self.tokens.on_ack(msg)
             case m.HandoffProgress() | m.HandoffCommit() | m.HandoffTaken() | m.HandoffRelease() | m.HandoffAbort():
                 self.host.handoff_message(self, msg)
+            case m.PrefixQuery():
+                k = self.host.prefix_query(self, msg)
+                self._send(FrameType.PREFIX_MATCH, m.PrefixMatch(msg.request_id, k), tid=h.transfer_id)
+            case m.PrefixMatch():
+                self._on_prefix_match(h.transfer_id, msg)
             case m.RequestAbort():
                 self.tokens.drop(msg.request_id)
                 self.host.request_aborted(self, msg)
@@ -637,7 +644,8 @@ class PeerSession:
         return True
 
     # ------------------------------------------------------------------ sending KV
-    def start_send(self, engine, request_id: str, blocks: BlockMap, deadline_s: float) -> OutTransfer:
+    def start_send(self, engine, request_id: str, blocks: BlockMap, deadline_s: float,
+                   hashes: list[int] | None = None) -> OutTransfer:
         if len(self.out) >= self.cfg.transfer.max_transfers:
             raise PddWireError(f"{len(self.out)} transfers open to {self.key} (limit transfer.max_transfers)",
                                ErrorCode.TOO_MANY_TRANSFERS)
@@ -647,13 +655,85 @@ class PeerSession:
         self.out[t.tid] = t
         t.timer = loop.call_at(t.deadline, self._deadline_out, t)
         self.m.inflight.labels(direction="out").inc()
-        self._announce(t)
+        if hashes and blocks.n_blocks > 1 and self.is_up and "prefix.v1" in (self.remote_caps or ()):
+            # Ask first which leading blocks the receiver's node holds; at least one block is
+            # always sent (the last one is usually partial and never shared anyway).
+            t.hashes = hashes[:min(len(hashes), blocks.n_blocks - 1)]
+            t.state = State.QUERYING
+            self._send(FrameType.PREFIX_QUERY, m.PrefixQuery(request_id, t.hashes,
+                                                             int(self.cfg.transfer.prefix_lease_s * 1000)), tid=t.tid)
+            wait = max(self.cfg.transfer.prefix_query_s, 4 * (self.est.rtt_s or 0.0))
+            t.query_timer = loop.call_later(wait, self._query_unanswered, t)
+        else:
+            self._announce(t)
         return t
+
+    def _query_unanswered(self, t: OutTransfer) -> None:
+        if self.out.get(t.tid) is t and t.state == State.QUERYING:
+            self.log.info("no PREFIX_MATCH in time; sending every block", request_id=t.request_id)
+            t.state = State.ANNOUNCED
+            self._announce(t)
+
+    async def prefix_lookup(self, request_id: str, hashes: list[int], timeout: float | None = None) -> int | None:
+        """How many leading blocks of ``hashes`` the peer's node holds (leased for the request);
+        None if the peer does not keep an inventory, is down, or does not answer in time."""
+        if not self.is_up or "prefix.v1" not in (self.remote_caps or ()):
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._lookups.setdefault(request_id, []).append(fut)
+        self._send(FrameType.PREFIX_QUERY, m.PrefixQuery(request_id, hashes,
+                                                         int(self.cfg.transfer.prefix_lease_s * 1000)))
+        wait = timeout or max(self.cfg.transfer.prefix_query_s, 4 * (self.est.rtt_s or 0.0))
+        try:
+            async with asyncio.timeout(wait):
+                return await fut
+        except TimeoutError:
+            return None
+        finally:
+            waiters = self._lookups.get(request_id, [])
+            if fut in waiters:
+                waiters.remove(fut)
+            if not waiters:
+                self._lookups.pop(request_id, None)
+
+    def _on_prefix_match(self, tid: int, msg: m.PrefixMatch) -> None:
+        if tid == 0:
+            for fut in self._lookups.pop(msg.request_id, []):
+                if not fut.done():
+                    fut.set_result(msg.matched)
+            return
+        t = self.out.get(tid)
+        if t is None or t.state != State.QUERYING or t.request_id != msg.request_id:
+            return
+        if t.query_timer is not None:
+            t.query_timer.cancel()
+        k = max(0, min(msg.matched, len(t.hashes or ()), t.blocks.n_blocks - 1))
+        n = t.blocks.n_blocks
+        if k:
+            t.skip = k
+            t.blocks = t.full_blocks.after_blocks(k)
+            t.n_chunks = -(-t.blocks.total // t.chunk_bytes)
+            self.m.prefix_bytes_saved.labels(peer=self.key).inc(k * t.blocks.block_bytes)
+        self.m.prefix_hit_ratio.observe(k / n)
+        t.state = State.ANNOUNCED
+        self._announce(t)
+
+    def _restart_full(self, t: OutTransfer, message: str) -> None:
+        """The receiver lost the prefix it matched (a broken lease): send the request again,
+        every block, as a new transfer. The engine sees only the new transfer's outcome."""
+        self.log.warning("receiver lost the matched prefix; sending every block", request_id=t.request_id,
+                         transfer_id=t.tid, reason=message)
+        self.m.retransmits.labels(peer=self.key, reason="prefix_lost").inc(t.n_chunks)
+        left = t.deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            self.host.transfer_failed(t, "out", int(ErrorCode.TRANSFER_TIMEOUT), "deadline passed")
+            return
+        self.start_send(t.engine, t.request_id, t.full_blocks, left)
 
     def _announce(self, t: OutTransfer) -> None:
         remaining = max(1, int((t.deadline - asyncio.get_running_loop().time()) * 1000))
         self._send(FrameType.KV_BEGIN, m.KvBegin(t.request_id, t.total, t.chunk_bytes, t.n_chunks,
-                                                  t.blocks.block_bytes, t.blocks.n_blocks, remaining),
+                                                  t.blocks.block_bytes, t.blocks.n_blocks, remaining, t.skip),
                    tid=t.tid)
 
     def _on_accept(self, tid: int) -> None:
@@ -778,6 +858,8 @@ class PeerSession:
         self.host.transfer_ended()
         if t.timer is not None:
             t.timer.cancel()
+        if t.query_timer is not None:
+            t.query_timer.cancel()
         for k in range(t.n_chunks):
             self._uninflight(t.tid, k)
         self.m.inflight.labels(direction="out").dec()
@@ -788,6 +870,9 @@ class PeerSession:
             return
         self._release_out(t)
         t.state = State.FAILED
+        if code == ErrorCode.PREFIX_LOST and t.skip and not notify_peer:
+            self._restart_full(t, message)
+            return
         if notify_peer:
             self._cancel(t.tid, m.KvCancel(t.request_id, int(code), message, False))
         self.m.transfers.labels(peer=self.key, direction="out", outcome=code_name(code).lower()).inc()
@@ -989,6 +1074,10 @@ class PeerSession:
     # ------------------------------------------------------------------ resume after a reconnect
     def _resume(self) -> None:
         for t in list(self.out.values()):
+            if t.state == State.QUERYING:  # the answer may be lost: do not wait for it
+                if t.query_timer is not None:
+                    t.query_timer.cancel()
+                t.state = State.ANNOUNCED
             if t.state == State.ANNOUNCED:
                 self._announce(t)
             elif t.state == State.RESUMING:

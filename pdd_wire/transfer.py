@@ -23,6 +23,7 @@ class State(enum.Enum):
     WAITING_POST = "waiting_post"  # receiver: KV_BEGIN arrived before the engine posted
     MOVING = "moving"
     RESUMING = "resuming"  # sender: connection lost; waiting for KV_STATUS after the reconnect
+    QUERYING = "querying"  # sender: PREFIX_QUERY sent, waiting for PREFIX_MATCH before KV_BEGIN
     DONE = "done"
     FAILED = "failed"
 
@@ -121,6 +122,10 @@ class OutTransfer(Transfer):
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
         self.streams_limit: int | None = None  # use only bulk streams below this (probes)
+        self.full_blocks = self.blocks  # before a matched prefix was cut off
+        self.hashes: list[int] | None = None
+        self.skip = 0  # leading blocks the receiver holds (not sent)
+        self.query_timer: asyncio.TimerHandle | None = None
         self.acked: set[int] = set()
         self.pending: collections.deque[int] = collections.deque()
         self.retransmits = 0

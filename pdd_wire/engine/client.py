@@ -134,11 +134,13 @@ class EngineClient:
         await self._call(p.PostRecv(request_id=request_id, blocks=list(blocks), from_site=from_site, ttl_s=ttl_s))
 
     async def send_kv(self, request_id: str, blocks: Iterable[tuple[int, int, int]], *, to: list[str],
-                      deadline_s: float | None = None) -> list[dict]:
+                      deadline_s: float | None = None, block_hashes: list[int] | None = None) -> list[dict]:
         """Send ``blocks`` to every destination in ``to`` (``"B"`` or ``"B/b1"``); one transfer
-        each, reading the same pages. Returns ``[{"to": peer, "transfer_id": n}, ...]``."""
+        each, reading the same pages. Returns ``[{"to": peer, "transfer_id": n}, ...]``.
+        ``block_hashes`` (one chained hash per block, :func:`pdd_wire.inventory.chain_hashes`):
+        a destination whose node holds a leading run of them receives only the rest."""
         res = await self._call(p.SendKv(request_id=request_id, blocks=list(blocks), to=list(to),
-                                        deadline_s=deadline_s))
+                                        deadline_s=deadline_s, block_hashes=block_hashes))
         return res["transfers"]
 
     async def send_tokens(self, request_id: str, to: str, tokens: list[int]) -> int:
@@ -153,14 +155,33 @@ class EngineClient:
     async def status(self) -> dict:
         return await self._call(p.Status())
 
-    async def choose_pipeline(self, request_id: str, *, to: str, input_tokens: int, prefix_hit_tokens: int,
-                              expected_output_tokens: int, kv_bytes_per_token: int) -> dict:
+    async def choose_pipeline(self, request_id: str, *, to: str, input_tokens: int, prefix_hit_tokens: int = 0,
+                              expected_output_tokens: int, kv_bytes_per_token: int,
+                              block_hashes: list[int] | None = None, block_tokens: int = 0) -> dict:
         """The agent's pipeline choice for a request (``P-MD``, ``P-RLD-MD`` or, only through
-        the anomalous-traffic filter, ``P-RLD``), from the live link to ``to``. Returns
-        ``{"pipeline", "reason", "predicted_wan_s", "detail", "link": {...}}``."""
+        the anomalous-traffic filter, ``P-RLD``), from the live link to ``to``. With
+        ``block_hashes`` (and ``block_tokens`` per block) the matched prefix comes from ``to``'s
+        prefix inventory (one round trip; the blocks are leased for the request's send).
+        Returns ``{"pipeline", "reason", "predicted_wan_s", "prefix_hit_tokens",
+        "prefix_source", "detail", "link": {...}}``."""
         return await self._call(p.ChoosePipeline(
             request_id=request_id, to=to, input_tokens=input_tokens, prefix_hit_tokens=prefix_hit_tokens,
-            expected_output_tokens=expected_output_tokens, kv_bytes_per_token=kv_bytes_per_token))
+            expected_output_tokens=expected_output_tokens, kv_bytes_per_token=kv_bytes_per_token,
+            block_hashes=block_hashes, block_tokens=block_tokens))
+
+    async def kv_stored(self, blocks: Iterable[tuple[int, int, int]], hashes: list[int]) -> int:
+        """Decode side: this engine holds these blocks (``hashes[i]`` for the i-th block) and
+        may reuse them: the node's prefix inventory. Returns the blocks the inventory holds."""
+        return (await self._call(p.KvStored(blocks=list(blocks), hashes=list(hashes))))["held"]
+
+    async def kv_evict(self, hashes: list[int], *, force: bool = False) -> dict:
+        """Decode side: ask to drop blocks. Returns ``{"evicted": [...], "kept": [...]}``: keep
+        the ``kept`` ones (leased to a request in flight) unless ``force``."""
+        return await self._call(p.KvEvict(hashes=list(hashes), force=force))
+
+    async def prefix_release(self, request_id: str) -> bool:
+        """Decode side: the request's reused prefix blocks were used; end their lease."""
+        return (await self._call(p.PrefixRelease(request_id=request_id)))["released"]
 
     async def estimate(self, to: str, nbytes: int) -> dict:
         """How long ``nbytes`` of KV to ``to`` would take now (``seconds``; None while the link's

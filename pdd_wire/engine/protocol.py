@@ -62,12 +62,38 @@ class SendKv(Msg, tag="send_kv"):
     blocks: list[tuple[int, int, int]]
     to: list[str]
     deadline_s: float | None = None
+    # Chained hashes of the blocks, in order (pdd_wire.inventory.chain_hashes): a destination
+    # whose node holds a leading run of them gets only the rest.
+    block_hashes: list[int] | None = None
 
 
 class SendTokens(Msg, tag="send_tokens"):
     request_id: str
     to: str
     tokens: list[int]
+
+
+class KvStored(Msg, tag="kv_stored"):
+    """Decode side: this engine holds (and may reuse) these blocks, ``hashes[i]`` at the i-th
+    block of ``blocks`` (the prefix inventory)."""
+
+    blocks: list[tuple[int, int, int]]
+    hashes: list[int]
+
+
+class KvEvict(Msg, tag="kv_evict"):
+    """Decode side: the engine wants to drop these blocks. The reply says which it may drop now
+    (``evicted``) and which are leased to a request in flight (``kept``). ``force``: they are
+    gone anyway (leases on them break; those transfers fall back to shipping the blocks)."""
+
+    hashes: list[int]
+    force: bool = False
+
+
+class PrefixRelease(Msg, tag="prefix_release"):
+    """Decode side: the request's reused prefix blocks have been used (its extend ran)."""
+
+    request_id: str
 
 
 class Abort(Msg, tag="abort"):
@@ -90,6 +116,9 @@ class ChoosePipeline(Msg, tag="choose_pipeline"):
     prefix_hit_tokens: int
     expected_output_tokens: int
     kv_bytes_per_token: int
+    # With these, the matched prefix comes from MD's inventory (one round trip), not from the engine.
+    block_hashes: list[int] | None = None
+    block_tokens: int = 0
 
 
 class Estimate(Msg, tag="estimate"):
@@ -169,6 +198,10 @@ class KvReceived(Msg, tag="kv_received"):
     peer: str
     bytes: int
     seconds: float
+    # The first reused_blocks blocks of the post were not sent: this node holds them at
+    # ``reused`` ([region, block, count] runs, leased until prefix_release or the lease ends).
+    reused_blocks: int = 0
+    reused: list[tuple[int, int, int]] = []
 
 
 class KvSent(Msg, tag="kv_sent"):
@@ -254,7 +287,7 @@ class HandoffDone(Msg, tag="handoff_done"):
 
 
 Request = (Hello | Register | Deregister | PostRecv | SendKv | SendTokens | Abort | Status | ChoosePipeline
-           | SetLoad | Estimate | HandoffRld | HandoffMd | HandoffTokens | HandoffExtended | HandoffFail)
+           | SetLoad | Estimate | KvStored | KvEvict | PrefixRelease | HandoffRld | HandoffMd | HandoffTokens | HandoffExtended | HandoffFail)
 ToEngine = (Ok | Err | KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend
             | StopGenerating | StartGenerating | HandoffDone | RequestAborted)
 Event = (KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend | StopGenerating

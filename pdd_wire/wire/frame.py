@@ -54,6 +54,8 @@ class FrameType(enum.IntEnum):
     HANDOFF_RELEASE = 25
     HANDOFF_ABORT = 26
     REQUEST_ABORT = 27
+    PREFIX_QUERY = 28
+    PREFIX_MATCH = 29
 
 
 class Lane(enum.IntEnum):

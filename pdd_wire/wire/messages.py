@@ -93,6 +93,7 @@ class KvBegin(msgspec.Struct, **_fast):
     block_bytes: int
     n_blocks: int
     deadline_ms: int = 0  # remaining budget at send time, 0 = the receiver's default
+    skip_blocks: int = 0  # the receiver already holds the first blocks of the post (PREFIX_MATCH)
 
 
 class KvAccept(msgspec.Struct, **_fast):
@@ -216,6 +217,22 @@ class RequestAbort(msgspec.Struct, **_fast):
     reason: str = ""
 
 
+class PrefixQuery(msgspec.Struct, **_fast):
+    """KV sender -> receiver: how many leading blocks of this chain does your node hold? Hold
+    them for ``lease_ms`` for this request (a later query for the request replaces the lease)."""
+
+    request_id: str
+    hashes: list[int]  # chained 64-bit block hashes, in block order
+    lease_ms: int = 30000
+
+
+class PrefixMatch(msgspec.Struct, **_fast):
+    """Receiver -> sender: the first ``matched`` blocks are held (and leased) here."""
+
+    request_id: str
+    matched: int
+
+
 BODY_TYPES: dict[int, type] = {
     FrameType.HELLO: Hello,
     FrameType.WELCOME: Welcome,
@@ -242,6 +259,8 @@ BODY_TYPES: dict[int, type] = {
     FrameType.HANDOFF_RELEASE: HandoffRelease,
     FrameType.HANDOFF_ABORT: HandoffAbort,
     FrameType.REQUEST_ABORT: RequestAbort,
+    FrameType.PREFIX_QUERY: PrefixQuery,
+    FrameType.PREFIX_MATCH: PrefixMatch,
 }
 TYPE_OF: dict[type, int] = {v: k for k, v in BODY_TYPES.items()}
 

@@ -207,6 +207,10 @@ def build(v: Vectors) -> None:
          frame(FrameType.HANDOFF_RELEASE, m.HandoffRelease("req-42", 1, "kv_cancelled"), lane=Lane.TOKEN))
     v.ok("handoff_abort", "HANDOFF_ABORT: RLD keeps the output",
          frame(FrameType.HANDOFF_ABORT, m.HandoffAbort("req-42", 1, "deadline"), lane=Lane.TOKEN))
+    v.ok("prefix_query", "PREFIX_QUERY: which leading blocks of this chain does your node hold?",
+         frame(FrameType.PREFIX_QUERY, m.PrefixQuery("req-42", [0x1234567890ABCDEF, 42, 7], 30000), transfer_id=9))
+    v.ok("prefix_match", "PREFIX_MATCH: the first 2 are held (and leased)",
+         frame(FrameType.PREFIX_MATCH, m.PrefixMatch("req-42", 2), transfer_id=9))
     v.ok("request_abort", "REQUEST_ABORT: the request is dead on every site",
          frame(FrameType.REQUEST_ABORT, m.RequestAbort("req-42", "client disconnected"), lane=Lane.TOKEN))
 

@@ -1,0 +1,163 @@
+"""Decode-side prefix inventory (DRC): which KV blocks the engines of this node hold, by hash.
+
+A block's hash is chained: it covers the block's tokens and its parent's hash, per model and
+block size (:func:`chain_hashes`, or the engine's own scheme -- vLLM's prefix-caching hashes
+work the same way), so equal hashes mean equal prefixes. Engines report what they store
+(``kv_stored``) and ask before they evict (``kv_evict``); the index answers a sender's
+PREFIX_QUERY with the longest run of leading hashes it holds, and holds those blocks under a
+**lease** for the request until the engine has used them (``prefix_release``) or the lease
+expires. While leased, a block is not evicted on request; a forced eviction *breaks* the lease,
+and the request's transfer falls back to shipping those blocks.
+
+Pure: no I/O and no clock of its own (times are passed in). Bounded by the blocks engines
+registered (one entry per block they report).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import xxhash
+
+MASK = (1 << 64) - 1
+
+
+def chain_hashes(tokens: list[int], block_tokens: int, *, model: str = "", parent: int = 0) -> list[int]:
+    """Chained 64-bit hashes of the full blocks of ``tokens``: block ``i``'s hash covers its
+    tokens and block ``i-1``'s hash (``parent`` for the first), salted by ``model`` and the block
+    size. A trailing partial block gets no hash (it is never shared)."""
+    if block_tokens <= 0:
+        raise ValueError("block_tokens must be > 0")
+    out = []
+    h = parent
+    salt = f"{model}/{block_tokens}".encode()
+    for i in range(0, len(tokens) - block_tokens + 1, block_tokens):
+        x = xxhash.xxh3_64(salt)
+        x.update(h.to_bytes(8, "little"))
+        x.update(b"".join(t.to_bytes(4, "little") for t in tokens[i:i + block_tokens]))
+        h = x.intdigest()
+        out.append(h)
+    return out
+
+
+@dataclass
+class Lease:
+    request_id: str
+    hashes: list[int]
+    expires: float
+    broken: bool = False
+
+
+@dataclass
+class Held:
+    """Where a block lives: the engine (opaque owner), its region id and block index."""
+
+    owner: object
+    region: int
+    block: int
+    leases: int = 0
+
+
+@dataclass
+class Inventory:
+    max_leases: int = 65536
+    blocks: dict[int, Held] = field(default_factory=dict)
+    leases: "collections.OrderedDict[str, Lease]" = field(default_factory=collections.OrderedDict)
+
+    # -- what engines hold
+    def stored(self, owner: object, hashes: list[int], places: list[tuple[int, int]]) -> int:
+        """``owner`` holds the block with ``hashes[i]`` at ``places[i]`` (region, block)."""
+        if len(hashes) != len(places):
+            raise ValueError(f"{len(hashes)} hashes for {len(places)} blocks")
+        for h, (region, block) in zip(hashes, places):
+            old = self.blocks.get(h)
+            self.blocks[h] = Held(owner, region, block, old.leases if old else 0)
+        return len(hashes)
+
+    def evict(self, hashes: list[int], *, force: bool = False) -> tuple[list[int], list[int], list[str]]:
+        """The engine wants to drop these blocks: returns (evicted, kept, broken request ids).
+        Leased blocks are kept unless ``force`` (the engine drops them anyway), which breaks
+        the leases that held them."""
+        evicted, kept, broken = [], [], []
+        for h in hashes:
+            held = self.blocks.get(h)
+            if held is None:
+                continue
+            if held.leases and not force:
+                kept.append(h)
+                continue
+            del self.blocks[h]
+            evicted.append(h)
+            if held.leases:
+                for lease in self.leases.values():
+                    if not lease.broken and h in lease.hashes:
+                        lease.broken = True
+                        broken.append(lease.request_id)
+        return evicted, kept, broken
+
+    def forget_owner(self, owner: object) -> list[str]:
+        """An engine went away: its blocks are gone; returns the leases that broke."""
+        gone = [h for h, held in self.blocks.items() if held.owner is owner]
+        return self.evict(gone, force=True)[2]
+
+    # -- queries and leases
+    def match(self, hashes: list[int]) -> int:
+        """How many leading ``hashes`` are held (the longest matched prefix, in blocks)."""
+        n = 0
+        for h in hashes:
+            if h not in self.blocks:
+                break
+            n += 1
+        return n
+
+    def lease(self, request_id: str, hashes: list[int], now: float, ttl: float) -> tuple[int, list[str]]:
+        """Match ``hashes`` and hold the matched blocks for ``request_id`` until ``now + ttl``
+        (a new lease for the request replaces the old one). Returns (matched blocks, request
+        ids whose leases were dropped to stay within ``max_leases``)."""
+        self.release(request_id)
+        k = self.match(hashes)
+        dropped = []
+        while len(self.leases) >= self.max_leases:
+            rid, _ = next(iter(self.leases.items()))
+            self.release(rid)
+            dropped.append(rid)
+        lease = Lease(request_id, list(hashes[:k]), now + ttl)
+        for h in lease.hashes:
+            self.blocks[h].leases += 1
+        self.leases[request_id] = lease
+        return k, dropped
+
+    def get(self, request_id: str) -> Lease | None:
+        return self.leases.get(request_id)
+
+    def places(self, request_id: str) -> list[tuple[int, int, int]]:
+        """The leased blocks of ``request_id`` as ``[region, block, count]`` runs, in order."""
+        lease = self.leases.get(request_id)
+        if lease is None or lease.broken:
+            return []
+        runs: list[list[int]] = []
+        for h in lease.hashes:
+            held = self.blocks[h]
+            if runs and runs[-1][0] == held.region and runs[-1][1] + runs[-1][2] == held.block:
+                runs[-1][2] += 1
+            else:
+                runs.append([held.region, held.block, 1])
+        return [tuple(r) for r in runs]
+
+    def release(self, request_id: str) -> bool:
+        lease = self.leases.pop(request_id, None)
+        if lease is None:
+            return False
+        for h in lease.hashes:
+            held = self.blocks.get(h)
+            if held is not None and held.leases:
+                held.leases -= 1
+        return True
+
+    def expire(self, now: float) -> list[str]:
+        """Drop leases past their time; returns their request ids."""
+        gone = [rid for rid, lease in self.leases.items() if lease.expires <= now]
+        for rid in gone:
+            self.release(rid)
+        return gone
