@@ -78,14 +78,17 @@ async def wait_links(agent: Agent, timeout: float = 10) -> None:
 
 
 def cluster_toml(tmp: Path, nodes: list[tuple[str, str]], *, local_transport: str = "tcp", streams: int = 4,
-                 extra: str = "") -> dict[str, str]:
+                 extra: str = "", ports: dict[str, int] | None = None,
+                 dial: dict[tuple[str, str], int] | None = None) -> dict[str, str]:
     """TOML texts keyed by node name, every agent a peer of every other; same-site peers use
-    ``local_transport``. Sockets are ``tmp/<node>.sock``."""
-    ports = {n: free_port() for _, n in nodes}
+    ``local_transport``. Sockets are ``tmp/<node>.sock``. ``dial[(node, peer)]``: the port
+    ``node`` dials to reach ``peer`` (a fault relay in front of it)."""
+    ports = ports or {n: free_port() for _, n in nodes}
+    dial = dial or {}
     out = {}
     for site, node in nodes:
         peers = "".join(
-            f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{ports[n]}"\n'
+            f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{dial.get((node, n), ports[n])}"\n'
             f'transport = "{local_transport if s == site else "tcp"}"\nstreams = {streams}\n\n'
             for s, n in nodes if n != node)
         out[node] = f"""

@@ -1,0 +1,11 @@
+"""Engine adapters: glue between an inference engine and its pdd-wire agent.
+
+Each adapter talks to the agent only through the engine socket (:class:`pdd_wire.EngineClient`).
+Importing this package imports no engine; the modules do:
+
+- :mod:`pdd_wire.adapters.vllm_connector`: a vLLM ``KVConnectorBase_V1`` (needs ``vllm``).
+- :mod:`pdd_wire.adapters.vllm_pdd`: PDD roles (prefill, relay decode, main decode) driven
+  around offline vLLM engines, with the handoff ops of the engine socket.
+- :mod:`pdd_wire.adapters.loop_thread`: a private asyncio loop on a thread, so that
+  synchronous engine code can call the asyncio ``EngineClient``.
+"""

