@@ -50,6 +50,8 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     post_ttl_s: float = 300.0  # a posted receive no transfer has claimed by then is dropped (engine told)
     prefix_lease_s: float = 30.0  # matched prefix blocks are held this long for the request (prefix_release ends it)
     prefix_query_s: float = 1.0  # without a PREFIX_MATCH by then (or 4 RTTs), every block is sent
+    compress: Literal["auto", "on", "off"] = "auto"  # lz4 on WAN chunks; auto: only when it raises goodput
+    compress_shuffle: bool = True  # byte-shuffle chunks as 16-bit elements first (fp16/bf16 KV)
     bulk_threads: int = 1  # event-loop threads that carry the bulk connections
 
 

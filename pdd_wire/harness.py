@@ -172,7 +172,7 @@ class NetnsAgents:
     ``async with NetnsAgents(prefix) as net``: namespaces up, both agents started and joined."""
 
     def __init__(self, prefix: str = "pddwf", *, rate_bps: int | None = None, give_up_s: float = 3.0,
-                 chunk: int = 4 << 20, streams: int = 2, admin: bool = False) -> None:
+                 chunk: int = 4 << 20, streams: int = 2, admin: bool = False, transfer: str = "") -> None:
         from .netns import TwoSites
 
         self.sites = TwoSites(prefix=prefix, rate_bps=rate_bps)
@@ -187,7 +187,7 @@ class NetnsAgents:
             text = (f'site = "{site}"\nnode = "{node}"\n\n[listen]\nwan = "{self.addr(site)}:{PORT}"\n'
                     f'admin = "{ADMIN if admin else ""}"\nengine_socket = "{self.socket(site)}"\n\n'
                     f'[[peers]]\nsite = "{other}"\nnode = "{onode}"\naddress = "{self.addr(other)}:{PORT}"\n'
-                    f'streams = {streams}\n\n[transfer]\nchunk_bytes = {chunk}\nstreams = {streams}\n\n'
+                    f'streams = {streams}\n\n[transfer]\nchunk_bytes = {chunk}\nstreams = {streams}\n{transfer}\n'
                     f'[tls]\nallow_plaintext = true\n\n[log]\nformat = "json"\n\n'
                     + TIMEOUTS.format(give_up=give_up_s))
             path = self.dir / f"{site}.toml"

@@ -78,6 +78,14 @@ class Metrics:
         self.wan_prediction = Histogram(p + "wan_prediction_ratio", "Real WAN time of a request's KV over the "
                                         "pipeline policy's prediction", buckets=(0.25, 0.5, 0.8, 0.9, 1.0, 1.1, 1.25,
                                                                                 2, 4, 10), registry=r)
+        self.compression_on = Gauge(p + "compression_on", "1 while lz4 compresses KV chunks to a peer", ["peer"],
+                                    registry=r)
+        self.compression_ratio = Gauge(p + "compression_ratio", "lz4 ratio measured on this link's chunks",
+                                       ["peer"], registry=r)
+        self.compressed_chunks = Gauge(p + "compressed_chunks", "KV chunks sent lz4-compressed (count so far)",
+                                       ["peer"], registry=r)
+        self.compression_saved = Gauge(p + "compression_bytes_saved", "Bytes not sent thanks to lz4 (so far)",
+                                       ["peer"], registry=r)
         self.handoffs = Counter(p + "handoffs", "Handoffs settled, by role, mode and reason (who owns the output)",
                                 ["role", "mode", "reason"], registry=r)
         self.handoff_modes = Counter(p + "handoff_modes", "Handoff modes chosen by RLD, by reason",

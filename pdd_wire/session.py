@@ -29,7 +29,7 @@ from .errors import (ErrorCode, FatalHandshakeError, HandshakeError, PddWireErro
                      TransportError)
 from .memory import BlockMap, chunk_range
 from .transfer import InTransfer, OutTransfer, Route, State
-from .bulk import BulkHandler, bulk_send
+from .bulk import BulkHandler, Compression, bulk_send
 from .probe import LinkEstimator
 from .relay import TokenRelay
 from .transport import ucx
@@ -133,6 +133,8 @@ class PeerSession:
         self.rtt_s: float | None = None
         self.est = LinkEstimator()
         self.acked_bytes = 0  # KV bytes acknowledged by the peer, ever
+        self.lz = Compression(shuffle=self.cfg.transfer.compress_shuffle)
+        self.lz.on = self.cfg.transfer.compress == "on"
         self.ack_log: collections.deque[tuple[float, int]] | None = None  # (time, acked_bytes) while probing
         self._ping_waiters: dict[int, asyncio.Future] = {}
         self._lookups: dict[str, list[asyncio.Future]] = {}  # PREFIX_QUERYs of choose_pipeline
@@ -780,7 +782,7 @@ class PeerSession:
             link = min(pool, key=lambda lk: lk.outstanding)
             link.outstanding += n
             self.inflight[(t.tid, k)] = (link.stream, n, time.monotonic())
-            link.loop.call(bulk_send, link.conn, t.tid, k, views)
+            link.loop.call(bulk_send, link.conn, t.tid, k, views, self._lz_for(t))
         self.m.inflight_bytes.labels(peer=self.key).set(self.window - self.credit)
 
     def _on_ack(self, tid: int, first: int, count: int) -> None:
@@ -1149,6 +1151,7 @@ class PeerSession:
                 else:
                     self._ping()
                 self.est.expire(now)
+                self._decide_compression()
             elif self.down_since is not None and now - self.down_since > to.peer_give_up_s:
                 self.host.peer_lost(self, "peer_unreachable")
                 for t in list(self.out.values()):
@@ -1165,6 +1168,30 @@ class PeerSession:
                     t.retransmits += 1
                     self.m.retransmits.labels(peer=self.key, reason="ack_timeout").inc()
                     self._requeue(t, k)
+
+    def _lz_for(self, t: OutTransfer) -> Compression | None:
+        if self.cfg.transfer.compress == "off" or "lz4.v1" not in (self.remote_caps or ()):
+            return None
+        return None if t.request_id.startswith("\x00") else self.lz  # probes measure the raw link
+
+    def _decide_compression(self) -> None:
+        """Each heartbeat: compress when it raises goodput on this link (transfer.compress)."""
+        mode = self.cfg.transfer.compress
+        lz = self.lz
+        if mode != "auto":
+            lz.on = mode == "on"
+        else:
+            bw = self.est.bandwidth_Bps or self.goodput_Bps
+            if lz.on and lz.est.ratio:
+                bw /= lz.est.ratio  # while compressing, KV delivered outruns the wire by the ratio
+            was, lz.on = lz.on, bw > 0 and lz.est.decide(bw)
+            if was != lz.on:
+                self.log.info("lz4 compression " + ("on" if lz.on else "off"), link_Bps=round(bw),
+                              ratio=round(lz.est.ratio or 0, 3), compress_Bps=round(lz.est.compress_Bps or 0))
+        self.m.compression_on.labels(peer=self.key).set(1 if lz.on else 0)
+        self.m.compression_ratio.labels(peer=self.key).set(lz.est.ratio or 0)
+        self.m.compressed_chunks.labels(peer=self.key).set(lz.chunks)
+        self.m.compression_saved.labels(peer=self.key).set(lz.saved)
 
     def link_figures(self) -> "policy.LinkFigures":
         """The live estimate of this link (:class:`pdd_wire.probe.LinkEstimator`): delivery rate
@@ -1191,6 +1218,9 @@ class PeerSession:
     def describe(self) -> dict:
         return {"peer": self.key, "goodput_Bps": round(self.goodput_Bps),
                 "link": self.est.describe(self.queue_bytes()),
+                "compression": {"mode": self.cfg.transfer.compress, "on": self.lz.on, "chunks": self.lz.chunks,
+                                "bytes_saved": self.lz.saved, "ratio": self.lz.est.ratio,
+                                "compress_Bps": self.lz.est.compress_Bps},
                 "data_path": "ucx" if self.over_ucx else "tcp", "address": self.peer.address, "transport": self.peer.transport,
                 "role": "dialer" if self.dialer else "listener", "up": self.is_up,
                 "bulk_streams_up": len(self.links), "bulk_streams": self.streams,

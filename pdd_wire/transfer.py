@@ -55,6 +55,13 @@ class Route:
         start, end = chunk_range(k, self.dest.total, self.chunk_bytes)
         return end - start == length
 
+    def chunk_len(self, k: int) -> int | None:
+        """The length of chunk ``k``, or None if there is no such chunk."""
+        if not 0 <= k < self.n_chunks:
+            return None
+        start, end = chunk_range(k, self.dest.total, self.chunk_bytes)
+        return end - start
+
     def claim(self, k: int, length: int):
         with self._lock:
             if self.closed or k in self.verified or k in self._writing or not 0 <= k < self.n_chunks:

@@ -69,7 +69,8 @@ class Lane(enum.IntEnum):
 class Flags(enum.IntFlag):
     NONE = 0
     PAYLOAD_CHECKSUM = 1  # payload_xxh3 is set and must be verified
-    LZ4 = 2  # payload is an lz4 block (reserved, not sent by version 1)
+    LZ4 = 2  # payload is an lz4 block of the chunk (capability lz4.v1); payload_xxh3 covers the chunk
+    SHUFFLE16 = 4  # with LZ4: the chunk was byte-shuffled as 16-bit elements before compression
 
 
 @dataclass(slots=True)
@@ -115,14 +116,16 @@ def encode_header(h: Header, body: bytes) -> bytes:
 
 
 def encode(type: int, body: bytes = b"", *, lane: int = Lane.CONTROL, transfer_id: int = 0,
-           seq: int = 0, payload: Sequence[memoryview | bytes] = (), checksum: bool = True) -> list:
-    """A frame as a list of buffers (header+body, then the payload segments, uncopied)."""
+           seq: int = 0, payload: Sequence[memoryview | bytes] = (), checksum: bool = True,
+           flags: int = 0, xxh3: int | None = None) -> list:
+    """A frame as a list of buffers (header+body, then the payload segments, uncopied).
+    ``flags``/``xxh3``: an lz4 chunk carries LZ4 (and SHUFFLE16) and the xxh3 of the chunk
+    *before* compression, which the receiver checks after decoding it."""
     plen = sum(len(p) for p in payload)
-    flags = Flags.NONE
     xx = 0
     if plen and checksum:
         flags |= Flags.PAYLOAD_CHECKSUM
-        xx = payload_checksum(payload)
+        xx = payload_checksum(payload) if xxh3 is None else xxh3
     h = Header(type=type, flags=int(flags), lane=lane, transfer_id=transfer_id, seq=seq,
                payload_len=plen, payload_xxh3=xx)
     return [encode_header(h, body) + body, *payload]
@@ -132,7 +135,7 @@ def encode_bytes(type: int, body: bytes = b"", **kw) -> bytes:
     return b"".join(bytes(b) for b in encode(type, body, **kw))
 
 
-KNOWN_FLAGS = int(Flags.PAYLOAD_CHECKSUM)  # LZ4 is reserved: version 1 refuses it
+KNOWN_FLAGS = int(Flags.PAYLOAD_CHECKSUM | Flags.LZ4 | Flags.SHUFFLE16)  # LZ4 only to peers with lz4.v1
 
 #: ``sink(header, body) -> buffers`` gives where a frame's payload must land, or None to
 #: have it read into scratch space (and then discarded by the caller).
@@ -277,7 +280,8 @@ class FrameReader:
                 raise ProtocolError("payload sink returned buffers of the wrong total size", ErrorCode.INTERNAL)
         self._segments = segs
         self._seg = 0
-        self._hasher = xxhash.xxh3_64() if h.flags & Flags.PAYLOAD_CHECKSUM else None
+        # An lz4 payload's checksum covers the decoded chunk: the caller checks it after decoding.
+        self._hasher = xxhash.xxh3_64() if h.flags & Flags.PAYLOAD_CHECKSUM and not h.flags & Flags.LZ4 else None
         self._state = self._PAYLOAD
         return None
 

@@ -9,7 +9,7 @@ from ..errors import ErrorCode, FatalHandshakeError
 from .messages import SUPPORTED_VERSIONS, Hello
 
 #: What this implementation can do beyond the base protocol (advertised in Hello/Welcome).
-CAPABILITIES = ("kv.v1", "tokens.v1", "resume.v1", "handoff.v1", "abort.v1", "prefix.v1")
+CAPABILITIES = ("kv.v1", "tokens.v1", "resume.v1", "handoff.v1", "abort.v1", "prefix.v1", "lz4.v1")
 
 
 def choose_version(offered: list[int], supported=SUPPORTED_VERSIONS) -> int:
