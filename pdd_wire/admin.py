@@ -72,6 +72,8 @@ class AdminServer:
             res = await self.agent.probe(req.peer, req.seconds, req.streams)
         except PddWireError as exc:
             return web.json_response({"error": str(exc), "code": exc.code.name}, status=409)
+        except RuntimeError as exc:  # the measurement itself failed (link down mid-probe, ...)
+            return web.json_response({"error": str(exc), "code": "PROBE_FAILED"}, status=409)
         return web.json_response(res)
 
 

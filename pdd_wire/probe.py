@@ -6,7 +6,8 @@ path.
 
 * **bandwidth**: the delivery rate while the link is busy. Every acknowledgement of KV chunks
   is fed with the bytes it acknowledged and whether chunks are still in flight; over windows of
-  at least ``window_s`` of busy time, ``bytes acked / time`` is one sample, folded into an EWMA.
+  at least ``window_s`` of busy time and ``min_acks`` acknowledgements, ``bytes acked / time``
+  is one sample, folded into an EWMA.
   Idle time never counts, so a lightly used link is not mistaken for a slow one; a link limited
   by the credit window reads what KV gets through it.
 * **RTT, jitter, loss**: from the control lane's PINGs (one per heartbeat, more while probing):
@@ -44,8 +45,12 @@ PROBE_TRANSFER_BYTES = 16 << 20
 
 
 class LinkEstimator:
-    def __init__(self, *, window_s: float = 0.25, alpha: float = 0.3) -> None:
+    CLUMP_S = 0.005
+
+    def __init__(self, *, window_s: float = 0.25, alpha: float = 0.3, min_acks: int = 4) -> None:
         self.window_s = window_s
+        self.min_acks = min_acks
+        self._acks = 0
         self.alpha = alpha
         self.bandwidth_Bps = 0.0
         self.samples = 0
@@ -57,15 +62,22 @@ class LinkEstimator:
 
     # -- bandwidth
     def on_ack(self, now: float, nbytes: int, busy: bool) -> None:
-        """``nbytes`` of KV were acknowledged at ``now``; ``busy``: chunks are still in flight."""
-        if self._t0 is None:
-            self._t0, self._bytes = now, 0  # the first ack of a busy spell starts the clock
+        """``nbytes`` of KV were acknowledged at ``now``; ``busy``: chunks are still in flight.
+
+        Chunks striped over several connections finish in clumps; acks within ``CLUMP_S`` of
+        the clock's start belong to the start (they were carried before it), and a sample
+        needs ``min_acks`` acks, so a clump never counts twice into one window."""
+        if self._t0 is None or (self._acks == 0 and now - self._t0 < self.CLUMP_S):
+            if self._t0 is None:
+                self._t0 = now  # the first ack of a busy spell starts the clock
+            self._bytes, self._acks = 0, 0
         else:
             self._bytes += nbytes
+            self._acks += 1
             dt = now - self._t0
-            if dt >= self.window_s:
+            if dt >= self.window_s and self._acks >= self.min_acks:
                 self.add_rate(self._bytes / dt)
-                self._t0, self._bytes = now, 0
+                self._t0, self._bytes, self._acks = now, 0, 0
         if not busy:
             self._t0 = None  # idle from here: a partial window is dropped
 

@@ -21,7 +21,7 @@ MiB = 1 << 20
 
 
 def test_estimator_counts_busy_time_only_and_predicts():
-    e = LinkEstimator(window_s=0.25)
+    e = LinkEstimator(window_s=0.25, min_acks=1)
     assert e.predict(1000, 0) is None  # bandwidth unknown
     e.on_ack(0.0, 1 << 20, busy=True)  # starts the clock
     e.on_ack(0.5, 50 << 20, busy=False)  # 50 MiB in 0.5 s
@@ -39,6 +39,13 @@ def test_estimator_counts_busy_time_only_and_predicts():
     assert e.loss == pytest.approx(1 / 5)
     assert e.rtt_s == pytest.approx(0.0115) and e.jitter_s == pytest.approx((0.002 + 0.001 + 0.002) / 3)
     assert e.predict(100 << 20, 100 << 20) == pytest.approx(0.0115 + 2.0)
+    # Acks that arrive in a clump (chunks striped over streams finish together) count once.
+    c = LinkEstimator(window_s=0.25, min_acks=2)
+    c.on_ack(0.0, 4 << 20, busy=True)
+    c.on_ack(0.001, 4 << 20, busy=True)  # the same clump as the first: carried before the clock
+    c.on_ack(0.5, 4 << 20, busy=True)
+    c.on_ack(0.501, 4 << 20, busy=True)  # 8 MiB per 0.5 s (not 12: the first clump is not counted)
+    assert c.bandwidth_Bps == pytest.approx(8 * (1 << 20) / 0.5, rel=0.01)
 
 
 async def test_probe_between_agents_and_estimate_from_engines(tmp_sock_dir, engines):
@@ -76,3 +83,23 @@ async def test_probe_reports_a_tbf_shaped_link_within_10_percent(mbit):
         assert res["loss"] == 0
         st = await net.status("A")
         assert st["peers"][0]["link"]["bandwidth_Bps"] > 0.8 * rate
+
+
+@pytest.mark.parametrize("mbit,pipeline", [(100, "P-RLD-MD"), (1000, "P-MD")])
+async def test_pipeline_choice_follows_the_live_link_estimate(mbit, pipeline):
+    """The same request (16 MiB of KV MD lacks, budget 0.2 s) goes P-MD on a 1 Gbit/s WAN and
+    P-RLD-MD on a 100 Mbit/s one, from the link estimate the agent measured itself."""
+    from pdd_wire import EngineClient
+
+    async with NetAgents("pddwq", rate_bps=mbit * 1_000_000, admin=True) as net:
+        out = net.run_in("A", [sys.executable, "-c", "import sys; from pdd_wire.cli import tool_main; "
+                               "sys.exit(tool_main(sys.argv[1:]))", "probe", "--site", "B", "--admin",
+                               "127.0.0.1:7711", "--seconds", "3", "--json"])
+        assert out.returncode == 0, out.stderr
+        async with EngineClient(net.socket("A"), "prefill") as eng:
+            d = await eng.choose_pipeline("q1", to="B", input_tokens=4096, prefix_hit_tokens=0,
+                                          expected_output_tokens=1000, kv_bytes_per_token=4096)
+            est = await eng.estimate("B", 16 * MiB)
+        assert d["pipeline"] == pipeline, d
+        assert d["predicted_wan_s"] == pytest.approx(est["seconds"], rel=0.2)
+        assert est["bandwidth_Bps"] == pytest.approx(mbit * 1e6 / 8, rel=0.15)
