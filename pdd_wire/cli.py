@@ -116,9 +116,10 @@ def tool_main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="an agent's /v1/status")
     st.add_argument("--site", required=True)
     st.add_argument("--config")
-    d = sub.add_parser("demo", help="two agents, one request's KV and tokens between them")
-    d.add_argument("--mib", type=int, default=256, help="KV size of the sample request (MiB)")
-    d.add_argument("--keep", action="store_true", help="leave the agents running until Ctrl-C")
+    d = sub.add_parser("demo", help="PDD against plain cross-DC PD: a trace replayed over two emulated datacenters")
+    from .demo import add_demo_args
+
+    add_demo_args(d)
     pr = sub.add_parser("probe", help="measure the WAN path to a peer site through the running agents")
     pr.add_argument("--site", required=True, help="the peer site (or site/node) to probe")
     pr.add_argument("--from", dest="local", help="the local agent's site (embedded default: the other one)")

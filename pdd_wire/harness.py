@@ -28,9 +28,12 @@ def free_port() -> int:
 
 def agent_toml(site: str, node: str, wan: int, admin: int, sock: str, peers: list[tuple[str, str, int]],
                *, streams: int = 4, chunk: int = 4 << 20, bulk_threads: int = 1, extra: str = "",
-               transport: str = "tcp") -> str:
+               transport: str = "tcp", local_transport: str | None = None) -> str:
+    """One agent's TOML on loopback. ``local_transport``: for peers of the same site (else
+    ``transport``)."""
     peer_txt = "".join(f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{p}"\n'
-                       f'streams = {streams}\ntransport = "{transport}"\n\n' for s, n, p in peers)
+                       f'streams = {streams}\ntransport = "{local_transport if local_transport and s == site else transport}"\n\n'
+                       for s, n, p in peers)
     return (f'site = "{site}"\nnode = "{node}"\n\n[listen]\nwan = "127.0.0.1:{wan}"\n'
             f'admin = "127.0.0.1:{admin}"\nengine_socket = "{sock}"\n\n{peer_txt}'
             f"[transfer]\nchunk_bytes = {chunk}\nstreams = {streams}\nbulk_threads = {bulk_threads}\n\n[log]\nformat = \"json\"\n{extra}")

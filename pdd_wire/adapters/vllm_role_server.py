@@ -2,7 +2,7 @@
 
 Runs in the vLLM venv (.venv-vllm). Usage::
 
-    python role_server.py '{"model": DIR, "socket": "/tmp/x/a1.sock", "role": "producer", "name": "P",
+    python vllm_role_server.py '{"model": DIR, "socket": "/tmp/x/a1.sock", "role": "producer", "name": "P",
                             "prefix_caching": false, "cpu": "0"}'
 
 ``socket`` null: no connector (a plain engine). Prints ``{"ready": ...}`` once the engine is up,

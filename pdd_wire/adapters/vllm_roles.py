@@ -1,6 +1,7 @@
-"""The test's side of ``role_server.py``: one vLLM engine process per role, in the vLLM venv.
+"""The driving side of ``vllm_role_server.py``: one vLLM engine process per role, in the vLLM venv.
 
-Runs in the main venv (no vllm here). :func:`venv_paths` finds the vLLM venv and the tiny model
+Runs in the main venv (no vllm there); used by tests/test_vllm_adapter.py and by
+``scripts/demo --engine vllm`` (:mod:`pdd_wire.adapters.demo`). :func:`venv_paths` finds the vLLM venv and the tiny model
 that ``scripts/vllm-env`` builds; :class:`RoleProc` starts a role server and talks JSON lines.
 """
 
@@ -12,8 +13,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[3]
-SERVER = Path(__file__).with_name("role_server.py")
+ROOT = Path(__file__).resolve().parents[2]
+SERVER = Path(__file__).with_name("vllm_role_server.py")
 
 
 def venv_paths() -> tuple[Path, Path]:
