@@ -28,8 +28,10 @@ Many requests at once, for replaying a trace (``pdd_wire.demo``):
   mixed into its steps, ``handoff_tokens``), emitting only what ``emit`` events allow.
 
 Prefix reuse: the trace says how much of each prompt MD's prefix cache holds, and the
-simulated prefill ships only the missing suffix's blocks. That stands in for a decode-side
-prefix inventory (a future issue), which would let the agents work the suffix out themselves.
+simulated prefill ships only the missing suffix's blocks. That stands in for the decode-side
+prefix inventory (:mod:`pdd_wire.inventory`, ``send_kv(block_hashes=...)``), with which the agents
+work the suffix out themselves; the demo does not use it, since MD would have to keep every
+conversation's prefix resident.
 """
 
 from __future__ import annotations
