@@ -42,6 +42,10 @@ class Peer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
 
 class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     chunk_bytes: int = 4 * MiB
+    # Chunks to a peer reached over UCX: no checksum pass and no TCP pacing to keep fine-grained,
+    # and each chunk costs a rendezvous and a wake-up, so bigger is faster (64 MiB at one transfer
+    # at a time: 0.94x bare ucxx against 0.73x with 4 MiB).
+    ucx_chunk_bytes: int = 64 * MiB
     streams: int = 4
     credit_bytes: int = 256 * MiB  # unacknowledged KV bytes in flight per peer
     max_transfers: int = 4096  # open transfers per peer and direction
@@ -173,6 +177,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("transfer.chunk_bytes", f"must be 64 KiB..64 MiB, got {t.chunk_bytes}")
     if not 1 <= t.streams <= 64:
         raise ConfigError("transfer.streams", f"must be 1..64, got {t.streams}")
+    if not 64 * 1024 <= t.ucx_chunk_bytes <= 64 * MiB:
+        raise ConfigError("transfer.ucx_chunk_bytes", f"must be 64 KiB..64 MiB, got {t.ucx_chunk_bytes}")
     if t.credit_bytes < t.chunk_bytes:
         raise ConfigError("transfer.credit_bytes", "must be at least transfer.chunk_bytes")
     if not 1 <= t.bulk_threads <= 64:

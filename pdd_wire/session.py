@@ -115,6 +115,7 @@ class PeerSession:
         self.window = self.cfg.transfer.credit_bytes
         self.credit = self.window
         self.chunk_bytes = self.cfg.transfer.chunk_bytes
+        self.peer_max_chunk = 64 << 20
         self.peer_max_body = 4096  # the format's floor until the peer says more
         self.inflight: dict[tuple[int, int], tuple[int, int, float]] = {}
         self.rr: collections.deque[int] = collections.deque()
@@ -314,6 +315,7 @@ class PeerSession:
         if isinstance(info, m.Welcome):
             self.remote_token = info.session
         self.chunk_bytes = min(self.cfg.transfer.chunk_bytes, info.max_chunk)
+        self.peer_max_chunk = info.max_chunk
         self.peer_max_body = info.max_body
         self.window = max(negotiate_limit(self.cfg.transfer.credit_bytes, info.credit_bytes), self.chunk_bytes)
         self.streams = max(1, min(self.configured_streams, info.bulk_streams))
@@ -652,8 +654,11 @@ class PeerSession:
             raise PddWireError(f"{len(self.out)} transfers open to {self.key} (limit transfer.max_transfers)",
                                ErrorCode.TOO_MANY_TRANSFERS)
         loop = asyncio.get_running_loop()
+        chunk = self.chunk_bytes
+        if self.over_ucx:  # never above the credit window, or it could never be sent
+            chunk = max(self.chunk_bytes, min(self.cfg.transfer.ucx_chunk_bytes, self.peer_max_chunk, self.window))
         t = OutTransfer(self.host.next_transfer_id(), request_id, engine, self.key, blocks,
-                        self.chunk_bytes, loop.time() + deadline_s)
+                        chunk, loop.time() + deadline_s)
         self.out[t.tid] = t
         t.timer = loop.call_at(t.deadline, self._deadline_out, t)
         self.m.inflight.labels(direction="out").inc()
