@@ -276,6 +276,62 @@ async def _probe_figures(figs: "Figures", quick: bool) -> None:
                   f"loss {res['loss']}")
 
 
+def inventory_tracking(capacity_tokens: int, n_requests: int = 3000, warmup: int = 1000,
+                       block_tokens: int = 16) -> dict:
+    """Does MD's prefix inventory hold what P's prefix cache holds? Both pipelines end at MD, so
+    MD stores every turn it serves (prompt and answer) while P stores the prompts it prefills;
+    a prefix P holds but MD lacks must cross the WAN although P did not compute it.
+
+    A pure simulation over ``pdd_wire.trace`` (multi-turn conversations, PDD's hit mix): each
+    side is a :class:`pdd_wire.inventory.Inventory` of ``capacity_tokens`` with LRU eviction,
+    fed in arrival order (anomalous requests finish on RLD: P stores them, MD never sees them).
+    Token streams are per conversation (system prompts are not shared here). Measured after
+    ``warmup`` requests: MD's matched prefix over P's, in tokens."""
+    import collections
+
+    from .inventory import Inventory, chain_hashes
+    from .trace import generate
+
+    reqs = generate(n_requests=n_requests)
+    cap = capacity_tokens // block_tokens
+
+    class Side:
+        def __init__(self) -> None:
+            self.inv, self.lru = Inventory(), collections.OrderedDict()
+
+        def match(self, hashes: list[int]) -> int:
+            k = self.inv.match(hashes)
+            for h in hashes[:k]:
+                self.lru.move_to_end(h)
+            return k
+
+        def store(self, hashes: list[int]) -> None:
+            new = [h for h in hashes if h not in self.inv.blocks]
+            self.inv.stored(self, new, [(0, 0)] * len(new))
+            for h in hashes:
+                self.lru[h] = None
+                self.lru.move_to_end(h)
+            while len(self.lru) > cap:
+                old, _ = self.lru.popitem(last=False)
+                self.inv.evict([old])
+
+    P, MD = Side(), Side()
+    p_hit = md_hit = lacked = 0
+    for i, r in enumerate(reqs):
+        key = f"conversation-{r.conversation}" if r.conversation >= 0 else r.rid
+        prompt = chain_hashes(list(range(r.input_tokens)), block_tokens, model=key)
+        kp, km = P.match(prompt), MD.match(prompt)
+        if i >= warmup and not r.anomalous:
+            p_hit += kp
+            md_hit += km
+            lacked += max(0, kp - km)
+        P.store(prompt)
+        if not r.anomalous:
+            MD.store(chain_hashes(list(range(r.input_tokens + r.output_tokens)), block_tokens, model=key))
+    return {"tracking": md_hit / p_hit if p_hit else 1.0, "lacked_share": lacked / p_hit if p_hit else 0.0,
+            "p_hit_blocks": p_hit, "md_hit_blocks": md_hit}
+
+
 async def _prefix_figures(figs: "Figures", pair: AgentPair, ea: EngineClient, eb: EngineClient, quick: bool) -> None:
     """WAN bytes with MD's prefix inventory at PDD's hit mix, against shipping whole prompts.
 
@@ -331,6 +387,11 @@ async def _prefix_figures(figs: "Figures", pair: AgentPair, ea: EngineClient, eb
                  f"sent {sent / 1e9:.3f} GB; matched prefix mean {mean_hit:.1%}, {above:.0%} of requests above 95%")
         figs.add("prefix_effective_goodput", whole / elapsed / 1e9, "GB/s",
                  note="prompt KV made available at MD per second (reused + sent), one request at a time")
+        for label, cap in (("ample", 1 << 20), ("tight", 256 << 10)):
+            tr = await asyncio.to_thread(inventory_tracking, cap)
+            figs.add(f"md_inventory_tracking_{label}", tr["tracking"], "x",
+                     note=f"MD's matched prefix / P's, both LRU caches of {cap >> 10}K tokens, 3000 trace requests "
+                          f"(1000 warm-up); share of P's hits that MD lacked: {tr['lacked_share']:.2%}")
     finally:
         for mem in (src, cache, dst):
             mem.close()
