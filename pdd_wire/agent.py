@@ -487,7 +487,7 @@ class Agent:
         if len(msg.hashes) != bm.n_blocks:
             raise EngineRequestError(f"{len(msg.hashes)} hashes for {bm.n_blocks} blocks", ErrorCode.BAD_REQUEST)
         places = [(e.region, e.block + i) for e in bm.extents for i in range(e.count)]
-        self.inventory.stored(ec, msg.hashes, places)
+        self._prefix_broken(self.inventory.stored(ec, msg.hashes, places))
         self.metrics.inventory_blocks.set(len(self.inventory.blocks))
         return {"held": len(self.inventory.blocks)}
 

@@ -288,6 +288,7 @@ def inventory_tracking(capacity_tokens: int, n_requests: int = 3000, warmup: int
     Token streams are per conversation (system prompts are not shared here). Measured after
     ``warmup`` requests: MD's matched prefix over P's, in tokens."""
     import collections
+    import itertools
 
     from .inventory import Inventory, chain_hashes
     from .trace import generate
@@ -298,6 +299,7 @@ def inventory_tracking(capacity_tokens: int, n_requests: int = 3000, warmup: int
     class Side:
         def __init__(self) -> None:
             self.inv, self.lru = Inventory(), collections.OrderedDict()
+            self.slots = itertools.count()  # a fresh cache block for each block stored
 
         def match(self, hashes: list[int]) -> int:
             k = self.inv.match(hashes)
@@ -307,7 +309,7 @@ def inventory_tracking(capacity_tokens: int, n_requests: int = 3000, warmup: int
 
         def store(self, hashes: list[int]) -> None:
             new = [h for h in hashes if h not in self.inv.blocks]
-            self.inv.stored(self, new, [(0, 0)] * len(new))
+            self.inv.stored(self, new, [(0, next(self.slots)) for _ in new])
             for h in hashes:
                 self.lru[h] = None
                 self.lru.move_to_end(h)

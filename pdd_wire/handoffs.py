@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pdd_wire.handoffs")
 
 MAX_EARLY_TOKENS = 1 << 16  # relayed tokens kept for one request that has no MD entry yet
+MAX_EARLY_TOTAL = 1 << 20  # ... and for all of them together (oldest requests dropped first)
 MAX_DEADLINE_S = 7 * 86400
 
 
@@ -91,6 +92,7 @@ class Handoffs:
         self.metrics = agent.metrics
         self.live: dict[str, Entry] = {}
         self.early: collections.OrderedDict[str, Early] = collections.OrderedDict()
+        self._early_total = 0  # tokens held in ``early``
         self.cap = self.cfg.transfer.max_transfers * 4
 
     # ------------------------------------------------------------------ engine requests
@@ -115,7 +117,7 @@ class Handoffs:
         sm = MdHandoff(msg.request_id, msg.epoch, deadline=deadline)
         e = self._add(Entry("MD", sm, ec, session))
         e.log.info("handoff started", deadline_s=round(deadline - self._now(), 3))
-        early = self.early.pop(msg.request_id, None)
+        early = self._drop_early(msg.request_id)
         if early is not None:
             if early.session is not None and early.session is not session:
                 e.log.warning("relayed tokens came from another peer; ignored", other=early.session.key)
@@ -180,7 +182,7 @@ class Handoffs:
     def request_aborted(self, session: "PeerSession", request_id: str, reason: str) -> "EngineConn | None":
         """The peer says the request is dead: settle and forget its handoff with that peer."""
         e = self.live.get(request_id)
-        self.early.pop(request_id, None)
+        self._drop_early(request_id)
         if e is None or e.session is not session:
             return None
         if e.sm.done is None:
@@ -224,6 +226,9 @@ class Handoffs:
             if early is not None and early.session is session and len(early.tokens) == msg.seq:
                 if len(early.tokens) + len(msg.tokens) <= MAX_EARLY_TOKENS:
                     early.tokens.extend(msg.tokens)
+                    self._early_total += len(msg.tokens)
+                    while self._early_total > MAX_EARLY_TOTAL and self.early:
+                        self._drop_early(next(iter(self.early)))
         return False
 
     def kv_received(self, request_id: str) -> None:
@@ -263,6 +268,7 @@ class Handoffs:
                 self._engine_failed(e, "shutting_down")
             self._forget(rid)
         self.early.clear()
+        self._early_total = 0
 
     def describe(self, most: int = 100) -> list[dict]:
         """The newest ``most`` handoffs (the count is ``pddwire_handoffs_open``)."""
@@ -317,12 +323,18 @@ class Handoffs:
             raise EngineRequestError(f"request {request_id!r} is handed off by another engine", ErrorCode.BAD_REQUEST)
         return e
 
+    def _drop_early(self, request_id: str) -> Early | None:
+        early = self.early.pop(request_id, None)
+        if early is not None:
+            self._early_total -= len(early.tokens)
+        return early
+
     def _early(self, request_id: str, session: "PeerSession | None") -> Early | None:
         early = self.early.get(request_id)
         if early is None:
             early = self.early[request_id] = Early(session)
             while len(self.early) > self.cap:
-                self.early.popitem(last=False)
+                self._drop_early(next(iter(self.early)))
         else:
             self.early.move_to_end(request_id)
             if early.session is None:

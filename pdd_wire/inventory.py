@@ -64,16 +64,27 @@ class Inventory:
     max_leases: int = 65536
     blocks: dict[int, Held] = field(default_factory=dict)
     leases: "collections.OrderedDict[str, Lease]" = field(default_factory=collections.OrderedDict)
+    at: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (id(owner), region, block) -> hash
 
     # -- what engines hold
-    def stored(self, owner: object, hashes: list[int], places: list[tuple[int, int]]) -> int:
-        """``owner`` holds the block with ``hashes[i]`` at ``places[i]`` (region, block)."""
+    def stored(self, owner: object, hashes: list[int], places: list[tuple[int, int]]) -> list[str]:
+        """``owner`` holds the block with ``hashes[i]`` at ``places[i]`` (region, block). A place
+        that held another block no longer does (its leases break): one entry per place, so the
+        index never outgrows the blocks engines registered. Returns the broken leases."""
         if len(hashes) != len(places):
             raise ValueError(f"{len(hashes)} hashes for {len(places)} blocks")
+        broken: list[str] = []
         for h, (region, block) in zip(hashes, places):
+            key = (id(owner), region, block)
+            prev = self.at.get(key)
+            if prev is not None and prev != h:
+                broken += self.evict([prev], force=True)[2]
             old = self.blocks.get(h)
+            if old is not None and (id(old.owner), old.region, old.block) != key:
+                self.at.pop((id(old.owner), old.region, old.block), None)
             self.blocks[h] = Held(owner, region, block, old.leases if old else 0)
-        return len(hashes)
+            self.at[key] = h
+        return broken
 
     def evict(self, hashes: list[int], *, force: bool = False) -> tuple[list[int], list[int], list[str]]:
         """The engine wants to drop these blocks: returns (evicted, kept, broken request ids).
@@ -88,6 +99,7 @@ class Inventory:
                 kept.append(h)
                 continue
             del self.blocks[h]
+            self.at.pop((id(held.owner), held.region, held.block), None)
             evicted.append(h)
             if held.leases:
                 for lease in self.leases.values():

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import struct
 
 import pytest
 

@@ -214,7 +214,7 @@ async def test_md_agent_stopping_mid_handoff_leaves_rld_the_output(tmp_sock_dir,
     tomls = two_site_toml(tmp_sock_dir)
     async with run_agents(tomls) as agents:
         P, R, M, preg, mreg, mm = await setup(engines, agents, tmp_sock_dir)
-        md = await posted_md(M, mreg, "r9", n_tokens=100)
+        await posted_md(M, mreg, "r9", n_tokens=100)  # MD registered; its agent goes away below
         rld = RldSim(R, "r9", "B", n_tokens=100, step_s=0.01)
         rt = asyncio.create_task(rld.run(30))
         await asyncio.sleep(0.1)
@@ -237,7 +237,7 @@ async def test_rld_engine_gone_tells_md_to_drop_the_request(tmp_sock_dir, engine
 
 
 async def test_engine_mistakes_are_refused_with_a_named_error(tmp_sock_dir, engines):
-    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+    async with run_agents(two_site_toml(tmp_sock_dir)):
         R = await engines.connect(tmp_sock_dir / "A.sock", "rld")
         M = await engines.connect(tmp_sock_dir / "B.sock", "md")
         with pytest.raises(EngineRequestError) as ei:

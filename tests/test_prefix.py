@@ -48,7 +48,12 @@ def test_inventory_match_lease_evict_expire():
     inv.lease("r3", h[1:], now=0.0, ttl=1.0)
     assert inv.expire(0.5) == [] and inv.expire(1.0) == ["r2", "r3"]
     assert all(b.leases == 0 for b in inv.blocks.values())
-    assert inv.forget_owner(eng) == [] and not inv.blocks
+    assert inv.forget_owner(eng) == [] and not inv.blocks and not inv.at
+    # A place reused for another block drops the old hash, and breaks a lease on it.
+    inv.stored(eng, h[:2], [(1, 0), (1, 1)])
+    inv.lease("r4", h, now=0.0, ttl=10.0)
+    assert inv.stored(eng, [777], [(1, 1)]) == ["r4"]
+    assert inv.match(h) == 1 and len(inv.blocks) == 2 and len(inv.at) == 2
 
 
 async def setup(engines, tmp, n=16):
