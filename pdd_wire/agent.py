@@ -379,18 +379,22 @@ class Agent:
             del self.pending_begins[msg.request_id]
 
     # ------------------------------------------------------------------ probes
-    def _probe_blocks(self, nbytes: int) -> BlockMap:
-        """``nbytes`` (whole MiB) of the probe scratch region: random bytes, made on first use."""
+    def _probe_blocks(self, nbytes: int, *, sending: bool = False) -> BlockMap:
+        """``nbytes`` (whole MiB) of the probe scratch region, made on first use; filled with
+        random bytes the first time this agent sends from it (incompressible, as KV looks to a
+        link that compresses)."""
         if self._probe_region is None:
             from .memory import SharedMemory
 
             mem = SharedMemory(PROBE_SCRATCH_BYTES)
-            mem.buf[:] = os.urandom(PROBE_SCRATCH_BYTES)  # incompressible, like KV would look to lz4
             fd = os.dup(mem.fd)
             mem.close()
-            rid = -1
-            self._probe_region = HostRegion(rid, fd, PROBE_SCRATCH_BYTES, 1 << 20, owner=self.probe_sink)
+            self._probe_region = HostRegion(-1, fd, PROBE_SCRATCH_BYTES, 1 << 20, owner=self.probe_sink)
+            self._probe_filled = False
         r = self._probe_region
+        if sending and not self._probe_filled:
+            r.view()[:] = os.urandom(PROBE_SCRATCH_BYTES)
+            self._probe_filled = True
         return BlockMap({r.region_id: r}, as_extents([(r.region_id, 0, nbytes >> 20)]))
 
     def _accept_probe(self, session: PeerSession, tid: int, begin: m.KvBegin) -> None:
@@ -415,7 +419,7 @@ class Agent:
         self._probing.add(session.key)
         try:
             self.log.info("probe started", peer=session.key, seconds=seconds, streams=streams)
-            res = await run_probe(session, self._probe_blocks(PROBE_TRANSFER_BYTES), self.probe_sink,
+            res = await run_probe(session, self._probe_blocks(PROBE_TRANSFER_BYTES, sending=True), self.probe_sink,
                                   seconds=seconds, streams=streams)
             self.log.info("probe done", **{k: v for k, v in res.items() if k != "peer"}, peer=session.key)
             return res
