@@ -11,6 +11,7 @@ injected with the user-space relay in tests/test_transfer.py and tests/test_hand
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import signal
@@ -83,6 +84,20 @@ class Ends:
         self.dst.close()
 
 
+@contextlib.asynccontextmanager
+async def mid_transfer(rid: str):
+    """Agents in two namespaces (a 200 Mbit/s WAN) and a 64 MiB transfer ``rid`` from A's engine
+    to B's, hit mid-way: yields ``(net, ends)``."""
+    async with NetAgents(rate_bps=RATE, give_up_s=GIVE_UP) as net:
+        e = await Ends().open(net)
+        try:
+            await e.start(rid)
+            await e.midway(rid)
+            yield net, e
+        finally:
+            await e.close()
+
+
 async def released(net: NetAgents, *sites: str) -> str:
     """Both agents hold no blocks for peers and none is stranded (their own audit)."""
     for s in sites:
@@ -94,134 +109,104 @@ async def released(net: NetAgents, *sites: str) -> str:
 
 
 async def test_kill_9_of_the_receiving_agent_then_restart(tmp_path):
-    async with NetAgents(rate_bps=RATE, give_up_s=GIVE_UP) as net:
-        e = await Ends().open(net)
-        try:
-            await e.start("k1")
-            await e.midway("k1")
-            t0 = time.monotonic()
-            net.kill9("B")
-            with pytest.raises(TransportError):  # B's engine: its agent is gone
-                await e.b.wait("k1", timeout=5)
-            t_b = time.monotonic() - t0
-            net.start("B")  # systemd would restart it
-            ev = await e.a.wait("k1", timeout=10)
-            t_a = time.monotonic() - t0
-            assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.PEER_RESTARTED, ev
-            # The engine reconnects to the new agent, registers again, and the retry lands.
-            await net.wait_up()
-            await e.connect_b()
-            await e.start("k1-retry")
-            assert isinstance(await e.b.wait("k1-retry", timeout=30), p.KvReceived)
-            assert isinstance(await e.a.wait("k1-retry", timeout=10), p.KvSent)
-            assert e.landed()
-            TABLE.append({"fault": "`kill -9` of B's agent mid-transfer, restarted at once",
-                          "a": "`transfer_failed PEER_RESTARTED`", "b": "engine socket closed; reconnects, "
-                          "registers again, the retry lands byte-identical",
-                          "t": f"A {t_a:.2f} s, B {t_b:.2f} s", "released": await released(net, "A", "B")})
-        finally:
-            await e.close()
+    async with mid_transfer("k1") as (net, e):
+        t0 = time.monotonic()
+        net.kill9("B")
+        with pytest.raises(TransportError):  # B's engine: its agent is gone
+            await e.b.wait("k1", timeout=5)
+        t_b = time.monotonic() - t0
+        net.start("B")  # systemd would restart it
+        ev = await e.a.wait("k1", timeout=10)
+        t_a = time.monotonic() - t0
+        assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.PEER_RESTARTED, ev
+        # The engine reconnects to the new agent, registers again, and the retry lands.
+        await net.wait_up()
+        await e.connect_b()
+        await e.start("k1-retry")
+        assert isinstance(await e.b.wait("k1-retry", timeout=30), p.KvReceived)
+        assert isinstance(await e.a.wait("k1-retry", timeout=10), p.KvSent)
+        assert e.landed()
+        TABLE.append({"fault": "`kill -9` of B's agent mid-transfer, restarted at once",
+                      "a": "`transfer_failed PEER_RESTARTED`", "b": "engine socket closed; reconnects, "
+                      "registers again, the retry lands byte-identical",
+                      "t": f"A {t_a:.2f} s, B {t_b:.2f} s", "released": await released(net, "A", "B")})
 
 
 async def test_kill_9_of_the_receiving_agent_for_good(tmp_path):
-    async with NetAgents(rate_bps=RATE, give_up_s=GIVE_UP) as net:
-        e = await Ends().open(net)
-        try:
-            await e.start("k2")
-            await e.midway("k2")
-            t0 = time.monotonic()
-            net.kill9("B")
-            ev = await e.a.wait("k2", timeout=GIVE_UP + 5)
-            t_a = time.monotonic() - t0
-            assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.PEER_UNREACHABLE, ev
-            assert GIVE_UP - 0.5 <= t_a <= GIVE_UP + 2
-            TABLE.append({"fault": "`kill -9` of B's agent mid-transfer, not restarted",
-                          "a": "`transfer_failed PEER_UNREACHABLE`", "b": "engine socket closed",
-                          "t": f"A {t_a:.2f} s (`peer_give_up_s` {GIVE_UP:g})", "released": await released(net, "A")})
-        finally:
-            await e.close()
+    async with mid_transfer("k2") as (net, e):
+        t0 = time.monotonic()
+        net.kill9("B")
+        ev = await e.a.wait("k2", timeout=GIVE_UP + 5)
+        t_a = time.monotonic() - t0
+        assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.PEER_UNREACHABLE, ev
+        assert GIVE_UP - 0.5 <= t_a <= GIVE_UP + 2
+        TABLE.append({"fault": "`kill -9` of B's agent mid-transfer, not restarted",
+                      "a": "`transfer_failed PEER_UNREACHABLE`", "b": "engine socket closed",
+                      "t": f"A {t_a:.2f} s (`peer_give_up_s` {GIVE_UP:g})", "released": await released(net, "A")})
 
 
 async def test_sigstop_longer_than_the_lease_fails_both_sides_and_strands_nothing(tmp_path):
-    async with NetAgents(rate_bps=RATE, give_up_s=GIVE_UP) as net:
-        e = await Ends().open(net)
-        try:
-            await e.start("s1")
-            await e.midway("s1")
-            t0 = time.monotonic()
-            net.signal("B", signal.SIGSTOP)  # alive but stalled: no FIN, no RST, just silence
-            ev = await e.a.wait("s1", timeout=GIVE_UP + 6)
-            t_a = time.monotonic() - t0
-            assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.PEER_UNREACHABLE, ev
-            net.signal("B", signal.SIGCONT)
-            t1 = time.monotonic()
-            ev = await e.b.wait("s1", timeout=10)  # B learns it on reconnect (A's queued KV_CANCEL)
-            t_b = time.monotonic() - t1
-            assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.PEER_UNREACHABLE, ev
-            await net.wait_up()
-            TABLE.append({"fault": f"`SIGSTOP` of B's agent for longer than the lease (resumed after {t_a:.1f} s)",
-                          "a": "`transfer_failed PEER_UNREACHABLE`",
-                          "b": "`transfer_failed PEER_UNREACHABLE` once it runs again (KV_CANCEL queued by A)",
-                          "t": f"A {t_a:.2f} s (`dead_after_s` 1 + `peer_give_up_s` {GIVE_UP:g}); B {t_b:.2f} s "
-                               f"after `SIGCONT`", "released": await released(net, "A", "B")})
-        finally:
-            await e.close()
+    async with mid_transfer("s1") as (net, e):
+        t0 = time.monotonic()
+        net.signal("B", signal.SIGSTOP)  # alive but stalled: no FIN, no RST, just silence
+        ev = await e.a.wait("s1", timeout=GIVE_UP + 6)
+        t_a = time.monotonic() - t0
+        assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.PEER_UNREACHABLE, ev
+        net.signal("B", signal.SIGCONT)
+        t1 = time.monotonic()
+        ev = await e.b.wait("s1", timeout=10)  # B learns it on reconnect (A's queued KV_CANCEL)
+        t_b = time.monotonic() - t1
+        assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.PEER_UNREACHABLE, ev
+        await net.wait_up()
+        TABLE.append({"fault": f"`SIGSTOP` of B's agent for longer than the lease (resumed after {t_a:.1f} s)",
+                      "a": "`transfer_failed PEER_UNREACHABLE`",
+                      "b": "`transfer_failed PEER_UNREACHABLE` once it runs again (KV_CANCEL queued by A)",
+                      "t": f"A {t_a:.2f} s (`dead_after_s` 1 + `peer_give_up_s` {GIVE_UP:g}); B {t_b:.2f} s "
+                           f"after `SIGCONT`", "released": await released(net, "A", "B")})
 
 
 async def test_sigstop_shorter_than_the_lease_resumes(tmp_path):
-    async with NetAgents(rate_bps=RATE, give_up_s=GIVE_UP) as net:
-        e = await Ends().open(net)
-        try:
-            await e.start("s2")
-            await e.midway("s2")
-            net.signal("B", signal.SIGSTOP)
-            await asyncio.sleep(1.8)  # past dead_after_s (1 s): A drops the connections
-            net.signal("B", signal.SIGCONT)
-            assert isinstance(await e.b.wait("s2", timeout=30), p.KvReceived)
-            assert isinstance(await e.a.wait("s2", timeout=10), p.KvSent)
-            assert e.landed()
-            st = await net.status("A")
-            assert st["peers"][0]["up"]
-            TABLE.append({"fault": "`SIGSTOP` of B's agent for 1.8 s (shorter than the lease)",
-                          "a": "`kv_sent`", "b": "`kv_received`, byte-identical", "t": "resumed on reconnect",
-                          "released": await released(net, "A", "B")})
-        finally:
-            await e.close()
+    async with mid_transfer("s2") as (net, e):
+        net.signal("B", signal.SIGSTOP)
+        await asyncio.sleep(1.8)  # past dead_after_s (1 s): A drops the connections
+        net.signal("B", signal.SIGCONT)
+        assert isinstance(await e.b.wait("s2", timeout=30), p.KvReceived)
+        assert isinstance(await e.a.wait("s2", timeout=10), p.KvSent)
+        assert e.landed()
+        st = await net.status("A")
+        assert st["peers"][0]["up"]
+        TABLE.append({"fault": "`SIGSTOP` of B's agent for 1.8 s (shorter than the lease)",
+                      "a": "`kv_sent`", "b": "`kv_received`, byte-identical", "t": "resumed on reconnect",
+                      "released": await released(net, "A", "B")})
 
 
 @pytest.mark.parametrize("down_s", [1.5, 5.0])
 async def test_link_down_then_up(tmp_path, down_s):
-    async with NetAgents(rate_bps=RATE, give_up_s=GIVE_UP) as net:
-        e = await Ends().open(net)
-        try:
-            await e.start("l1")
-            await e.midway("l1")
-            t0 = time.monotonic()
-            net.sites.link(False)
-            if down_s < GIVE_UP:
-                await asyncio.sleep(down_s)
-                net.sites.link(True)
-                assert isinstance(await e.b.wait("l1", timeout=30), p.KvReceived)
-                assert isinstance(await e.a.wait("l1", timeout=10), p.KvSent)
-                assert e.landed()
-                a, b, t = "`kv_sent`", "`kv_received`, byte-identical", "resumed on reconnect"
-            else:
-                ev_a = await e.a.wait("l1", timeout=GIVE_UP + 6)
-                ev_b = await e.b.wait("l1", timeout=GIVE_UP + 6)
-                t_end = time.monotonic() - t0
-                assert ev_a.code == ev_b.code == ErrorCode.PEER_UNREACHABLE, (ev_a, ev_b)
-                await asyncio.sleep(max(0.0, down_s - t_end))
-                net.sites.link(True)
-                await net.wait_up()
-                await e.start("l1-retry")
-                assert isinstance(await e.b.wait("l1-retry", timeout=30), p.KvReceived)
-                assert e.landed()
-                a = b = "`transfer_failed PEER_UNREACHABLE`; a retry after the link is back lands"
-                t = f"both {t_end:.2f} s"
-            TABLE.append({"fault": f"WAN link down for {down_s:g} s mid-transfer", "a": a, "b": b, "t": t,
-                          "released": await released(net, "A", "B")})
-        finally:
-            await e.close()
+    async with mid_transfer("l1") as (net, e):
+        t0 = time.monotonic()
+        net.sites.link(False)
+        if down_s < GIVE_UP:
+            await asyncio.sleep(down_s)
+            net.sites.link(True)
+            assert isinstance(await e.b.wait("l1", timeout=30), p.KvReceived)
+            assert isinstance(await e.a.wait("l1", timeout=10), p.KvSent)
+            assert e.landed()
+            a, b, t = "`kv_sent`", "`kv_received`, byte-identical", "resumed on reconnect"
+        else:
+            ev_a = await e.a.wait("l1", timeout=GIVE_UP + 6)
+            ev_b = await e.b.wait("l1", timeout=GIVE_UP + 6)
+            t_end = time.monotonic() - t0
+            assert ev_a.code == ev_b.code == ErrorCode.PEER_UNREACHABLE, (ev_a, ev_b)
+            await asyncio.sleep(max(0.0, down_s - t_end))
+            net.sites.link(True)
+            await net.wait_up()
+            await e.start("l1-retry")
+            assert isinstance(await e.b.wait("l1-retry", timeout=30), p.KvReceived)
+            assert e.landed()
+            a = b = "`transfer_failed PEER_UNREACHABLE`; a retry after the link is back lands"
+            t = f"both {t_end:.2f} s"
+        TABLE.append({"fault": f"WAN link down for {down_s:g} s mid-transfer", "a": a, "b": b, "t": t,
+                      "released": await released(net, "A", "B")})
 
 
 async def test_thirty_seconds_of_mixed_traffic_under_faults_loses_nothing(tmp_path):

@@ -36,6 +36,8 @@ import struct
 import time
 from typing import Any
 
+from pdd_wire.shaper import _End  # the socket protocol of a two-sided relayed connection
+
 __all__ = ["Relay", "RelayedConn"]
 
 _DIRECTIONS = {"c2s": 0, "s2c": 1}
@@ -93,35 +95,6 @@ class _CutRule:
         self.nbytes = nbytes
         self.direction = direction
         self.remaining = remaining
-
-
-class _Side(asyncio.Protocol):
-    """One end of a relayed connection: side 0 faces the client, 1 the target."""
-
-    __slots__ = ("_conn", "_side")
-
-    def __init__(self, conn: RelayedConn, side: int) -> None:
-        self._conn = conn
-        self._side = side
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self._conn._on_made(self._side, transport)  # type: ignore[arg-type]
-
-    def data_received(self, data: bytes) -> None:
-        self._conn._on_data(self._side, data)
-
-    def eof_received(self) -> bool:
-        self._conn._on_eof(self._side)
-        return True  # keep the transport open: half-close
-
-    def pause_writing(self) -> None:
-        self._conn._on_pause_writing(self._side)
-
-    def resume_writing(self) -> None:
-        self._conn._on_resume_writing(self._side)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._conn._on_lost(self._side, exc)
 
 
 class _Rejected(asyncio.Protocol):
@@ -212,7 +185,7 @@ class RelayedConn:
         self._connect_task.add_done_callback(self._connect_done)
 
     async def _connect(self, host: str, port: int) -> None:
-        await self._loop.create_connection(lambda: _Side(self, 1), host, port)
+        await self._loop.create_connection(lambda: _End(self, 1), host, port)
 
     def _connect_done(self, task: asyncio.Task[Any]) -> None:
         self._connect_task = None
@@ -422,6 +395,22 @@ class RelayedConn:
             else:
                 t.pause_reading()
 
+    # The names pdd_wire.shaper's socket protocol (_End) calls.
+    def on_made(self, side: int, transport: asyncio.Transport) -> None:
+        self._on_made(side, transport)
+
+    def on_data(self, side: int, data: bytes) -> None:
+        self._on_data(side, data)
+
+    def on_eof(self, side: int) -> None:
+        self._on_eof(side)
+
+    def set_write_paused(self, side: int, paused: bool) -> None:
+        (self._on_pause_writing if paused else self._on_resume_writing)(side)
+
+    def on_lost(self, side: int, exc: Exception | None) -> None:
+        self._on_lost(side, exc)
+
     def _on_pause_writing(self, side: int) -> None:
         self._wpaused[side] = True
         self._update_reading(1 - side)
@@ -572,7 +561,7 @@ class Relay:
             else:
                 still.append((want, fut))
         self._waiters = still
-        return _Side(conn, 0)
+        return _End(conn, 0)
 
     async def wait_connections(self, n: int, timeout: float | None = 10) -> list[RelayedConn]:
         """Return once at least ``n`` connections were accepted (TimeoutError otherwise)."""
