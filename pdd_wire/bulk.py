@@ -16,6 +16,7 @@ import structlog
 
 from . import compress as cz
 from .errors import ErrorCode, ProtocolError
+from .memory import scatter
 from .transfer import Route
 from .transport.tcp import FrameProtocol
 from .wire import FrameType, Lane, decode_body, encode, encode_body
@@ -81,6 +82,7 @@ class BulkHandler:
         self._invalid = False
         self._lz: tuple[list, int] | None = None  # an lz4 chunk's destination views and length
         self._lz_buf = bytearray()
+        self._lz_stage = bytearray()
         self.conn = FrameProtocol(max_body=max_body, max_payload=64 << 20, sink=self._sink, bulk=True)
         self.conn.on_frame = self._on_frame
         self.conn.on_lost = self._on_lost
@@ -130,13 +132,12 @@ class BulkHandler:
         try:
             if len(views) == 1:
                 cz.decode_chunk(frame.payload, views[0], shuffle=shuffle)
-            else:
-                staging = bytearray(n)
-                cz.decode_chunk(frame.payload, memoryview(staging), shuffle=shuffle)
-                pos = 0
-                for v in views:
-                    v[:] = staging[pos:pos + len(v)]
-                    pos += len(v)
+            else:  # blocks not contiguous: decode into a reused staging buffer, then scatter
+                if len(self._lz_stage) < n:
+                    self._lz_stage = bytearray(n)
+                stage = memoryview(self._lz_stage)[:n]
+                cz.decode_chunk(frame.payload, stage, shuffle=shuffle)
+                scatter(stage, views)
         except cz.CompressedChunkError:
             return False
         return payload_checksum(views) == frame.header.payload_xxh3

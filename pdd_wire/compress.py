@@ -187,7 +187,7 @@ def encode_chunk(data: Buffer, *, shuffle: bool, level: int = 0) -> bytes:
         src = mv
     packed = lz4.block.compress(src, store_size=False, **_lz4_args(level))
     if len(packed) >= n:
-        return data if isinstance(data, bytes) else mv.tobytes()
+        return data if isinstance(data, bytes) else mv  # stored: the chunk itself, not a copy of it
     return packed
 
 

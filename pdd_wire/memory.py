@@ -199,6 +199,15 @@ class BlockMap:
         return out
 
 
+def scatter(src, views) -> None:
+    """Copy ``src`` (a contiguous chunk) into ``views`` in order: one copy, no intermediate."""
+    sv = memoryview(src)
+    pos = 0
+    for v in views:
+        v[:] = sv[pos:pos + len(v)]
+        pos += len(v)
+
+
 def n_chunks(total: int, chunk_bytes: int) -> int:
     return (total + chunk_bytes - 1) // chunk_bytes
 

@@ -90,7 +90,7 @@ class TokenRelay:
 
     def _evict_token_streams(self) -> None:
         """Bound the streams kept: forget the least recently used ones with nothing unacknowledged."""
-        cap = self.s.cfg.transfer.max_transfers * 4
+        cap = self.s.cfg.transfer.max_transfers * 8  # >= the receiver's: see on_tokens
         if len(self.tok_out) < cap:
             return
         for rid in [r for r, ts in self.tok_out.items() if not ts.unacked][: len(self.tok_out) - cap + 1]:
@@ -116,7 +116,9 @@ class TokenRelay:
         fresh = msg.tokens[expect - msg.seq:]
         self.tok_in[msg.request_id] = end
         self.tok_in.move_to_end(msg.request_id)
-        if len(self.tok_in) > self.s.cfg.transfer.max_transfers * 8:
+        # Fewer than the sender keeps (8x): a stream the sender forgot (and restarts at 0) was
+        # forgotten here first, so its new tokens are not mistaken for a resend.
+        if len(self.tok_in) > self.s.cfg.transfer.max_transfers * 4:
             self.tok_in.popitem(last=False)  # least recently used
         self.s._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, end), lane=Lane.TOKEN)
         self.s.m.tokens.labels(peer=self.s.key, direction="rx").inc(len(fresh))

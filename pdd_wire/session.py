@@ -27,7 +27,7 @@ from . import policy
 from .config import Config, Peer, parse_hostport
 from .errors import (ErrorCode, FatalHandshakeError, HandshakeError, PddWireError, ProtocolError, TransferError,
                      TransportError)
-from .memory import BlockMap, chunk_range
+from .memory import BlockMap, chunk_range, scatter
 from .transfer import InTransfer, OutTransfer, Route, State
 from .bulk import BulkHandler, Compression, bulk_send
 from .probe import LinkEstimator
@@ -397,10 +397,7 @@ class PeerSession:
             else:
                 staging = bytearray(end - start)
                 await self.ucx.recv(tag, staging)
-                pos = 0
-                for v in views:
-                    v[:] = staging[pos:pos + len(v)]
-                    pos += len(v)
+                scatter(staging, views)
             ok = True
         except (TransferError, TransportError, asyncio.CancelledError):
             pass
@@ -719,7 +716,6 @@ class PeerSession:
         if k:
             t.skip = k
             t.blocks = t.full_blocks.after_blocks(k)
-            t.n_chunks = -(-t.blocks.total // t.chunk_bytes)
             self.m.prefix_bytes_saved.labels(peer=self.key).inc(k * t.blocks.block_bytes)
         self.m.prefix_hit_ratio.observe(k / n)
         t.state = State.ANNOUNCED
@@ -792,6 +788,9 @@ class PeerSession:
 
     def _on_ack(self, tid: int, first: int, count: int) -> None:
         t = self.out.get(tid)
+        if t is None:
+            return
+        count = max(0, min(count, t.n_chunks - first))  # the peer's numbers bound no loop of ours
         now = time.monotonic()
         acked = 0
         for k in range(first, first + count):
@@ -937,8 +936,8 @@ class PeerSession:
         self.inn[tid] = t
         self.routes[tid] = t.route
         # The receiver's own clock bounds it too, a little past the sender's, so both sides end.
-        t.timer = loop.call_at(t.deadline + 1.0, lambda: asyncio.ensure_future(
-            self._fail_in(t, ErrorCode.TRANSFER_TIMEOUT, "transfer deadline passed", notify_peer=True)))
+        t.timer = loop.call_at(t.deadline + 1.0, lambda: self._spawn(
+            self._fail_in(t, ErrorCode.TRANSFER_TIMEOUT, "transfer deadline passed", notify_peer=True), "deadline"))
         self.m.inflight.labels(direction="in").inc()
         if self.over_ucx:
             for k in range(t.n_chunks):  # waiting receives cost nothing until their message comes
@@ -1095,7 +1094,7 @@ class PeerSession:
     def _on_resume(self, tid: int, msg: m.KvResume) -> None:
         t = self.inn.get(tid)
         if t is not None:
-            bm = m.bitmap_from(t.route.verified, t.route.n_chunks)
+            bm = m.bitmap_from(t.route.snapshot(), t.route.n_chunks)
             self._send(FrameType.KV_STATUS, m.KvStatus(msg.request_id, 1, bm), tid=tid)
         elif tid in self.completed_in:
             self._send(FrameType.KV_STATUS, m.KvStatus(msg.request_id, 2), tid=tid)
@@ -1209,16 +1208,13 @@ class PeerSession:
 
     def queue_bytes(self) -> int:
         """KV bytes accepted for this peer and not yet acknowledged."""
-        return max(0, sum(t.total - len(t.acked) * t.chunk_bytes for t in self.out.values()))
+        return sum(max(0, t.total - len(t.acked) * t.chunk_bytes) for t in self.out.values())
 
     def predict(self, nbytes: int) -> float | None:
         """Seconds ``nbytes`` more KV to this peer would take now (None: bandwidth unknown)."""
         if not self.is_up:
             return None
-        bw = self.est.bandwidth_Bps or self.goodput_Bps
-        if bw <= 0:
-            return None
-        return (self.est.rtt_s or 0.0) + (self.queue_bytes() + nbytes) / bw
+        return self.est.predict(nbytes, self.queue_bytes(), fallback_Bps=self.goodput_Bps)
 
     def describe(self) -> dict:
         return {"peer": self.key, "goodput_Bps": round(self.goodput_Bps),

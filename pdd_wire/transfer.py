@@ -50,10 +50,12 @@ class Route:
         self.quiesced: asyncio.Future = loop.create_future()
 
     def fits(self, k: int, length: int) -> bool:
-        if not 0 <= k < self.n_chunks:
-            return False
-        start, end = chunk_range(k, self.dest.total, self.chunk_bytes)
-        return end - start == length
+        return self.chunk_len(k) == length
+
+    def snapshot(self) -> set[int]:
+        """The verified chunks, read under the lock the bulk threads write them under."""
+        with self._lock:
+            return set(self.verified)
 
     def chunk_len(self, k: int) -> int | None:
         """The length of chunk ``k``, or None if there is no such chunk."""
@@ -109,7 +111,6 @@ class Transfer:
         self.peer_key = peer_key
         self.blocks = blocks
         self.chunk_bytes = chunk_bytes
-        self.n_chunks = n_chunks(blocks.total, chunk_bytes)
         self.deadline = deadline  # loop time
         self.state = State.ANNOUNCED
         self.started = time.monotonic()
@@ -118,6 +119,10 @@ class Transfer:
     @property
     def total(self) -> int:
         return self.blocks.total
+
+    @property
+    def n_chunks(self) -> int:
+        return n_chunks(self.blocks.total, self.chunk_bytes)
 
     def describe(self) -> dict:
         return {"transfer_id": self.tid, "request_id": self.request_id, "peer": self.peer_key,
