@@ -22,7 +22,8 @@ from . import policy, systemd
 from .config import Config, parse_hostport
 from .engine import protocol as p
 from .engine_server import EngineConn, EngineServer
-from .errors import EngineRequestError, ErrorCode, FatalHandshakeError, PddWireError, ProtocolError, TransportError
+from .errors import (EngineRequestError, ErrorCode, FatalHandshakeError, PddWireError, ProtocolError, TransportError,
+                     check_duration)
 from .memory import HOST_FD, BlockMap, HostRegion, as_extents
 from .metrics import Metrics
 from .bulk import BulkHandler
@@ -41,17 +42,18 @@ log = structlog.get_logger("pdd_wire.agent")
 
 
 MAX_REQUEST_ID = 256  # bytes; every control frame about a request carries it
-MAX_DEADLINE_S = 7 * 86400
 
 
 class Post:
-    __slots__ = ("request_id", "engine", "blocks", "from_site", "timer", "expires")
+    __slots__ = ("request_id", "engine", "blocks", "from_site", "ttl", "timer", "expires")
 
-    def __init__(self, request_id: str, engine: EngineConn, blocks: BlockMap, from_site: str | None) -> None:
+    def __init__(self, request_id: str, engine: EngineConn, blocks: BlockMap, from_site: str | None,
+                 ttl: float) -> None:
         self.request_id = request_id
         self.engine = engine
         self.blocks = blocks
         self.from_site = from_site
+        self.ttl = ttl
         self.timer: asyncio.TimerHandle | None = None
         self.expires = 0.0  # loop time
 
@@ -87,9 +89,10 @@ class Agent:
         self.started = time.time()
         self.handoffs = Handoffs(self)
         self.inventory = Inventory(max_leases=config.transfer.max_transfers * 4)
-        self.predictions: collections.OrderedDict[tuple[str, str], tuple[float, float]] = collections.OrderedDict()
+        self.predictions: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
         self.probe_sink = ProbeSink()
         self._probe_region: HostRegion | None = None
+        self._probe_filled = False
         self._probing: set[str] = set()
         tls = config.tls
         if tls.enabled:
@@ -371,6 +374,8 @@ class Agent:
         if t is not None:
             t.reused_blocks = skip
             t.post = post
+            if skip:  # the matched blocks stay leased while the suffix is on its way
+                self.inventory.extend(begin.request_id, t.deadline + 1.0)
 
     def incoming_cancelled(self, session: PeerSession, tid: int, msg: m.KvCancel) -> None:
         entry = self.pending_begins.get(msg.request_id)
@@ -433,12 +438,12 @@ class Agent:
         return {"peer": s.key, "up": s.is_up, "seconds": s.predict(msg.bytes)} | s.est.describe(s.queue_bytes())
 
     def kv_received(self, t: InTransfer) -> None:
-        skip = getattr(t, "reused_blocks", 0)
+        skip = t.reused_blocks
         reused = self.inventory.places(t.request_id) if skip else []
         t.engine.send(p.KvReceived(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
                                    seconds=round(time.monotonic() - t.started, 6), reused_blocks=skip,
                                    reused=reused))
-        if not t.request_id.startswith(PROBE_PREFIX):
+        if t.engine is not self.probe_sink:
             self.handoffs.kv_received(t.request_id)
 
     def _prediction_checked(self, t: OutTransfer) -> None:
@@ -446,7 +451,7 @@ class Agent:
         pred = self.predictions.pop((t.request_id, t.peer_key), None)
         if pred is None:
             return
-        predicted, _ = pred
+        predicted = pred
         real = time.monotonic() - t.started
         self.metrics.wan_prediction.observe(real / predicted if predicted > 0 else float("inf"))
         self.log.info("WAN time against its prediction", request_id=t.request_id, peer=t.peer_key,
@@ -458,23 +463,18 @@ class Agent:
                                seconds=round(time.monotonic() - t.started, 6)))
 
     def transfer_failed(self, t, direction: str, code: int, message: str) -> None:
-        if direction == "in" and code == ErrorCode.PREFIX_LOST and getattr(t, "reused_blocks", 0):
+        if direction == "in" and code == ErrorCode.PREFIX_LOST and t.reused_blocks:
             # Our matched prefix broke mid-transfer: the sender starts over with every block;
             # post the whole receive again for it. The engine sees only the outcome of that.
             post = t.post
-            if not self.stopping and post.engine is not None and not post.engine.closed and \
-                    t.request_id not in self.posts:
-                fresh = Post(t.request_id, post.engine, post.blocks, post.from_site)
-                loop = asyncio.get_running_loop()
-                fresh.expires = loop.time() + self.config.transfer.post_ttl_s
-                fresh.timer = loop.call_at(fresh.expires, self._post_expired, t.request_id, fresh)
-                self.posts[t.request_id] = fresh
+            if not self.stopping and not post.engine.closed and t.request_id not in self.posts:
+                self._add_post(Post(t.request_id, post.engine, post.blocks, post.from_site, post.ttl))
                 return
         self.log.warning("transfer failed", request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
                          direction=direction, code=ErrorCode(code).name, reason=message)
         t.engine.send(p.TransferFailed(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
                                        direction=direction, code=int(code), reason=message))
-        if direction == "in" and not t.request_id.startswith(PROBE_PREFIX):
+        if direction == "in" and t.engine is not self.probe_sink:
             self.handoffs.kv_failed(t.request_id, "kv_cancelled")
 
     # ------------------------------------------------------------------ prefix inventory
@@ -508,7 +508,7 @@ class Agent:
             self.metrics.prefix_leases_broken.inc()
             self.inventory.release(rid)
             for s in self.sessions.values():
-                for t in [t for t in s.inn.values() if t.request_id == rid and getattr(t, "reused_blocks", 0)]:
+                for t in [t for t in s.inn.values() if t.request_id == rid and t.reused_blocks]:
                     s._spawn(s._fail_in(t, ErrorCode.PREFIX_LOST, "matched prefix blocks were evicted",
                                         notify_peer=True), "prefix-lost")
 
@@ -626,7 +626,7 @@ class Agent:
         if not 0 < len(request_id.encode()) <= MAX_REQUEST_ID:
             raise EngineRequestError(f"request_id must be 1..{MAX_REQUEST_ID} bytes, got {len(request_id.encode())}",
                                      ErrorCode.BAD_REQUEST)
-        if request_id.startswith("\x00"):
+        if request_id.startswith(PROBE_PREFIX[0]):
             raise EngineRequestError("request ids starting with a NUL character are reserved (probes)",
                                      ErrorCode.BAD_REQUEST)
 
@@ -652,7 +652,7 @@ class Agent:
             raise EngineRequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
         self.metrics.pipelines.labels(pipeline=d.pipeline, reason=d.reason).inc()
         if d.predicted_wan_s is not None and d.pipeline != "P-RLD":
-            self.predictions[(msg.request_id, session.key)] = (d.predicted_wan_s, time.monotonic())
+            self.predictions[(msg.request_id, session.key)] = d.predicted_wan_s
             while len(self.predictions) > self.config.transfer.max_transfers * 4:
                 self.predictions.popitem(last=False)
         self.log.info("pipeline chosen", request_id=msg.request_id, pipeline=d.pipeline, reason=d.reason,
@@ -719,20 +719,22 @@ class Agent:
                                      ErrorCode.DUPLICATE_TRANSFER)
         if len(self.posts) >= self.config.transfer.max_transfers * 4:
             raise EngineRequestError("too many posted receives", ErrorCode.LIMIT_EXCEEDED)
-        ttl = self.config.transfer.post_ttl_s if msg.ttl_s is None else msg.ttl_s
-        if not 0 < ttl <= MAX_DEADLINE_S:
-            raise EngineRequestError(f"ttl_s must be in (0, {MAX_DEADLINE_S}], got {ttl}", ErrorCode.BAD_REQUEST)
-        post = Post(msg.request_id, ec, self._blockmap(ec, msg.blocks), msg.from_site)
-        loop = asyncio.get_running_loop()
-        post.expires = loop.time() + ttl
-        post.timer = loop.call_at(post.expires, self._post_expired, msg.request_id, post)
-        self.posts[msg.request_id] = post
+        ttl = check_duration("ttl_s", self.config.transfer.post_ttl_s if msg.ttl_s is None else msg.ttl_s)
+        post = self._add_post(Post(msg.request_id, ec, self._blockmap(ec, msg.blocks), msg.from_site, ttl))
         self._own(msg.request_id, ec)
         waiting = self.pending_begins.pop(msg.request_id, None)
         if waiting is not None:
             session, tid, begin, timer = waiting
             timer.cancel()
             self._match(session, tid, begin, post)
+
+    def _add_post(self, post: Post) -> Post:
+        """Hold ``post`` for its engine until a transfer claims it or its ttl runs out."""
+        loop = asyncio.get_running_loop()
+        post.expires = loop.time() + post.ttl
+        post.timer = loop.call_at(post.expires, self._post_expired, post.request_id, post)
+        self.posts[post.request_id] = post
+        return post
 
     def _drop_post(self, request_id: str) -> Post | None:
         post = self.posts.pop(request_id, None)
@@ -780,10 +782,8 @@ class Agent:
             raise EngineRequestError(f"{len(msg.block_hashes)} block_hashes for {blocks.n_blocks} blocks",
                                      ErrorCode.BAD_REQUEST)
         self._check_request_id(msg.request_id)
-        deadline = msg.deadline_s if msg.deadline_s is not None else self.config.transfer.default_deadline_s
-        if not 0 < deadline <= MAX_DEADLINE_S:  # also refuses nan and inf
-            raise EngineRequestError(f"deadline_s must be in (0, {MAX_DEADLINE_S}], got {deadline}",
-                                     ErrorCode.BAD_REQUEST)
+        deadline = check_duration("deadline_s", msg.deadline_s if msg.deadline_s is not None
+                                  else self.config.transfer.default_deadline_s)
         for s in sessions:
             if len(s.out) >= self.config.transfer.max_transfers:
                 raise EngineRequestError(f"{len(s.out)} transfers open to {s.key} (limit transfer.max_transfers)",
@@ -805,9 +805,9 @@ class Agent:
     async def _abort(self, ec: EngineConn, request_id: str, reason: str) -> int:
         self._check_request_id(request_id)
         self.metrics.request_aborts.labels(direction="tx").inc()
+        n = self.handoffs.abort(ec, request_id, reason)  # its HANDOFF_ABORT goes before REQUEST_ABORT
         for s in self.sessions.values():
             s.send_abort(request_id, reason)
-        n = self.handoffs.abort(ec, request_id, reason)
         for s in self.sessions.values():
             n += await s.cancel_request(request_id, ErrorCode.TRANSFER_CANCELLED, reason, ec)
         post = self.posts.get(request_id)
@@ -850,7 +850,7 @@ class Agent:
         pinned = {"post": 0, "send": 0, "recv": 0}
         stranded = 0
         for post in self.posts.values():
-            n = post.blocks.total // post.blocks.block_bytes
+            n = post.blocks.n_blocks
             pinned["post"] += n
             if self._engine_dead(post.engine, mono, slack) or now > post.expires + slack:
                 stranded += n
@@ -858,7 +858,7 @@ class Agent:
             gone = s.down_since is not None and mono - s.down_since > lease
             for kind, ts in (("send", s.out), ("recv", s.inn)):
                 for t in ts.values():
-                    n = t.blocks.total // t.blocks.block_bytes
+                    n = t.blocks.n_blocks
                     pinned[kind] += n
                     if self._engine_dead(t.engine, mono, slack) or gone:
                         stranded += n

@@ -16,7 +16,7 @@ from typing import Literal
 
 import msgspec
 
-from .errors import ConfigError
+from .errors import MAX_DURATION_S, ConfigError
 from .policy import HandoffPolicy, PipelineConfig
 
 MiB = 1 << 20
@@ -185,8 +185,12 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("transfer.bulk_threads", f"must be 1..64, got {t.bulk_threads}")
     for key in ("max_transfers",):
         _positive(f"transfer.{key}", getattr(t, key))
-    for key in ("unposted_wait_s", "default_deadline_s"):
+    for key in ("unposted_wait_s", "default_deadline_s", "post_ttl_s", "prefix_lease_s", "prefix_query_s"):
         _positive(f"transfer.{key}", getattr(t, key))
+    for key, value in (("transfer.default_deadline_s", t.default_deadline_s), ("transfer.post_ttl_s", t.post_ttl_s),
+                       ("timeouts.handoff_s", cfg.timeouts.handoff_s)):
+        if value > MAX_DURATION_S:  # what an engine could not ask for either
+            raise ConfigError(key, f"must be at most {MAX_DURATION_S} s, got {value}")
     for f in msgspec.structs.fields(Limits):
         _positive(f"limits.{f.name}", getattr(cfg.limits, f.name))
     if not 4096 <= cfg.limits.max_body <= 16 * MiB:

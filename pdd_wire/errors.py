@@ -66,6 +66,16 @@ class PddWireError(Exception):
             self.code = code
 
 
+MAX_DURATION_S = 7 * 86400  # the longest deadline, ttl or lease an engine may ask for
+
+
+def check_duration(name: str, value: float) -> float:
+    """``value`` seconds, if in (0, MAX_DURATION_S] (which also refuses nan and inf)."""
+    if not 0 < value <= MAX_DURATION_S:
+        raise EngineRequestError(f"{name} must be in (0, {MAX_DURATION_S}], got {value}", ErrorCode.BAD_REQUEST)
+    return value
+
+
 class ConfigError(PddWireError, ValueError):
     """Bad configuration; ``key`` names the offending key (dotted path)."""
 
@@ -101,10 +111,6 @@ class TransferError(PddWireError):
     """A transfer ended without delivering; ``code`` says why."""
 
     code = ErrorCode.TRANSFER_CANCELLED
-
-
-class TransferTimeout(TransferError, TimeoutError):
-    code = ErrorCode.TRANSFER_TIMEOUT
 
 
 class EngineRequestError(PddWireError):

@@ -40,7 +40,7 @@ import structlog
 
 from . import policy
 from .engine import protocol as p
-from .errors import EngineRequestError, ErrorCode
+from .errors import EngineRequestError, ErrorCode, PddWireError, check_duration
 from .handoff import (CAPABILITY, Done, Emit, Extend, HandoffError, HandoffMessage, HandoffProtocolError,
                       HandoffUsageError, MdHandoff, ModeChosen, RelayTokens, RldHandoff, Send, StartGenerating,
                       StopGenerating)
@@ -55,11 +55,10 @@ log = structlog.get_logger("pdd_wire.handoffs")
 
 MAX_EARLY_TOKENS = 1 << 16  # relayed tokens kept for one request that has no MD entry yet
 MAX_EARLY_TOTAL = 1 << 20  # ... and for all of them together (oldest requests dropped first)
-MAX_DEADLINE_S = 7 * 86400
 
 
 class Entry:
-    __slots__ = ("role", "sm", "engine", "session", "timer", "timer_at", "ready_at", "settled", "log")
+    __slots__ = ("role", "sm", "engine", "session", "timer", "timer_at", "ready_at", "settled", "linger", "log")
 
     def __init__(self, role: str, sm: RldHandoff | MdHandoff, engine: "EngineConn", session: "PeerSession") -> None:
         self.role = role
@@ -70,19 +69,19 @@ class Entry:
         self.timer_at: float | None = None
         self.ready_at: float | None = None  # RLD: MD's first progress; MD: the KV arrived
         self.settled = False  # no more own output to emit: lingers, then is forgotten
+        self.linger: asyncio.TimerHandle | None = None
         self.log = log.bind(request_id=sm.request_id, role=role, peer=session.key, epoch=sm.epoch)
 
 
 class Early:
-    """What arrived for a request before its MD entry: relayed tokens, RLD's messages, KV outcome."""
+    """What arrived for a request before its MD entry: relayed tokens and RLD's messages."""
 
-    __slots__ = ("session", "tokens", "messages", "kv")
+    __slots__ = ("session", "tokens", "messages")
 
-    def __init__(self, session: "PeerSession | None") -> None:
+    def __init__(self, session: "PeerSession") -> None:
         self.session = session
         self.tokens: list[int] = []
         self.messages: list[HandoffMessage] = []
-        self.kv: str | None = None  # None, "ready" or the failure reason
 
 
 class Handoffs:
@@ -93,6 +92,8 @@ class Handoffs:
         self.live: dict[str, Entry] = {}
         self.early: collections.OrderedDict[str, Early] = collections.OrderedDict()
         self._early_total = 0  # tokens held in ``early``
+        # The KV outcome of receives that ended here with no MD entry ("ready" or the reason).
+        self.kv_outcome: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.cap = self.cfg.transfer.max_transfers * 4
 
     # ------------------------------------------------------------------ engine requests
@@ -119,17 +120,18 @@ class Handoffs:
         e.log.info("handoff started", deadline_s=round(deadline - self._now(), 3))
         early = self._drop_early(msg.request_id)
         if early is not None:
-            if early.session is not None and early.session is not session:
+            if early.session is not session:
                 e.log.warning("relayed tokens came from another peer; ignored", other=early.session.key)
             else:
                 if early.tokens:
                     self._feed(e, lambda: sm.on_tokens(0, early.tokens))
                 for hm in early.messages:
                     self._feed(e, lambda hm=hm: sm.on_message(hm))
-            if early.kv == "ready":
-                self._feed(e, sm.on_kv_ready)
-            elif early.kv is not None:
-                self._feed(e, lambda: sm.on_kv_cancelled(early.kv))
+        kv = self.kv_outcome.pop(msg.request_id, None)
+        if kv == "ready":
+            self._feed(e, sm.on_kv_ready)
+        elif kv is not None:
+            self._feed(e, lambda: sm.on_kv_cancelled(kv))
         self._timer(e)
         return {"peer": session.key}
 
@@ -139,13 +141,14 @@ class Handoffs:
             raise EngineRequestError("token IDs must be in 0..2^32-1", ErrorCode.BAD_REQUEST)
         sm = e.sm
         n = len(msg.tokens)
-        for i, tok in enumerate(msg.tokens):
-            last = msg.last and i == n - 1
-            try:
-                acts = sm.on_token_generated(tok, last=last)
-            except HandoffUsageError as exc:
-                raise EngineRequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
-            self._run(e, acts)
+        acts: list = []  # the whole batch's actions, run once: one emit event, one TOKENS frame
+        try:
+            for i, tok in enumerate(msg.tokens):
+                acts += sm.on_token_generated(tok, last=msg.last and i == n - 1)
+        except HandoffUsageError as exc:
+            raise EngineRequestError(str(exc), ErrorCode.BAD_REQUEST) from exc
+        finally:
+            self._run(e, acts)  # what the state machine already did must happen, error or not
         if msg.last and sm.done is not None and sm.done.owner == e.role:
             self._settle(e)
         return {"owner": sm.owner}
@@ -183,6 +186,7 @@ class Handoffs:
         """The peer says the request is dead: settle and forget its handoff with that peer."""
         e = self.live.get(request_id)
         self._drop_early(request_id)
+        self.kv_outcome.pop(request_id, None)
         if e is None or e.session is not session:
             return None
         if e.sm.done is None:
@@ -207,7 +211,7 @@ class Handoffs:
         if e is None:
             if isinstance(msg, (m.HandoffCommit, m.HandoffAbort)):  # RLD -> MD ahead of handoff_md
                 early = self._early(msg.request_id, session)
-                if early is not None and len(early.messages) < 16:
+                if len(early.messages) < 16:
                     early.messages.append(msg)
             return  # no handoff here: a late copy (the spec says ignore it)
         if e.session is not session:
@@ -221,9 +225,9 @@ class Handoffs:
         if e is not None and e.role == "MD" and e.session is session:
             self._feed(e, lambda: e.sm.on_tokens(msg.seq, msg.tokens))
             return True
-        if e is None:
+        if e is None and msg.handoff:  # plain token relay is not kept here
             early = self._early(msg.request_id, session)
-            if early is not None and early.session is session and len(early.tokens) == msg.seq:
+            if early.session is session and len(early.tokens) == msg.seq:
                 if len(early.tokens) + len(msg.tokens) <= MAX_EARLY_TOKENS:
                     early.tokens.extend(msg.tokens)
                     self._early_total += len(msg.tokens)
@@ -236,18 +240,14 @@ class Handoffs:
         if e is not None and e.role == "MD":
             self._feed(e, e.sm.on_kv_ready)
         elif e is None:
-            early = self._early(request_id, None)
-            if early is not None:
-                early.kv = "ready"
+            self._remember_kv(request_id, "ready")
 
     def kv_failed(self, request_id: str, reason: str) -> None:
         e = self.live.get(request_id)
         if e is not None and e.role == "MD":
             self._feed(e, lambda: e.sm.on_kv_cancelled(reason))
         elif e is None:
-            early = self._early(request_id, None)
-            if early is not None:
-                early.kv = reason
+            self._remember_kv(request_id, reason)
 
     def session_up(self, session: "PeerSession") -> None:
         """The control connection is back: resend each handoff's latest message."""
@@ -268,6 +268,7 @@ class Handoffs:
                 self._engine_failed(e, "shutting_down")
             self._forget(rid)
         self.early.clear()
+        self.kv_outcome.clear()
         self._early_total = 0
 
     def describe(self, most: int = 100) -> list[dict]:
@@ -281,10 +282,7 @@ class Handoffs:
         return asyncio.get_running_loop().time()
 
     def _deadline(self, given: float | None, default: float) -> float:
-        d = default if given is None else given
-        if not 0 < d <= MAX_DEADLINE_S:  # also refuses nan and inf
-            raise EngineRequestError(f"deadline_s must be in (0, {MAX_DEADLINE_S}], got {d}", ErrorCode.BAD_REQUEST)
-        return self._now() + d
+        return self._now() + check_duration("deadline_s", default if given is None else given)
 
     def _start_checks(self, ec: "EngineConn", request_id: str, peer: str) -> "PeerSession":
         self.agent._refuse_when_stopping()
@@ -329,7 +327,13 @@ class Handoffs:
             self._early_total -= len(early.tokens)
         return early
 
-    def _early(self, request_id: str, session: "PeerSession | None") -> Early | None:
+    def _remember_kv(self, request_id: str, outcome: str) -> None:
+        self.kv_outcome[request_id] = outcome
+        self.kv_outcome.move_to_end(request_id)
+        while len(self.kv_outcome) > self.cap:
+            self.kv_outcome.popitem(last=False)
+
+    def _early(self, request_id: str, session: "PeerSession") -> Early:
         early = self.early.get(request_id)
         if early is None:
             early = self.early[request_id] = Early(session)
@@ -337,8 +341,6 @@ class Handoffs:
                 self._drop_early(next(iter(self.early)))
         else:
             self.early.move_to_end(request_id)
-            if early.session is None:
-                early.session = session
         return early
 
     def _engine_failed(self, e: Entry, reason: str) -> None:
@@ -368,29 +370,36 @@ class Handoffs:
     def _run(self, e: Entry, acts) -> None:
         rid = e.sm.request_id
         ec = e.engine
-        i = 0
-        n = len(acts)
-        while i < n:
-            a = acts[i]
-            if isinstance(a, (Emit, RelayTokens)):
-                kind = type(a)
-                first = a.position if kind is Emit else a.first
-                toks: list[int] = []
-                while i < n and type(acts[i]) is kind:
-                    b = acts[i]
-                    pos = b.position if kind is Emit else b.first
-                    if pos != first + len(toks):
-                        break
-                    toks.extend((b.token,) if kind is Emit else b.tokens)
-                    i += 1
-                if kind is Emit:
-                    ec.send(p.Emit(request_id=rid, first=first, tokens=toks))
+        # Emit and RelayTokens come in alternation, one pair per token: runs of each are sent as
+        # one emit event and one TOKENS frame, flushed before any other action (order kept).
+        runs: dict[type, list] = {Emit: [0, []], RelayTokens: [0, []]}
+
+        def flush() -> None:
+            (ef, et), (rf, rt) = runs[Emit], runs[RelayTokens]
+            if et:
+                ec.send(p.Emit(request_id=rid, first=ef, tokens=et))
+            if rt:
+                try:
+                    seq = e.session.send_tokens(rid, rt, handoff=True)
+                except PddWireError as exc:  # the relay is full: MD falls behind, RLD still owns
+                    e.log.error("cannot relay tokens", error=str(exc))
                 else:
-                    seq = e.session.send_tokens(rid, toks)
-                    if seq != first:
-                        e.log.error("relay stream out of step with positions", seq=seq, position=first)
+                    if seq != rf:
+                        e.log.error("relay stream out of step with positions", seq=seq, position=rf)
+            runs[Emit], runs[RelayTokens] = [0, []], [0, []]
+
+        for a in acts:
+            if isinstance(a, (Emit, RelayTokens)):
+                first, toks = (a.position, (a.token,)) if isinstance(a, Emit) else (a.first, a.tokens)
+                run = runs[type(a)]
+                if run[1] and run[0] + len(run[1]) != first:
+                    flush()
+                    run = runs[type(a)]
+                if not run[1]:
+                    run[0] = first
+                run[1].extend(toks)
                 continue
-            i += 1
+            flush()
             if isinstance(a, Send):
                 e.session.send_message(a.message)
             elif isinstance(a, Extend):
@@ -406,6 +415,7 @@ class Handoffs:
                            detail=a.decision.detail, load=ec.load)
             elif isinstance(a, Done):
                 self._done(e, a)
+        flush()
         if e.role == "MD" and e.ready_at is None and e.sm.kv_ready:
             e.ready_at = self._now()
         self._timer(e)
@@ -427,7 +437,7 @@ class Handoffs:
             return
         e.settled = True
         rid = e.sm.request_id
-        asyncio.get_running_loop().call_later(self.cfg.timeouts.peer_give_up_s, self._expire, rid, e)
+        e.linger = asyncio.get_running_loop().call_later(self.cfg.timeouts.peer_give_up_s, self._expire, rid, e)
 
     def _expire(self, rid: str, e: Entry) -> None:
         if self.live.get(rid) is e:
@@ -437,8 +447,9 @@ class Handoffs:
         e = self.live.pop(rid, None)
         if e is None:
             return
-        if e.timer is not None:
-            e.timer.cancel()
+        for timer in (e.timer, e.linger):
+            if timer is not None:
+                timer.cancel()
         self.metrics.handoffs_open.labels(role=e.role).dec()
 
     def _timer(self, e: Entry) -> None:

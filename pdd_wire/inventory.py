@@ -140,6 +140,12 @@ class Inventory:
         self.leases[request_id] = lease
         return k, dropped
 
+    def extend(self, request_id: str, until: float) -> None:
+        """Hold the request's lease at least until ``until`` (its transfer's deadline)."""
+        lease = self.leases.get(request_id)
+        if lease is not None:
+            lease.expires = max(lease.expires, until)
+
     def get(self, request_id: str) -> Lease | None:
         return self.leases.get(request_id)
 

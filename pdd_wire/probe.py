@@ -201,6 +201,7 @@ async def _goodput(session: "PeerSession", blocks, sink: ProbeSink, seconds: flo
                 fut = sink.expect(rid)
                 t = session.start_send(sink, rid, blocks, deadline_s=max(30.0, 4 * seconds))
                 t.streams_limit = streams
+                t.compressible = False
                 inflight.add(fut)
             left = max(0.001, t0 + warmup + seconds - time.monotonic())
             done, inflight = await asyncio.wait(inflight, timeout=left, return_when=asyncio.FIRST_COMPLETED)

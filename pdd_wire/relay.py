@@ -26,13 +26,13 @@ MAX_UNACKED_TOKENS = 1 << 20
 class TokenStream:
     """Outgoing token IDs of one request: sent but unacknowledged frames are kept for resend."""
 
-    __slots__ = ("next_seq", "unacked", "touched", "pending")
+    __slots__ = ("next_seq", "unacked", "pending", "handoff")
 
-    def __init__(self) -> None:
+    def __init__(self, handoff: bool = False) -> None:
         self.next_seq = 0
         self.pending = 0
+        self.handoff = handoff  # every frame of the stream carries the TOKENS handoff flag
         self.unacked: collections.deque[tuple[int, list[int], float]] = collections.deque()
-        self.touched = time.monotonic()
 
 
 class TokenRelay:
@@ -58,15 +58,15 @@ class TokenRelay:
     def resend_unacked(self) -> None:
         for rid, ts in self.tok_out.items():
             for seq, toks, _ in ts.unacked:
-                self.s._send(FrameType.TOKENS, m.Tokens(rid, seq, toks), lane=Lane.TOKEN)
+                self.s._send(FrameType.TOKENS, m.Tokens(rid, seq, toks, ts.handoff), lane=Lane.TOKEN)
 
-    def send(self, request_id: str, tokens: list[int]) -> int:
+    def send(self, request_id: str, tokens: list[int], *, handoff: bool = False) -> int:
         """Queue token IDs for ``request_id``; returns the sequence number of the first one.
         Frames carry at most ``limits.max_tokens_per_frame`` tokens."""
         ts = self.tok_out.get(request_id)
         if ts is None:
             self._evict_token_streams()
-            ts = self.tok_out[request_id] = TokenStream()
+            ts = self.tok_out[request_id] = TokenStream(handoff)
         else:
             self.tok_out.move_to_end(request_id)
         if ts.pending + len(tokens) > MAX_UNACKED_TOKENS:
@@ -83,8 +83,7 @@ class TokenRelay:
             ts.next_seq += len(part)
             ts.pending += len(part)
             ts.unacked.append((seq, part, now))
-            self.s._send(FrameType.TOKENS, m.Tokens(request_id, seq, part), lane=Lane.TOKEN)
-        ts.touched = now
+            self.s._send(FrameType.TOKENS, m.Tokens(request_id, seq, part, ts.handoff), lane=Lane.TOKEN)
         self.s.m.tokens.labels(peer=self.s.key, direction="tx").inc(len(tokens))
         return first
 
@@ -122,7 +121,7 @@ class TokenRelay:
             self.tok_in.popitem(last=False)  # least recently used
         self.s._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, end), lane=Lane.TOKEN)
         self.s.m.tokens.labels(peer=self.s.key, direction="rx").inc(len(fresh))
-        self.s.host.tokens_received(self.s, m.Tokens(msg.request_id, expect, fresh))
+        self.s.host.tokens_received(self.s, m.Tokens(msg.request_id, expect, fresh, msg.handoff))
 
     def on_ack(self, msg: m.TokensAck) -> None:
         ts = self.tok_out.get(msg.request_id)
@@ -135,4 +134,4 @@ class TokenRelay:
             self.s.m.token_seconds.observe(now - sent)
         if msg.resend:
             for seq, part, _ in ts.unacked:
-                self.s._send(FrameType.TOKENS, m.Tokens(msg.request_id, seq, part), lane=Lane.TOKEN)
+                self.s._send(FrameType.TOKENS, m.Tokens(msg.request_id, seq, part, ts.handoff), lane=Lane.TOKEN)

@@ -1137,9 +1137,10 @@ class PeerSession:
             link.outstanding = 0
 
     # ------------------------------------------------------------------ tokens
-    def send_tokens(self, request_id: str, tokens: list[int]) -> int:
-        """Relay token IDs for ``request_id``; returns the index of the first one."""
-        return self.tokens.send(request_id, tokens)
+    def send_tokens(self, request_id: str, tokens: list[int], *, handoff: bool = False) -> int:
+        """Relay token IDs for ``request_id``; returns the index of the first one. ``handoff``:
+        RLD's relay of a handoff (MD's agent keeps it before MD's engine registers)."""
+        return self.tokens.send(request_id, tokens, handoff=handoff)
 
     # ------------------------------------------------------------------ heartbeat and housekeeping
     async def _tick_forever(self) -> None:
@@ -1176,7 +1177,7 @@ class PeerSession:
     def _lz_for(self, t: OutTransfer) -> Compression | None:
         if self.cfg.transfer.compress == "off" or "lz4.v1" not in (self.remote_caps or ()):
             return None
-        return None if t.request_id.startswith("\x00") else self.lz  # probes measure the raw link
+        return self.lz if t.compressible else None
 
     def _decide_compression(self) -> None:
         """Each heartbeat: compress when it raises goodput on this link (transfer.compress)."""

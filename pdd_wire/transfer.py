@@ -134,6 +134,7 @@ class OutTransfer(Transfer):
     def __init__(self, *a, **kw) -> None:
         super().__init__(*a, **kw)
         self.streams_limit: int | None = None  # use only bulk streams below this (probes)
+        self.compressible = True  # probes measure the raw link
         self.full_blocks = self.blocks  # before a matched prefix was cut off
         self.hashes: list[int] | None = None
         self.skip = 0  # leading blocks the receiver holds (not sent)
@@ -159,6 +160,8 @@ class OutTransfer(Transfer):
 class InTransfer(Transfer):
     def __init__(self, *a, loop: asyncio.AbstractEventLoop, **kw) -> None:
         super().__init__(*a, **kw)
+        self.reused_blocks = 0  # leading blocks of the post this node already held (not sent)
+        self.post = None  # the post it fills (re-posted whole if its matched prefix breaks)
         self.route = Route(self.blocks, self.chunk_bytes, loop)
 
     def describe(self) -> dict:

@@ -290,9 +290,6 @@ Request = (Hello | Register | Deregister | PostRecv | SendKv | SendTokens | Abor
            | SetLoad | Estimate | KvStored | KvEvict | PrefixRelease | HandoffRld | HandoffMd | HandoffTokens | HandoffExtended | HandoffFail)
 ToEngine = (Ok | Err | KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend
             | StopGenerating | StartGenerating | HandoffDone | RequestAborted)
-Event = (KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend | StopGenerating
-         | StartGenerating | HandoffDone | RequestAborted)
-
 _enc = msgspec.msgpack.Encoder()
 _dec_request = msgspec.msgpack.Decoder(Request)
 _dec_to_engine = msgspec.msgpack.Decoder(ToEngine)

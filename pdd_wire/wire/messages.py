@@ -151,6 +151,7 @@ class Tokens(msgspec.Struct, **_fast):
     request_id: str
     seq: int
     tokens: list[int]
+    handoff: bool = False  # RLD's relay of a handoff: MD's agent keeps it until MD's engine registers
 
 
 class TokensAck(msgspec.Struct, **_fast):
