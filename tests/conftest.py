@@ -18,6 +18,16 @@ def metric(agent, name: str, **labels) -> float:
     return agent.metrics.registry.get_sample_value(name, labels) or 0.0
 
 
+async def until(pred, timeout: float = 10, what: str = "") -> None:
+    """Poll ``pred`` until it holds; fail naming ``what`` after ``timeout`` seconds."""
+    try:
+        async with asyncio.timeout(timeout):
+            while not pred():
+                await asyncio.sleep(0.005)
+    except TimeoutError:
+        raise AssertionError(f"not within {timeout}s: {what or pred}") from None
+
+
 async def wait_rx_chunks(agent, peer: str, n: int, timeout: float = 30) -> None:
     """Until ``agent`` has verified ``n`` chunks from ``peer`` (a transfer is under way)."""
     async with asyncio.timeout(timeout):

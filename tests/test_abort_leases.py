@@ -11,7 +11,7 @@ import socket
 
 import pytest
 
-from conftest import metric
+from conftest import metric, until
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine.sim import MdSim, RldSim
 from pdd_wire.errors import EngineRequestError, ErrorCode
@@ -27,12 +27,6 @@ async def pair_engines(engines, tmp, size=16 * MiB):
     ra = await a.register(ma, block_bytes=MiB)
     rb = await b.register(mb, block_bytes=MiB)
     return a, b, ra, rb
-
-
-async def until(pred, timeout=10.0):
-    async with asyncio.timeout(timeout):
-        while not pred():
-            await asyncio.sleep(0.005)
 
 
 async def test_abort_on_one_site_drops_the_other_sites_post_and_tells_its_engine(tmp_sock_dir, engines):
@@ -95,19 +89,24 @@ async def test_abort_storm_does_not_stall_token_relay(tmp_sock_dir, engines):
         for i in range(n):
             await b.post_recv(f"s{i}", [rb.blocks(i % 16, 1)], from_site="A")
 
+        issued = 0
+
         async def storm():
+            nonlocal issued
             for i in range(n):
                 await a.abort(f"s{i}", "storm")
+                issued += 1
 
         async def tokens():
             got = []
             for i in range(50):
                 await a.send_tokens("live", "B", [i])
                 got += (await b2.wait_tokens("live", timeout=10)).tokens
-            return got
+            return got, issued
 
-        _, got = await asyncio.gather(storm(), tokens())
-        assert got == list(range(50))  # delivered in order while the storm ran
+        _, (got, issued_at_last_token) = await asyncio.gather(storm(), tokens())
+        assert got == list(range(50))  # in order, exactly once
+        assert issued_at_last_token < n, "the tokens only got through once the storm was over"
         await until(lambda: not agents["B"].posts, timeout=30)
         assert metric(agents["B"], "pddwire_request_aborts_total", direction="rx") == n
         told = [e for e in b.events() if isinstance(e, p.RequestAborted)]

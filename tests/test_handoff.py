@@ -17,7 +17,6 @@ Two parts:
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 import msgspec
@@ -406,17 +405,16 @@ def test_release_twice_then_commit_copy():
 
 
 # ============================================================================ the cost
-def test_stall_is_one_one_way_trip_and_microseconds_of_cpu():
-    """A 100-token one-shot handoff: after RLD's last emission, the only thing on the user's
-    critical path is the commit's one-way trip (plus MD's last extend); the protocol's own
-    CPU cost, with msgpack encoding and decoding of every message, is far below 5 ms."""
+def test_stall_is_one_one_way_trip_through_the_wire_codec():
+    """A 100-token one-shot handoff, every message through msgpack: after RLD's last emission,
+    the only thing on the user's critical path is the commit's one-way trip (plus MD's last
+    extend). Its time is a benchmark figure (``pdd-wire bench --only handoff``), not asserted."""
     enc, dec = msgspec.msgpack.Encoder(), {t: msgspec.msgpack.Decoder(t) for t in HANDOFF_MESSAGES}
 
     def wire(msg):
         return dec[type(msg)].decode(enc.encode(msg))
 
-    def once() -> float:
-        t0 = time.perf_counter()
+    def once() -> None:
         rld, md = rld_(ONE_SHOT), md_()
         for i in range(100):
             for a in rld.on_token_generated(T(i)):
@@ -429,9 +427,8 @@ def test_stall_is_one_one_way_trip_and_microseconds_of_cpu():
         assert after_commit[0] == StartGenerating(100)
         taken = after_commit[1].message
         assert rld.on_message(wire(taken))[0].owner == "MD"
-        return time.perf_counter() - t0
 
-    assert min(once() for _ in range(5)) < 5e-3
+    once()
 
 
 # ============================================================================ state machine

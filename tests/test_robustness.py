@@ -23,7 +23,7 @@ from typing import Callable
 
 import aiohttp
 import pytest
-from conftest import fill_random, metric, same_bytes
+from conftest import fill_random, metric, same_bytes, until
 from support.agents import free_port, run_agents, two_site_toml
 from support.relay import Relay
 
@@ -50,15 +50,6 @@ def _tomls(tmp, **kw) -> dict:
     for s in "AB":
         t[s] = t[s].replace("[timeouts]\n", f"[timeouts]\nhandshake_s = {HANDSHAKE_S}\n")
     return t
-
-
-async def until(pred: Callable[[], bool], timeout: float = 10, what: str = "") -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not pred():
-                await asyncio.sleep(0.005)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout}s: {what or pred}") from None
 
 
 def healthy(ag) -> bool:
