@@ -19,6 +19,7 @@ from .engine import protocol as p
 from .engine.client import EngineClient
 from .harness import AgentPair, free_port, metric_value
 from .memory import SharedMemory
+from .stats import percentile
 
 MiB = 1 << 20
 
@@ -59,14 +60,11 @@ def bare_pipe_goodput(size: int = 64 * MiB, reps: int = 16) -> float:
                              capture_output=True, text=True, check=True)
         return float(out.stdout.strip())
     finally:
-        rx.wait(10) if rx.poll() is None else None
-        if rx.poll() is None:
+        try:
+            rx.wait(10)
+        except subprocess.TimeoutExpired:
             rx.kill()
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(q / 100 * (len(s) - 1))))]
+            rx.wait()
 
 
 class Figures:
@@ -480,16 +478,16 @@ async def _run(args) -> int:
                              note="memfd to memfd, no framing or checksums (pdd_wire.benchpipe)")
             if "latency" in groups:
                 idle = await _token_latency(ea, eb, 100 if quick else 300, "idle")
-                figs.add("token_latency_idle_p50", pct(idle, 50), "ms")
-                figs.add("token_latency_idle_p99", pct(idle, 99), "ms")
+                figs.add("token_latency_idle_p50", percentile(idle, 50), "ms")
+                figs.add("token_latency_idle_p99", percentile(idle, 99), "ms")
                 for per_frame in (1, 100):
                     figs.add(f"relay_bytes_per_token{'' if per_frame == 1 else '_batched'}",
                              await _relay_bytes(pair, ea, eb, per_frame), "B",
                              note=f"TOKENS frames A->B for 100 tokens sent {per_frame} per call, "
                                   "header and msgpack body (PDD: 1.5 KB per 100 tokens)")
                 loaded, gbps = await _latency_under_load(ea, eb, 1, 100 if quick else 300)
-                figs.add("token_latency_under_load_p50", pct(loaded, 50), "ms")
-                figs.add("token_latency_under_load_p99", pct(loaded, 99), "ms", "idle p99", pct(idle, 99),
+                figs.add("token_latency_under_load_p50", percentile(loaded, 50), "ms")
+                figs.add("token_latency_under_load_p99", percentile(loaded, 99), "ms", "idle p99", percentile(idle, 99),
                          note=f"{len(loaded)} samples during 1 GiB transfers at {gbps:.2f} GB/s")
             if "prefix" in groups:
                 await _prefix_figures(figs, pair, ea, eb, quick)
@@ -500,7 +498,7 @@ async def _run(args) -> int:
                         rtt = metric_value(pair.metrics("A"), "pddwire_control_rtt_seconds_sum", peer="B/b1") / max(
                             1, metric_value(pair.metrics("A"), "pddwire_control_rtt_seconds_count", peer="B/b1"))
                         figs.add(f"handoff_{name}_100_ms", statistics.median(ms), "ms",
-                                 note=f"median of {len(ms)}, p90 {pct(ms, 90):.2f} ms; MD 100 tokens behind at "
+                                 note=f"median of {len(ms)}, p90 {percentile(ms, 90):.2f} ms; MD 100 tokens behind at "
                                       f"ready, commit at {statistics.median(pos):.0f}; RLD 20 ms/token, extends "
                                       f"free; control RTT {rtt * 1e3:.2f} ms")
     return 0

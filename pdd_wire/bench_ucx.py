@@ -211,10 +211,9 @@ def measure_perftest(size: int, iters: int, tls: str = TLS) -> float | None:
     if found is None:
         return None
     exe, libdir = found
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from .harness import free_port
+
+    port = free_port()
     env = dict(os.environ, UCX_TLS=tls)
     if libdir:
         env["LD_LIBRARY_PATH"] = libdir + (":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")

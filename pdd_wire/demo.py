@@ -38,7 +38,6 @@ import argparse
 import asyncio
 import importlib.util
 import json
-import math
 import os
 import shutil
 import signal
@@ -47,6 +46,8 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .stats import percentile
 
 MiB = 1 << 20
 PIPELINES = ("P-MD", "P-RLD-MD", "P-RLD")
@@ -271,16 +272,6 @@ class RunResult:
 
     def ttfts(self) -> list[float]:
         return [r["ttft_s"] for r in self.requests if r.get("ttft_s") is not None]
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """The q-th percentile (0-100), linear between closest ranks (numpy's default)."""
-    if not values:
-        return None
-    xs = sorted(values)
-    k = (len(xs) - 1) * q / 100
-    lo, hi = math.floor(k), math.ceil(k)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 class _Replay:

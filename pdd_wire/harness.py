@@ -55,21 +55,9 @@ class AgentPair:
     """Agents for sites A (a1) and B (b1) as ``pdd-wired`` subprocesses."""
 
     def __init__(self, *, streams: int = 4, chunk: int = 4 << 20, bulk_threads: int = 1, extra: str = "",
-                 log_dir: str | None = None,
-                 embedded: bool = False, same_site_ucx: bool = False) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="pdd-wire-"))
-        self.log_dir = Path(log_dir) if log_dir else self.dir
+                 same_site_ucx: bool = False) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="pdd-wire-"))  # configs, sockets and agent logs
         self.procs: dict[str, subprocess.Popen] = {}
-        self.configs: dict[str, Path | None] = {}
-        self.sites = {"A": "A", "B": "B"}  # process key -> the site it runs as
-        if embedded:  # the embedded default: fixed loopback ports, no config file
-            from .config import default_config
-
-            cfgs = {s: default_config(s) for s in "AB"}
-            self.sockets = {s: c.listen.engine_socket for s, c in cfgs.items()}
-            self.admin = {s: c.listen.admin for s, c in cfgs.items()}
-            self.configs = {s: None for s in "AB"}
-            return
         ports = {s: (free_port(), free_port()) for s in "AB"}
         # same_site_ucx: the second agent is node a2 of site A, reached over UCX (the local path).
         nodes = {"A": "a1", "B": "a2" if same_site_ucx else "b1"}
@@ -90,18 +78,15 @@ class AgentPair:
 
     async def start(self, timeout: float = 20) -> "AgentPair":
         for s in "AB":
-            log = open(self.log_dir / f"agent-{s}.log", "wb")
-            cmd = [sys.executable, "-m", "pdd_wire", "--site", self.sites[s]]
-            if self.configs[s] is not None:
-                cmd += ["--config", str(self.configs[s])]
-            self.procs[s] = subprocess.Popen(cmd,
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-            log.close()
+            with open(self.dir / f"agent-{s}.log", "wb") as log:
+                self.procs[s] = subprocess.Popen(
+                    [sys.executable, "-m", "pdd_wire", "--site", self.sites[s], "--config", str(self.configs[s])],
+                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         async with asyncio.timeout(timeout):
             while not all(self._peers_up(s) for s in "AB"):
                 for s, pr in self.procs.items():
                     if pr.poll() is not None:
-                        raise RuntimeError(f"agent {s} exited with {pr.returncode}; see {self.log_dir}/agent-{s}.log")
+                        raise RuntimeError(f"agent {s} exited with {pr.returncode}; see {self.dir}/agent-{s}.log")
                 await asyncio.sleep(0.05)
         return self
 

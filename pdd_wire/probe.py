@@ -35,6 +35,7 @@ import time
 from typing import TYPE_CHECKING
 
 from .engine import protocol as p
+from .stats import percentile
 
 if TYPE_CHECKING:
     from .session import PeerSession
@@ -172,10 +173,12 @@ async def run_probe(session: "PeerSession", blocks, sink: ProbeSink, *, seconds:
     for n in sorted({1, n_all}):
         goodput[str(n)] = await _goodput(session, blocks, sink, seconds / 2, n)
     session.est.add_rate(goodput[str(n_all)], weight=0.5)  # an active measurement counts double
-    rs = sorted(rtts)
-    q = (lambda f: round(rs[min(len(rs) - 1, int(f * (len(rs) - 1) + 0.5))] * 1e3, 3)) if rs else (lambda f: None)
+    def q(pc: float) -> float | None:
+        v = percentile(rtts, pc)
+        return None if v is None else round(v * 1e3, 3)
+
     return {"peer": session.key, "data_path": "ucx" if session.over_ucx else "tcp",
-            "rtt_ms": {"min": q(0), "p50": q(0.5), "p99": q(0.99)},
+            "rtt_ms": {"min": q(0), "p50": q(50), "p99": q(99)},
             "jitter_ms": round(statistics.fmean(abs(a - b) for a, b in zip(rtts, rtts[1:])) * 1e3, 3)
             if len(rtts) > 1 else 0.0,
             "loss": round(lost / pings, 4), "pings": pings,

@@ -113,4 +113,4 @@ async def _run(requests: int) -> int:
 
 
 def run_demo(args) -> int:
-    return asyncio.run(_run(getattr(args, "vllm_requests", 3)))
+    return asyncio.run(_run(3))

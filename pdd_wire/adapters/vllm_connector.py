@@ -491,7 +491,8 @@ class PddWireConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._eng is None:
             return None, None
-        self._finished_seen |= finished_req_ids
+        # Only requests with a send pending need remembering: the rest would pile up forever.
+        self._finished_seen |= finished_req_ids & {pend.req_id for pend in self._sends.values()}
         self._poll()
         sending = set()
         for rid, pend in list(self._sends.items()):

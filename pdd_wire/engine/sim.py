@@ -709,7 +709,8 @@ class DecodeSim(_EventLoopEngine):
                 await self.eng.handoff_md(request_id, self.peer, deadline_s=self.handoff_deadline_s)
         except EngineRequestError as exc:
             seq.error = f"submit: {exc}"
-            self._finish(seq)
+            await self.eng.abort(request_id, "submit failed")  # the agent drops the post first
+            self._finish(seq)  # then the blocks may go to another request
             return seq
         seq.started = True
         if seq.kv_at is not None and not (handoff and self.role == "MD"):
@@ -781,7 +782,7 @@ class DecodeSim(_EventLoopEngine):
             if ev.owner != self.role:
                 self._running.pop(seq.request_id, None)
             self._check(seq)
-        elif isinstance(ev, getattr(p, "RequestAborted", ())):
+        elif isinstance(ev, p.RequestAborted):
             seq.error = f"aborted: {getattr(ev, 'reason', '')}"
             self._running.pop(seq.request_id, None)
             self._finish(seq)
