@@ -247,6 +247,29 @@ async def _handoff_latency(ep: EngineClient, er: EngineClient, em: EngineClient,
         dst.close()
 
 
+async def _shaper_figures(figs: "Figures") -> None:
+    """Round trips through ``pdd_wire.shaper`` set to 20 ms each way (loopback, 1-byte echo)."""
+    from .shaper import Shaper
+
+    async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while data := await reader.read(1 << 16):
+            writer.write(data)
+        writer.close()
+
+    server = await asyncio.start_server(echo, "127.0.0.1", 0)
+    async with server, Shaper(target=server.sockets[0].getsockname()[:2], delay_ms=20) as sh:
+        reader, writer = await asyncio.open_connection(*sh.address)
+        rtts = []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            writer.write(b"x")
+            await reader.readexactly(1)
+            rtts.append((time.perf_counter() - t0) * 1e3)
+        writer.close()
+    figs.add("shaper_rtt_20ms_each_way", percentile(rtts, 50), "ms",
+             note=f"20 round trips, min {min(rtts):.2f} max {max(rtts):.2f} ms (40 ms added)")
+
+
 async def _probe_figures(figs: "Figures", quick: bool) -> None:
     """``pdd-wire probe`` against a veth WAN shaped by tbf to 1 Gbit/s between two network
     namespaces (root only): how far its goodput is from the configured rate."""
@@ -461,6 +484,7 @@ async def _run(args) -> int:
     if "ucx" in groups:
         await _ucx_figures(figs, quick)
     if "probe" in groups:
+        await _shaper_figures(figs)
         await _probe_figures(figs, quick)
     if "compress" in groups:
         await _compress_figures(figs, quick)
