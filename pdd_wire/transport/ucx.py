@@ -821,7 +821,8 @@ class UcxPeer:
                 del self._waiting[tag]
             self._start_recv(op, probe)
             return
-        if self._discard_tags.pop(tag, None) is not None or (tag >> INDEX_BITS) in self._discard:
+        if self._closed or self._discard_tags.pop(tag, None) is not None or (tag >> INDEX_BITS) in self._discard:
+            # (closing: nobody will claim it, and teardown does not drain the arrived table)
             self._drain(probe)
             return
         self._arrived.setdefault(tag, collections.deque()).append((probe, now))
