@@ -26,6 +26,8 @@ log = structlog.get_logger("pdd_wire.engine")
 MAX_FDS = 4
 
 
+MAX_QUEUED = 1024  # requests of one engine decoded and waiting; more stay in the socket
+
 class EngineConn:
     """One connected engine."""
 
@@ -48,6 +50,7 @@ class EngineConn:
         self.regions: dict[int, object] = {}
         self.load = 0.0  # the engine's decode load, as it last reported (set_load)
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._reading = True  # paused while MAX_QUEUED requests wait: the kernel buffer holds the rest
         self._worker = asyncio.create_task(self._serve(), name=f"{self.name}:serve")
         self.loop.add_reader(sock.fileno(), self._readable)
 
@@ -76,6 +79,9 @@ class EngineConn:
         try:
             for msg in self._decoder.feed(data):
                 self._queue.put_nowait(msg)
+            if self._queue.qsize() >= MAX_QUEUED and self._reading:
+                self.loop.remove_reader(self.sock.fileno())
+                self._reading = False
         except ProtocolError as exc:
             self.send(p.Err(code=int(exc.code), message=str(exc)))
             self.close(f"protocol error: {exc}")
@@ -84,6 +90,9 @@ class EngineConn:
         """Requests are handled one at a time, in order, so an engine sees its own effects in order."""
         while True:
             msg = await self._queue.get()
+            if not self._reading and self._queue.qsize() < MAX_QUEUED // 2 and not self.closed:
+                self.loop.add_reader(self.sock.fileno(), self._readable)
+                self._reading = True
             fd = None
             if isinstance(msg, p.Register):
                 if not self._fds:

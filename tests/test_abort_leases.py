@@ -185,3 +185,54 @@ async def test_engine_socket_admits_the_configured_group_only(tmp_sock_dir, engi
         assert await asyncio.to_thread(_connect_as, path, 65534, 4242)
         assert not await asyncio.to_thread(_connect_as, path, 65534, 65534)
         assert metric(agents["A"], "pddwire_errors_total", code="BAD_REQUEST") >= 1
+
+
+async def test_a_pipelining_engine_is_read_no_faster_than_it_is_served(tmp_sock_dir):
+    """An engine that writes 4096 requests without waiting, to a server whose handler takes a
+    millisecond: the server stops reading once MAX_QUEUED requests wait (the rest stays in the
+    socket) and still answers every one, in order."""
+    from pdd_wire.engine_server import MAX_QUEUED, EngineServer
+
+    async def slow(conn, msg, fd):
+        await asyncio.sleep(0.0002)
+        return {}
+
+    async def gone(conn):
+        pass
+
+    server = EngineServer(str(tmp_sock_dir / "e.sock"), 0o600, handler=slow, on_gone=gone, max_engines=4,
+                          max_message=1 << 20, allowed_uids={os.getuid()})
+    await server.start()
+    try:
+        reader, writer = await asyncio.open_unix_connection(str(tmp_sock_dir / "e.sock"))
+        async with asyncio.timeout(5):
+            while not server.engines:
+                await asyncio.sleep(0.001)
+        conn = next(iter(server.engines.values()))
+        most = 0
+        put = conn._queue.put_nowait
+
+        def counting_put(item):
+            nonlocal most
+            put(item)
+            most = max(most, conn._queue.qsize())
+
+        conn._queue.put_nowait = counting_put
+        n = 4 * MAX_QUEUED
+
+        def req(i: int) -> bytes:  # ~1 KiB each, so that one 256 KiB read holds few of them
+            return p.encode(p.SendTokens(id=i, request_id="r", to="B", tokens=list(range(200))))
+
+        one = len(req(n))
+        writer.write(b"".join(req(i + 1) for i in range(n)))
+        dec = p.Decoder(to_agent=False)
+        ids: list[int] = []
+        async with asyncio.timeout(60):
+            while len(ids) < n:
+                ids += [m.id for m in dec.feed(await reader.read(1 << 16))]
+        writer.close()
+        assert ids == list(range(1, n + 1))
+        # One read (256 KiB) may overshoot the mark; unbounded, the queue would hold nearly all n.
+        assert MAX_QUEUED <= most <= MAX_QUEUED + (256 << 10) // one, most
+    finally:
+        await server.close()
