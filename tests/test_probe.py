@@ -87,7 +87,7 @@ async def test_probe_reports_a_tbf_shaped_link_within_10_percent(mbit):
 
 @pytest.mark.parametrize("mbit,pipeline", [(100, "P-RLD-MD"), (1000, "P-MD")])
 async def test_pipeline_choice_follows_the_live_link_estimate(mbit, pipeline):
-    """The same request (16 MiB of KV MD lacks, budget 0.2 s) goes P-MD on a 1 Gbit/s WAN and
+    """The same request (8 MiB of KV MD lacks, budget 0.2 s) goes P-MD on a 1 Gbit/s WAN and
     P-RLD-MD on a 100 Mbit/s one, from the link estimate the agent measured itself."""
     from pdd_wire import EngineClient
 
@@ -97,9 +97,11 @@ async def test_pipeline_choice_follows_the_live_link_estimate(mbit, pipeline):
                                "127.0.0.1:7711", "--seconds", "3", "--json"])
         assert out.returncode == 0, out.stderr
         async with EngineClient(net.socket("A"), "prefill") as eng:
-            d = await eng.choose_pipeline("q1", to="B", input_tokens=4096, prefix_hit_tokens=0,
+            d = await eng.choose_pipeline("q1", to="B", input_tokens=2048, prefix_hit_tokens=0,
                                           expected_output_tokens=1000, kv_bytes_per_token=4096)
-            est = await eng.estimate("B", 16 * MiB)
+            est = await eng.estimate("B", 8 * MiB)
+        # 8 MiB against the 0.2 s budget: ~0.07 s at 1 Gbit/s, ~0.7 s at 100 Mbit/s (3x margins).
         assert d["pipeline"] == pipeline, d
         assert d["predicted_wan_s"] == pytest.approx(est["seconds"], rel=0.2)
-        assert est["bandwidth_Bps"] == pytest.approx(mbit * 1e6 / 8, rel=0.15)
+        # The estimate is the measured link, not a default (its accuracy is the bench's probe figures).
+        assert 0.5 * mbit * 1e6 / 8 < est["bandwidth_Bps"] < 1.2 * mbit * 1e6 / 8
