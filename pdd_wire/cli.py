@@ -1,7 +1,8 @@
 """Command lines. Exit status: 0 ok, 1 runtime failure, 2 bad configuration or usage.
 
 ``pdd-wired --site A [--config FILE] [--node NAME]`` runs one agent.
-``pdd-wire`` is the operator's tool: ``config``, ``status``, ``probe``, ``demo``, ``bench``.
+``pdd-wire`` is the operator's tool: ``config``, ``status``, ``probe``. (The demo and the
+benchmarks are tools, not product: ``pdd-tools demo|bench``, distribution ``pdd-wire-tools``.)
 """
 
 from __future__ import annotations
@@ -116,10 +117,6 @@ def tool_main(argv: list[str] | None = None) -> int:
     st = sub.add_parser("status", help="an agent's /v1/status")
     st.add_argument("--site", required=True)
     st.add_argument("--config")
-    d = sub.add_parser("demo", help="PDD against plain cross-DC PD: a trace replayed over two emulated datacenters")
-    from .demo import add_demo_args
-
-    add_demo_args(d)
     pr = sub.add_parser("probe", help="measure the WAN path to a peer site through the running agents")
     pr.add_argument("--site", required=True, help="the peer site (or site/node) to probe")
     pr.add_argument("--from", dest="local", help="the local agent's site (embedded default: the other one)")
@@ -128,11 +125,6 @@ def tool_main(argv: list[str] | None = None) -> int:
     pr.add_argument("--seconds", type=float, default=4.0, help="goodput time, split over 1 and N streams")
     pr.add_argument("--streams", type=int, help="bulk connections for the N-stream figure (default: all)")
     pr.add_argument("--json", action="store_true")
-    b = sub.add_parser("bench", help="benchmarks (see scripts/bench)")
-    b.add_argument("--json", action="store_true")
-    b.add_argument("--quick", action="store_true", help="fewer repetitions")
-    b.add_argument("--only", default="", help="comma-separated figure groups: goodput, latency, ucx, handoff, "
-                   "prefix, probe, compress (probe and compress need root: network namespaces)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "config":
@@ -145,14 +137,6 @@ def tool_main(argv: list[str] | None = None) -> int:
             return 0
         if args.cmd == "probe":
             return _probe(args)
-        if args.cmd == "demo":
-            from .demo import run_demo
-
-            return run_demo(args)
-        if args.cmd == "bench":
-            from .bench import run_bench
-
-            return run_bench(args)
     except ConfigError as exc:
         print(f"pdd-wire: {exc}", file=sys.stderr)
         return 2

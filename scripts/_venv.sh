@@ -1,8 +1,10 @@
 # shellcheck shell=bash
-# Sourced helper (scripts/test, scripts/demo): `ensure_venv` creates the
-# project's .venv when missing, installs the project into it (editable, with
-# the test extra) when that install is missing or pyproject.toml changed, and
-# exports VENV=<repo>/.venv.  Returns non-zero, with a message, on failure.
+# Sourced helper (scripts/test, scripts/demo, ...): `ensure_venv` creates the
+# project's .venv when missing, installs both distributions into it, editable --
+# the product pdd-wire (with its test extra) and the tools, pdd-wire-tools
+# (tools/, with its demo extra) -- when either install is missing or either
+# pyproject.toml changed, and exports VENV=<repo>/.venv.  Returns non-zero,
+# with a message, on failure.
 
 _PDD_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -46,13 +48,15 @@ ensure_venv() {
         return 1
     fi
 
-    if [[ ! -e $stamp || $_PDD_ROOT/pyproject.toml -nt $stamp ]] ||
-        ! "$venv/bin/python" -c 'import importlib.metadata as m; m.distribution("pdd-wire")' 2>/dev/null; then
-        echo "==> installing pdd-wire (editable, extra 'test') into $venv" >&2
+    if [[ ! -e $stamp || $_PDD_ROOT/pyproject.toml -nt $stamp || $_PDD_ROOT/tools/pyproject.toml -nt $stamp ]] ||
+        ! "$venv/bin/python" -c 'import importlib.metadata as m; m.distribution("pdd-wire"); m.distribution("pdd-wire-tools")' \
+            2>/dev/null; then
+        echo "==> installing pdd-wire (editable, extra 'test') and pdd-wire-tools (editable, extra 'demo') into $venv" >&2
+        # One pip run: the tools' dependency on pdd-wire is met by the editable install beside it.
         # shellcheck disable=SC2086  # ${CI:+...} expands to two words or none
         if ! (cd "$_PDD_ROOT" && "$venv/bin/python" -m pip install --disable-pip-version-check \
-                ${CI:+--progress-bar off} -e '.[test]' >&2); then
-            echo "error: installing pdd-wire into $venv failed (see pip's output above)." >&2
+                ${CI:+--progress-bar off} -e '.[test]' -e './tools[demo]' >&2); then
+            echo "error: installing pdd-wire and pdd-wire-tools into $venv failed (see pip's output above)." >&2
             return 1
         fi
         touch "$stamp"

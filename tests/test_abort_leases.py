@@ -13,7 +13,7 @@ import pytest
 
 from conftest import metric, until
 from pdd_wire.engine import protocol as p
-from pdd_wire.engine.sim import MdSim, RldSim
+from pdd_tools.sim import MdSim, RldSim
 from pdd_wire.errors import EngineRequestError, ErrorCode
 from support.agents import run_agents, two_site_toml
 

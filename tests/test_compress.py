@@ -367,7 +367,7 @@ def test_estimator_rejects_bad_samples():
 
 
 def test_bench_figures(capsys):
-    from pdd_wire import bench_compress
+    from pdd_tools import bench_compress
 
     assert bench_compress.main(["--json", "--reps", "1"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]

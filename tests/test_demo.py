@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from pdd_wire import demo
-from pdd_wire.engine.sim import check_stream
+from pdd_tools import demo
+from pdd_tools.sim import check_stream
 
 # A short trace: answers of ~100 tokens, more anomalous requests than usual so that a few are
 # in 20-30 requests, anomalous prompts small enough for small pools.

@@ -21,7 +21,7 @@ import pytest
 
 from pdd_wire import EngineClient, SharedMemory
 from pdd_wire.engine import protocol as p
-from pdd_wire.engine.sim import MdSim, RldSim, check_stream
+from pdd_tools.sim import MdSim, RldSim, check_stream
 from pdd_wire.errors import ErrorCode, TransportError
 from support.netagents import NetAgents
 

@@ -408,7 +408,7 @@ def test_release_twice_then_commit_copy():
 def test_stall_is_one_one_way_trip_through_the_wire_codec():
     """A 100-token one-shot handoff, every message through msgpack: after RLD's last emission,
     the only thing on the user's critical path is the commit's one-way trip (plus MD's last
-    extend). Its time is a benchmark figure (``pdd-wire bench --only handoff``), not asserted."""
+    extend). Its time is a benchmark figure (``pdd-tools bench --only handoff``), not asserted."""
     enc, dec = msgspec.msgpack.Encoder(), {t: msgspec.msgpack.Decoder(t) for t in HANDOFF_MESSAGES}
 
     def wire(msg):

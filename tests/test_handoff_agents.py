@@ -3,7 +3,7 @@ crossing the WAN, token ids relayed on the control lane, HANDOFF_* frames betwee
 
 Every test checks the ownership invariant on what the engines were allowed to emit: positions
 0..n-1 each emitted exactly once, by RLD up to the commit position and by MD after it, with the
-model's tokens (``pdd_wire.engine.sim.check_stream``).
+model's tokens (``pdd_tools.sim.check_stream``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from conftest import metric
 from pdd_wire.engine import protocol as p
-from pdd_wire.engine.sim import MdSim, RldSim, check_stream, token_at
+from pdd_tools.sim import MdSim, RldSim, check_stream, token_at
 from pdd_wire.errors import EngineRequestError, ErrorCode
 from support.agents import relayed_toml, run_agents, two_site_toml
 

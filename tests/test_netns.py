@@ -1,4 +1,4 @@
-"""pdd_wire.netns: two namespaces joined by a veth pair, for real (these tests run as root).
+"""pdd_tools.netns: two namespaces joined by a veth pair, for real (these tests run as root).
 
 They use the prefix "pddwt", never the demo's "pddw", and take the sites down whatever happens.
 Traffic comes from small Python programs run in a site with ``ip netns exec``.
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdd_wire.netns import NetnsError, TwoSites, tbf_params
+from pdd_tools.netns import NetnsError, TwoSites, tbf_params
 
 PREFIX = "pddwt"
 
@@ -177,7 +177,7 @@ def test_link_down_makes_connects_fail_and_link_up_restores(sites):
 
 
 def test_down_cleans_up_after_a_crashed_run():
-    crash = f"from pdd_wire.netns import TwoSites; import os; TwoSites({PREFIX!r}).up(); os.kill(os.getpid(), 9)"
+    crash = f"from pdd_tools.netns import TwoSites; import os; TwoSites({PREFIX!r}).up(); os.kill(os.getpid(), 9)"
     try:
         res = subprocess.run([sys.executable, "-c", crash], check=False, capture_output=True, text=True,
                              timeout=30)

@@ -154,7 +154,7 @@ async def test_the_pipeline_prediction_is_checked_against_the_real_wan_time(tmp_
 def test_md_inventory_tracks_prefill_cache_on_the_trace():
     """Both pipelines end at MD, so MD's inventory holds what P's cache holds (and the answers,
     which P never computed): with room for the working set MD lacks none of P's hits."""
-    from pdd_wire.bench import inventory_tracking
+    from pdd_tools.bench import inventory_tracking
 
     tr = inventory_tracking(1 << 20, n_requests=600, warmup=200)
     assert tr["lacked_share"] == 0 and tr["tracking"] >= 1.0 and tr["p_hit_blocks"] > 0

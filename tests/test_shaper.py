@@ -1,4 +1,4 @@
-"""pdd_wire.shaper: delay, order under jitter, the rate limit, address checks and the CLI.
+"""pdd_tools.shaper: delay, order under jitter, the rate limit, address checks and the CLI.
 
 Everything runs for real on loopback: an asyncio echo/sink server, the shaper in front of it,
 a client through the shaper; the CLI as a subprocess.
@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from pdd_wire.shaper import Shaper
+from pdd_tools.shaper import Shaper
 
 MiB = 1 << 20
 
@@ -160,7 +160,7 @@ def test_non_private_addresses_are_refused(listen, target):
 
 
 def _cli(*args: str, **kw) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pdd_wire.shaper", *args], text=True,
+    return subprocess.Popen([sys.executable, "-m", "pdd_tools.shaper", *args], text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kw)
 
 

@@ -1,5 +1,5 @@
-"""The simulated engines at scale (pdd_wire.engine.sim: cost model, KV pool, PrefillSim,
-DecodeSim) and the trace they replay (pdd_wire.trace).
+"""The simulated engines at scale (pdd_tools.sim: cost model, KV pool, PrefillSim,
+DecodeSim) and the trace they replay (pdd_tools.trace).
 
 The engine tests drive real agents (in-process, real sockets, real shared memory) for the three
 nodes PDD has: prefill a1 and relay decode a2 in site A, main decode b1 in site B. Every request's
@@ -15,10 +15,10 @@ import statistics
 import pytest
 from support.agents import cluster_toml, run_agents
 
-from pdd_wire import trace as tracemod
+from pdd_tools import trace as tracemod
+from pdd_tools.sim import (GPU_A, GPU_B, ChipProfile, DecodeSim, KvPool, PrefillSim, check_stream,
+                           token_at)
 from pdd_wire.engine.client import RegionHandle
-from pdd_wire.engine.sim import (GPU_A, GPU_B, ChipProfile, DecodeSim, KvPool, PrefillSim, check_stream,
-                                 token_at)
 
 MiB = 1 << 20
 KVB = 1024  # bytes per token in these tests

@@ -9,7 +9,7 @@ Topology (one cluster for the whole module; the vLLM processes start once):
                                               fault-injecting relay, a2 <-> b1 TCP direct)
 
 The vLLM engines run in the separate vLLM venv (``scripts/vllm-env``), each in its own process
-(pdd_wire/adapters/vllm_role_server.py); this test runs in the main venv and starts the agents.
+(pdd_tools.vllm.role_server); this test runs in the main venv and starts the agents.
 Every output is compared with the greedy output of a single vLLM instance (P's engine, with no
 KV transfer for that request), token id for token id; a cached-token count shows that the
 receiving engine used the KV it was sent, and the negative controls show that a wrong KV
@@ -36,7 +36,7 @@ from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
 from support.agents import cluster_toml, free_port
 from support.relay import Relay
-from pdd_wire.adapters.vllm_roles import RoleProc, missing
+from pdd_tools.vllm.roles import RoleProc, missing
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 

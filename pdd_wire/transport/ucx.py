@@ -25,7 +25,7 @@ processes of a transfer spin. We use the objects that layer is built on
 the :class:`UcxLoop`: after any activity it keeps polling for ``SPIN_S`` (``progress()``
 and ``sched_yield()`` release the GIL), then arms the workers and sleeps on their epoll
 fds, so an idle agent costs no CPU. Measured on the 2-core dev VM
-(``python -m pdd_wire.bench_ucx``: two processes, ``UCX_TLS=sm,self``, memfd buffers, 4 / 64
+(``python -m pdd_tools.bench_ucx``: two processes, ``UCX_TLS=sm,self``, memfd buffers, 4 / 64
 MiB messages): with both cores free, this path 8.3-9.6 / 5.0-5.5 GB/s, bare ucxx
 ``blocking`` 9.5-10.1 / 5.2-5.6 GB/s, ``ucx_perftest`` 9.2-10.3 / 5.3-6.3 GB/s; with another process
 busy on one core, this path 8.0 / 5.4 GB/s, bare ucxx 2.1 / 2.5-3.4 GB/s (its spinning

@@ -1,4 +1,4 @@
-"""Real agents for tests, in-process on the test's loop (subprocess agents: pdd_wire.harness)."""
+"""Real agents for tests, in-process on the test's loop (subprocess agents: pdd_tools.harness)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
-from pdd_wire.harness import free_port  # noqa: F401 - tests import it from here
+from pdd_tools.harness import free_port  # noqa: F401 - tests import it from here
 
 
 def two_site_toml(tmp: Path, *, streams: int = 4, chunk: int = 4 << 20, extra: str = "",

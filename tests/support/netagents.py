@@ -1,4 +1,4 @@
-"""Agents in two network namespaces: :class:`pdd_wire.harness.NetnsAgents` (kept importable
+"""Agents in two network namespaces: :class:`pdd_tools.harness.NetnsAgents` (kept importable
 under the name the tests use)."""
 
-from pdd_wire.harness import NetnsAgents as NetAgents  # noqa: F401
+from pdd_tools.harness import NetnsAgents as NetAgents  # noqa: F401

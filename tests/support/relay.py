@@ -36,7 +36,7 @@ import struct
 import time
 from typing import Any
 
-from pdd_wire.shaper import _End  # the socket protocol of a two-sided relayed connection
+from pdd_tools.shaper import _End  # the socket protocol of a two-sided relayed connection
 
 __all__ = ["Relay", "RelayedConn"]
 
@@ -395,7 +395,7 @@ class RelayedConn:
             else:
                 t.pause_reading()
 
-    # The names pdd_wire.shaper's socket protocol (_End) calls.
+    # The names pdd_tools.shaper's socket protocol (_End) calls.
     def on_made(self, side: int, transport: asyncio.Transport) -> None:
         self._on_made(side, transport)
 

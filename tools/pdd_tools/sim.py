@@ -4,13 +4,13 @@
 token at position ``i`` (as greedy decoding of one model does), so a test can check the stream a
 user would see (:func:`check_stream`).
 
-One request at a time, for the handoff tests and ``pdd-wire bench`` (group ``handoff``):
+One request at a time, for the handoff tests and ``pdd-tools bench`` (group ``handoff``):
 :class:`RldSim` decodes from position 0 and hands the output over; :class:`MdSim` absorbs
 relayed tokens with simulated extend steps and takes over. Both emit only what their agent's
 ``emit`` events allow, and record it: ``emitted`` maps position to token. Timing: a decode step
 takes ``step_s``; an extend of ``n`` tokens takes ``extend_s + n * extend_per_token_s``.
 
-Many requests at once, for replaying a trace (``pdd_wire.demo``):
+Many requests at once, for replaying a trace (``pdd_tools.demo``):
 
 * :class:`ChipProfile`, the cost model: prefill at ``prefill_tokens_per_s`` (compute bound),
   a decode step of a batch of ``B`` sequences in ``step_base_s + B * step_per_seq_s`` (memory
@@ -46,10 +46,10 @@ import time
 import zlib
 from dataclasses import dataclass, field
 
-from ..errors import EngineRequestError
-from ..memory import SharedMemory
-from . import protocol as p
-from .client import EngineClient, RegionHandle
+from pdd_wire.errors import EngineRequestError
+from pdd_wire.memory import SharedMemory
+from pdd_wire.engine import protocol as p
+from pdd_wire.engine.client import EngineClient, RegionHandle
 
 HANDOFF_EVENTS = (p.Emit, p.Extend, p.StopGenerating, p.StartGenerating, p.HandoffDone)
 
@@ -309,7 +309,7 @@ class ChipProfile:
         return batch / self.step_s(batch) if batch > 0 else 0.0
 
 
-# Scaled like the demo's trace and link (pdd_wire.trace): illustrative, not measured. GPU-A runs
+# Scaled like the demo's trace and link (pdd_tools.trace): illustrative, not measured. GPU-A runs
 # prefill (P) and relay decode (RLD, a small pool); GPU-B, main decode (MD), has half the
 # compute but reads memory faster per sequence and holds a bigger batch.
 GPU_A = ChipProfile("GPU-A", prefill_tokens_per_s=40_000, step_base_s=0.025, step_per_seq_s=0.0005,

@@ -1,4 +1,4 @@
-"""UCX local-path benchmark: ``python -m pdd_wire.bench_ucx [--quick]``.
+"""UCX local-path benchmark: ``python -m pdd_tools.bench_ucx [--quick]``.
 
 Goodput of one-way streams of 4 MiB and 64 MiB messages between two processes over shared
 memory (``UCX_TLS=sm,self``), three ways, in one run:
@@ -147,7 +147,7 @@ def _child(args: dict) -> None:
 
 
 def _spawn(args: dict, env: dict) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pdd_wire.bench_ucx", "--child", json.dumps(args)],
+    return subprocess.Popen([sys.executable, "-m", "pdd_tools.bench_ucx", "--child", json.dumps(args)],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
 
 
@@ -264,7 +264,7 @@ def run(quick: bool = False) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdd_wire.bench_ucx", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m pdd_tools.bench_ucx", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds and messages")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     if not ok:
         print(f"UCX path unavailable: {why}", file=sys.stderr)
         return 2
-    print(f"# {why}; UCX_TLS={TLS}; run: python -m pdd_wire.bench_ucx [--quick]", file=sys.stderr)
+    print(f"# {why}; UCX_TLS={TLS}; run: python -m pdd_tools.bench_ucx [--quick]", file=sys.stderr)
     for row in run(ns.quick):
         print(json.dumps(row))
     return 0

@@ -2,15 +2,15 @@
 
 Runs in the vLLM venv (.venv-vllm). Usage::
 
-    python vllm_role_server.py '{"model": DIR, "socket": "/tmp/x/a1.sock", "role": "producer", "name": "P",
-                            "prefix_caching": false, "cpu": "0"}'
+    python -m pdd_tools.vllm.role_server '{"model": DIR, "socket": "/tmp/x/a1.sock", "role": "producer",
+                                          "name": "P", "prefix_caching": false, "cpu": "0"}'
 
 ``socket`` null: no connector (a plain engine). Prints ``{"ready": ...}`` once the engine is up,
 then answers one request per line: ``{"id", "op", ...}`` -> ``{"id", "ok": true, "result"}`` or
 ``{"id", "ok": false, "error"}``; the ``rld`` op also prints ``{"id", "progress": position}``
 lines while it decodes. vLLM's own output goes to stderr.
 
-Ops (see pdd_wire.adapters.vllm_pdd): ``generate {prompt, max_tokens, kv}``, ``prefill {rid,
+Ops (see pdd_tools.vllm.driver): ``generate {prompt, max_tokens, kv}``, ``prefill {rid,
 prompt, to, deadline_s}``, ``decode {rid, prompt, n, from_site}``, ``rld {rid, prompt, n, md,
 load, step_delay_s}``, ``md {rid, prompt, n, rld}``, ``reset``, ``stats``, ``quit``.
 """
@@ -38,7 +38,7 @@ def main() -> None:
         proto.write(json.dumps(obj) + "\n")
 
     t0 = time.monotonic()
-    from pdd_wire.adapters import vllm_pdd as pdd
+    from pdd_tools.vllm import driver as pdd
 
     kv = None
     if cfg.get("socket"):

@@ -1,7 +1,7 @@
 """A user-space TCP shaping relay: one-way delay, jitter and a rate limit, per direction.
 
 Why: the demo and the fault-injection suite want two "datacenters" 20 ms apart on one machine,
-and this kernel has no ``netem`` qdisc (``tbf`` and ``htb`` exist, see :mod:`pdd_wire.netns`,
+and this kernel has no ``netem`` qdisc (``tbf`` and ``htb`` exist, see :mod:`pdd_tools.netns`,
 but neither delays packets).  So the WAN's latency is added here, above TCP: a :class:`Shaper`
 listens on ``listen`` and, for every accepted connection, connects to ``target`` and copies
 bytes both ways.  "c2s" is the direction from whoever connected to the shaper to the target,
@@ -31,7 +31,7 @@ apply to the chunks read from then on, on live connections too.  Only loopback a
 addresses (127/8, 10/8, 172.16/12, 192.168/16, ::1) may be listened on or targeted: this is a
 test tool and must never relay to, or be reachable from, the outside.
 
-CLI: ``python -m pdd_wire.shaper --listen HOST:PORT --target HOST:PORT --delay-ms 20
+CLI: ``python -m pdd_tools.shaper --listen HOST:PORT --target HOST:PORT --delay-ms 20
 --jitter-ms 2 [--rate-mbit N]`` runs until SIGTERM or SIGINT, then exits 0; a bad argument
 exits 2 naming it; a listen address that cannot be bound exits 1.  Once listening it prints
 ``shaper listening on HOST:PORT -> HOST:PORT`` on stdout (the real port when PORT was 0).
@@ -57,7 +57,7 @@ import structlog
 
 __all__ = ["Shaper", "ShaperStats", "check_address", "main"]
 
-log = structlog.get_logger("pdd_wire.shaper")
+log = structlog.get_logger("pdd_tools.shaper")
 
 Direction = Literal["c2s", "s2c", "both"]
 JitterDist = Literal["uniform", "normal"]
@@ -564,7 +564,7 @@ def _positive(text: str) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m pdd_wire.shaper",
+        prog="python -m pdd_tools.shaper",
         description="TCP relay adding one-way delay, jitter and a rate limit (loopback/private only)",
     )
     ap.add_argument("--listen", required=True, type=_endpoint("listen address", listen=True),
@@ -612,7 +612,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from . import log as logmod
+    from pdd_wire import log as logmod
 
     logmod.configure(args.log_level)
     try:

@@ -34,9 +34,9 @@ import os
 import time
 from typing import Any, Callable
 
-from ..engine import protocol as p
-from ..engine.client import EngineClient
-from .loop_thread import LoopThread
+from pdd_wire.engine import protocol as p
+from pdd_wire.engine.client import EngineClient
+from pdd_wire.adapters.loop_thread import LoopThread
 
 HANDOFF_EVENTS = (p.Emit, p.Extend, p.StopGenerating, p.StartGenerating, p.HandoffDone)
 

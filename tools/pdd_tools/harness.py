@@ -152,7 +152,7 @@ shutdown_grace_s = 1
 
 class NetnsAgents:
     """Agents for sites A and B as ``pdd-wired`` processes in two network namespaces joined by
-    a veth "WAN" (:class:`pdd_wire.netns.TwoSites`, optionally tbf-shaped), for fault injection
+    a veth "WAN" (:class:`pdd_tools.netns.TwoSites`, optionally tbf-shaped), for fault injection
     (``kill -9``, ``SIGSTOP``, link down/up) and link measurements. Engine sockets live in a
     shared directory, so engines in the root namespace reach both agents. ``admin``: each agent
     serves its admin HTTP on ``ADMIN`` inside its own namespace (see :meth:`run_in`).
@@ -213,7 +213,7 @@ class NetnsAgents:
         pr.wait()
 
     async def status(self, site: str) -> dict:
-        from .engine.client import EngineClient
+        from pdd_wire.engine.client import EngineClient
 
         async with EngineClient(self.socket(site), "probe") as c:
             return await c.status()

@@ -1,7 +1,7 @@
 """lz4 on real KV: ratio with and without the byte shuffle, one thread's speed, and per link rate
 the goodput with and without compression and :func:`pdd_wire.compress.worth_compressing`'s answer.
 
-    python -m pdd_wire.bench_compress [--json] [--pure] [--data DIR] [--cpu-budget N]
+    python -m pdd_tools.bench_compress [--json] [--pure] [--data DIR] [--cpu-budget N]
 
 Input: the samples scripts/make-kv-sample wrote to tests/data/ (fp16 and bf16 KV of a tiny
 random-weight Llama, described by kv_llama_tiny.json). Ratios are those of ``encode_chunk`` on
@@ -20,16 +20,27 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from . import compress as cz
+from pdd_wire import compress as cz
+
+from .paths import find_up
 
 CHUNK = 4 << 20
 LINK_GBIT = (0.1, 1.0, 10.0, 25.0)
-DEFAULT_DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
+SAMPLES_ENV = "PDD_KV_SAMPLES"  # the directory of the KV samples; default: tests/data of the checkout
+
+
+def default_data() -> Path:
+    """``$PDD_KV_SAMPLES``, else the nearest ``tests/data`` holding the samples (:mod:`pdd_tools.paths`)."""
+    if os.environ.get(SAMPLES_ENV):
+        return Path(os.environ[SAMPLES_ENV])
+    found = find_up(Path("tests") / "data" / "kv_llama_tiny.json")
+    return found.parent if found is not None else Path("tests") / "data"
 
 
 def _speed(fn, nbytes: int, reps: int) -> tuple[float, float]:
@@ -129,17 +140,21 @@ def run(data_dir: Path, reps: int, cpu_budget: float) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdd_wire.bench_compress", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pdd_tools.bench_compress", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     ap.add_argument("--pure", action="store_true", help="do not use numpy for the shuffle")
-    ap.add_argument("--data", type=Path, default=DEFAULT_DATA, help="directory with kv_llama_tiny.json")
+    ap.add_argument("--data", type=Path, default=None,
+                    help=f"directory with kv_llama_tiny.json (default: ${SAMPLES_ENV}, else tests/data of the checkout)")
     ap.add_argument("--reps", type=int, default=20, help="timed runs per figure")
     ap.add_argument("--cpu-budget", type=float, default=1.0, help="cores per side for (de)compression")
     a = ap.parse_args(argv)
+    if a.data is None:
+        a.data = default_data()
     if a.pure:
         cz.USE_NUMPY = False
     if not (a.data / "kv_llama_tiny.json").is_file():
-        print(f"error: no KV sample in {a.data} (make it with scripts/make-kv-sample)", file=sys.stderr)
+        print(f"error: no KV sample in {a.data} (make it with scripts/make-kv-sample, or set {SAMPLES_ENV})",
+              file=sys.stderr)
         return 2
     for row in run(a.data, a.reps, a.cpu_budget):
         if a.json:

@@ -9,7 +9,7 @@ a link that can be rate-limited and cut, without a second machine.  :class:`TwoS
   10.77.0.2/24, created straight inside the namespaces (never in the host's);
 * optionally a ``tbf`` qdisc at the same rate on both veth ends, so each direction of the WAN
   gets that rate.  This kernel has no ``netem``: latency and jitter come from
-  :mod:`pdd_wire.shaper` run inside a namespace.
+  :mod:`pdd_tools.shaper` run inside a namespace.
 
 tbf parameters (see :func:`tbf_params`): ``burst`` is the token bucket depth.  It must hold at
 least the largest packet tbf sees, and veth hands it GSO packets of up to 64 KiB (larger ones
@@ -27,7 +27,7 @@ says so; :meth:`TwoSites.down` is idempotent and also removes what an earlier, c
 with the same prefix left behind (``up`` calls it first).  Unless ``keep=True``, ``up``
 registers ``down`` with :mod:`atexit`; the CLI turns SIGTERM into a normal exit so that runs.
 
-CLI (``scripts/netns`` wraps it): ``python -m pdd_wire.netns up [--rate-mbit N] [--prefix P]
+CLI (``scripts/netns`` wraps it): ``python -m pdd_tools.netns up [--rate-mbit N] [--prefix P]
 [--hold]`` (the sites stay up after it exits, unless ``--hold``: then it waits for
 SIGTERM/SIGINT and takes them down), ``down [--prefix P]``, ``status [--prefix P]`` (exit 0
 when up, 1 when not).
@@ -51,7 +51,7 @@ import structlog
 
 __all__ = ["NetnsError", "TwoSites", "main", "tbf_params"]
 
-log = structlog.get_logger("pdd_wire.netns")
+log = structlog.get_logger("pdd_tools.netns")
 
 SITES = ("a", "b")
 ADDRS = {"a": "10.77.0.1", "b": "10.77.0.2"}
@@ -248,7 +248,7 @@ def _prefix(text: str) -> str:
 def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--prefix", type=_prefix, default="pddw", help="namespace name prefix (default pddw)")
-    ap = argparse.ArgumentParser(prog="python -m pdd_wire.netns",
+    ap = argparse.ArgumentParser(prog="python -m pdd_tools.netns",
                                  description="two network namespaces joined by a veth pair (the WAN)")
     sub = ap.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", parents=[common], help="create the sites (needs root)")
@@ -280,7 +280,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from . import log as logmod
+    from pdd_wire import log as logmod
 
     logmod.configure("info")
     signal.signal(signal.SIGTERM, _on_sigterm)

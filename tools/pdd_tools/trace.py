@@ -28,7 +28,7 @@ simulated prefill engine reads it from the trace and ships only the missing suff
 in for the decode-side prefix inventory (:mod:`pdd_wire.inventory`): running it for real would
 keep every conversation's prefix resident on the simulated MD (about 5.7 GB at the demo's scale).
 
-``python -m pdd_wire.trace [--requests N] [--seed S]`` prints the trace's statistics.
+``python -m pdd_tools.trace [--requests N] [--seed S]`` prints the trace's statistics.
 """
 
 from __future__ import annotations
@@ -209,7 +209,7 @@ def stats(reqs: list[Request], kv_bytes_per_token: int = 4096) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pdd_wire.trace", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m pdd_tools.trace", description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=TraceConfig.n_requests)
     ap.add_argument("--rate", type=float, default=TraceConfig.rate_per_s)
     ap.add_argument("--seed", type=int, default=1)

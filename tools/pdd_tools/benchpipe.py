@@ -1,6 +1,6 @@
 """A bare Python loopback pipe, the ceiling for KV moved from cold registered memory here.
 
-``python -m pdd_wire.benchpipe rx PORT SIZE`` receives with a uvloop ``BufferedProtocol`` and
+``python -m pdd_tools.benchpipe rx PORT SIZE`` receives with a uvloop ``BufferedProtocol`` and
 ``recv_into`` straight into a memfd region; ``tx PORT SIZE REPS`` sends a memfd region with
 blocking ``sendall`` in 4 MiB writes and prints GB/s. No framing, no checksums, no acks: what
 pdd-wire's bulk path would cost if it did nothing but move bytes between two processes' pools.

@@ -1,8 +1,15 @@
-"""The driving side of ``vllm_role_server.py``: one vLLM engine process per role, in the vLLM venv.
+"""The driving side of :mod:`pdd_tools.vllm.role_server`: one vLLM engine process per role, in
+the vLLM venv.
 
 Runs in the main venv (no vllm there); used by tests/test_vllm_adapter.py and by
-``scripts/demo --engine vllm`` (:mod:`pdd_wire.adapters.demo`). :func:`venv_paths` finds the vLLM venv and the tiny model
-that ``scripts/vllm-env`` builds; :class:`RoleProc` starts a role server and talks JSON lines.
+``scripts/demo --engine vllm`` (:mod:`pdd_tools.vllm.demo`). :func:`venv_paths` finds the vLLM
+venv and the tiny model that ``scripts/vllm-env`` builds; :class:`RoleProc` starts a role server
+and talks JSON lines.
+
+The vLLM venv is ``$PDD_VLLM_VENV`` when set; otherwise the first ``.venv-vllm`` found in the
+current directory or one above it (a checkout's root, where ``scripts/vllm-env`` builds it), then
+above this file (an editable install in a checkout). The role servers import ``pdd_tools`` and
+``pdd_wire`` from that venv: ``scripts/vllm-env`` installs both there.
 """
 
 from __future__ import annotations
@@ -13,23 +20,41 @@ import os
 from pathlib import Path
 from typing import Any, Callable
 
-ROOT = Path(__file__).resolve().parents[2]
-SERVER = Path(__file__).with_name("vllm_role_server.py")
+from ..paths import find_up
+
+VENV_ENV = "PDD_VLLM_VENV"
+VENV_DIR = ".venv-vllm"
+MODEL_DIR = Path("models") / "tiny-llama"  # inside the venv
+SERVER_MODULE = "pdd_tools.vllm.role_server"
+
+
+def find_venv() -> Path | None:
+    """The vLLM venv: ``$PDD_VLLM_VENV``, else the nearest ``.venv-vllm`` (see the module doc)."""
+    if os.environ.get(VENV_ENV):
+        return Path(os.environ[VENV_ENV])
+    py = find_up(Path(VENV_DIR) / "bin" / "python")
+    return None if py is None else py.parents[1]
 
 
 def venv_paths() -> tuple[Path, Path]:
-    """(python, model) of the vLLM venv; ``PDD_VLLM_VENV`` overrides ``.venv-vllm``."""
-    venv = Path(os.environ.get("PDD_VLLM_VENV", ROOT / ".venv-vllm"))
-    return venv / "bin" / "python", venv / "models" / "tiny-llama"
+    """(python, model) of the vLLM venv; RuntimeError, naming ``PDD_VLLM_VENV``, when none is found."""
+    venv = find_venv()
+    if venv is None:
+        raise RuntimeError(missing())
+    return venv / "bin" / "python", venv / MODEL_DIR
 
 
 def missing() -> str | None:
     """Why the vLLM venv cannot be used, or None."""
-    py, model = venv_paths()
+    venv = find_venv()
+    if venv is None:
+        return (f"no {VENV_DIR} in {Path.cwd()} or above it; build one with scripts/vllm-env or set "
+                f"{VENV_ENV} to the vLLM venv")
+    py, model = venv / "bin" / "python", venv / MODEL_DIR
     if not py.exists():
-        return f"{py} is missing"
+        return f"{py} is missing ({VENV_ENV}={os.environ.get(VENV_ENV, '')!r}); build it with scripts/vllm-env"
     if not (model / "model.safetensors").exists():
-        return f"the tiny model {model} is missing"
+        return f"the tiny model {model} is missing; build it with scripts/vllm-env"
     return None
 
 
@@ -39,7 +64,7 @@ class RoleProc:
     def __init__(self, name: str, cfg: dict, log: Path) -> None:
         self.name, self.log = name, log
         py, model = venv_paths()
-        self.cmd = [str(py), str(SERVER), json.dumps({"model": str(model), "name": name, **cfg})]
+        self.cmd = [str(py), "-m", SERVER_MODULE, json.dumps({"model": str(model), "name": name, **cfg})]
         self.proc: asyncio.subprocess.Process | None = None
         self.ready: dict = {}
         self._ids = 0

@@ -15,11 +15,11 @@ import subprocess
 import sys
 import time
 
-from .engine import protocol as p
-from .engine.client import EngineClient
+from pdd_wire.engine import protocol as p
+from pdd_wire.engine.client import EngineClient
 from .harness import AgentPair, free_port, metric_value
-from .memory import SharedMemory
-from .stats import percentile
+from pdd_wire.memory import SharedMemory
+from pdd_wire.stats import percentile
 
 MiB = 1 << 20
 
@@ -52,11 +52,11 @@ def bare_pipe_goodput(size: int = 64 * MiB, reps: int = 16) -> float:
     """The bare Python pipe between two processes' memfd regions (see benchpipe), GB/s."""
 
     port = free_port()
-    rx = subprocess.Popen([sys.executable, "-m", "pdd_wire.benchpipe", "rx", str(port), str(size)],
+    rx = subprocess.Popen([sys.executable, "-m", "pdd_tools.benchpipe", "rx", str(port), str(size)],
                           stdout=subprocess.PIPE, text=True)
     try:
         rx.stdout.readline()  # "ready"
-        out = subprocess.run([sys.executable, "-m", "pdd_wire.benchpipe", "tx", str(port), str(size), str(reps)],
+        out = subprocess.run([sys.executable, "-m", "pdd_tools.benchpipe", "tx", str(port), str(size), str(reps)],
                              capture_output=True, text=True, check=True)
         return float(out.stdout.strip())
     finally:
@@ -211,7 +211,7 @@ async def _handoff_latency(ep: EngineClient, er: EngineClient, em: EngineClient,
     """MD ready (its first extend event, sent as the KV lands) to ownership passed (MD told to
     start), in ms, with MD ``behind`` tokens behind RLD; RLD decodes a token every 20 ms. Extends
     cost nothing here: the figure is the protocol's and the agents' own time."""
-    from .engine.sim import MdSim, RldSim, check_stream
+    from .sim import MdSim, RldSim, check_stream
 
     src, dst = SharedMemory(MiB), SharedMemory(MiB)
     try:
@@ -248,7 +248,7 @@ async def _handoff_latency(ep: EngineClient, er: EngineClient, em: EngineClient,
 
 
 async def _shaper_figures(figs: "Figures") -> None:
-    """Round trips through ``pdd_wire.shaper`` set to 20 ms each way (loopback, 1-byte echo)."""
+    """Round trips through ``pdd_tools.shaper`` set to 20 ms each way (loopback, 1-byte echo)."""
     from .shaper import Shaper
 
     async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -303,7 +303,7 @@ def inventory_tracking(capacity_tokens: int, n_requests: int = 3000, warmup: int
     MD stores every turn it serves (prompt and answer) while P stores the prompts it prefills;
     a prefix P holds but MD lacks must cross the WAN although P did not compute it.
 
-    A pure simulation over ``pdd_wire.trace`` (multi-turn conversations, PDD's hit mix): each
+    A pure simulation over ``pdd_tools.trace`` (multi-turn conversations, PDD's hit mix): each
     side is a :class:`pdd_wire.inventory.Inventory` of ``capacity_tokens`` with LRU eviction,
     fed in arrival order (anomalous requests finish on RLD: P stores them, MD never sees them).
     Token streams are per conversation (system prompts are not shared here). Measured after
@@ -311,7 +311,7 @@ def inventory_tracking(capacity_tokens: int, n_requests: int = 3000, warmup: int
     import collections
     import itertools
 
-    from .inventory import Inventory, chain_hashes
+    from pdd_wire.inventory import Inventory, chain_hashes
     from .trace import generate
 
     reqs = generate(n_requests=n_requests)
@@ -365,7 +365,7 @@ async def _prefix_figures(figs: "Figures", pair: AgentPair, ea: EngineClient, eb
     1-8 K tokens."""
     import random
 
-    from .inventory import chain_hashes
+    from pdd_wire.inventory import chain_hashes
 
     rng = random.Random(7)
     block, btok, maxb = 64 << 10, 16, 512
@@ -421,14 +421,12 @@ async def _prefix_figures(figs: "Figures", pair: AgentPair, ea: EngineClient, eb
 
 
 async def _compress_figures(figs: "Figures", quick: bool) -> None:
-    """lz4 on real KV (pdd_wire.bench_compress), then measured through the agents: goodput of
+    """lz4 on real KV (pdd_tools.bench_compress), then measured through the agents: goodput of
     the same bf16 KV over a tbf-shaped veth WAN with ``transfer.compress`` off and auto."""
-    from pathlib import Path
-
     from . import bench_compress
     from .harness import NetnsAgents
 
-    data = Path(__file__).resolve().parent.parent / "tests" / "data"
+    data = bench_compress.default_data()
     for row in await asyncio.to_thread(bench_compress.run, data, 5 if quick else 20, 1.0):
         figs.add(row["figure"], row["value"], row["unit"], note=row.get("note", ""))
     if os.geteuid() != 0:
@@ -499,7 +497,7 @@ async def _run(args) -> int:
                     figs.add(f"kv_goodput_{label}", gbps, "GB/s", "iperf3 -l 1M", base,
                              note=f"{count} transfers, {conc} at a time, median {statistics.median(lat) * 1e3:.1f} ms each")
                     figs.add(f"kv_goodput_{label}_vs_bare_pipe", gbps, "GB/s", "bare python pipe", pipe,
-                             note="memfd to memfd, no framing or checksums (pdd_wire.benchpipe)")
+                             note="memfd to memfd, no framing or checksums (pdd_tools.benchpipe)")
             if "latency" in groups:
                 idle = await _token_latency(ea, eb, 100 if quick else 300, "idle")
                 figs.add("token_latency_idle_p50", percentile(idle, 50), "ms")
@@ -530,9 +528,9 @@ async def _run(args) -> int:
 
 async def _ucx_figures(figs: Figures, quick: bool) -> None:
     """KV between two agents of one site over UCX, next to bare ucxx tag send/recv (same sizes,
-    same UCX_TLS, measured by pdd_wire.bench_ucx in this run)."""
+    same UCX_TLS, measured by pdd_tools.bench_ucx in this run)."""
     from . import bench_ucx
-    from .transport import ucx
+    from pdd_wire.transport import ucx
 
     ok, why = ucx.available()
     if not ok:
@@ -549,7 +547,7 @@ async def _ucx_figures(figs: Figures, quick: bool) -> None:
                          note=f"two agents of site A, transport ucx; {count} transfers, {conc} at a time")
     for name, row in bare.items():
         figs.add(name, row["value"], row["unit"], row.get("baseline"), row.get("baseline_value"),
-                 note="measured by pdd_wire.bench_ucx between two processes")
+                 note="measured by pdd_tools.bench_ucx between two processes")
 
 
 def run_bench(args) -> int:

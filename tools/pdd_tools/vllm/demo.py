@@ -2,7 +2,7 @@
 
 Three agents on loopback as PDD places them -- prefill ``a1`` and relay decode ``a2`` in site A
 (UCX between them), main decode ``b1`` in site B (TCP) -- and one vLLM engine per role
-(:mod:`pdd_wire.adapters.vllm_role_server`, in the vLLM venv that ``scripts/vllm-env``
+(:mod:`pdd_tools.vllm.role_server`, in the vLLM venv that ``scripts/vllm-env``
 builds). For a few prompts it prints the generated token ids side by side: a single vLLM
 instance (the reference), plain PD (MD decodes from P's KV) and PDD (RLD decodes from P's KV
 over UCX while MD's copy crosses over TCP, then hands the output over). Both must equal the
@@ -35,16 +35,16 @@ def _row(label: str, tokens: list[int], base: list[int], mark: int | None = None
 
 
 async def _run(requests: int) -> int:
-    from .. import config as cfgmod
-    from .. import log
-    from ..agent import Agent
+    from pdd_wire import config as cfgmod
+    from pdd_wire import log
+    from pdd_wire.agent import Agent
     from ..harness import agent_toml, free_port
-    from .vllm_roles import RoleProc, missing
+    from .roles import RoleProc, missing
 
     log.configure("warning", "console")  # the agents run in this process: keep the table readable
     why = missing()
     if why:
-        print(f"pdd-wire demo --engine vllm: the vLLM venv is needed ({why}): run scripts/vllm-env")
+        print(f"pdd-tools demo --engine vllm: the vLLM venv is needed ({why}): run scripts/vllm-env")
         return 2
     tmp = Path(tempfile.mkdtemp(prefix="pdw-vllm-demo-"))
     nodes = {"a1": "A", "a2": "A", "b1": "B"}
