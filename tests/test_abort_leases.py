@@ -12,8 +12,8 @@ import socket
 import pytest
 
 from conftest import metric, until
-from pdd_wire.engine import protocol as p
 from pdd_tools.sim import MdSim, RldSim
+from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
 from support.agents import run_agents, two_site_toml
 

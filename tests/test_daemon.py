@@ -2,7 +2,7 @@
 SIGTERM with transfers in flight, JSON logs, and ``pdd-wire config``.
 
 Every agent here is a ``sys.executable -m pdd_wire`` subprocess; the test process plays the
-engines (EngineClient) and, where a link must stall, the network (a Relay it can pause).
+engines (EngineClient) and, where a link must stall, the network (a pdd_tools.shaper.Shaper it can pause).
 Readiness is always awaited (an sd_notify datagram, /v1/status), never slept for.
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 from conftest import fill_random, same_bytes
 from support.agents import free_port
-from support.relay import Relay
 
+from pdd_tools.shaper import Shaper
 from pdd_wire import config as cfgmod
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
@@ -490,7 +490,7 @@ async def test_engine_socket_in_use_exits_1_with_an_error_line_and_spares_the_li
 
 
 # ---------------------------------------------------------------------------------- SIGTERM
-async def _relayed_pair(daemons, d: Path, relay: Relay, wan: dict, extra: str):
+async def _relayed_pair(daemons, d: Path, relay: Shaper, wan: dict, extra: str):
     """A dials B through ``relay`` (which forwards to ``wan["B"]``); both up."""
     cfg = pair_configs(d, wan=wan, a_dials=relay.port, extra=extra)
     b = daemons(["--site", "B", "--config", str(cfg["B"])], name="B")
@@ -503,7 +503,7 @@ async def _relayed_pair(daemons, d: Path, relay: Relay, wan: dict, extra: str):
 async def test_sigterm_fails_a_stuck_transfer_with_shutting_down_after_the_grace(daemons, short_dir, engines):
     extra = "[timeouts]\nshutdown_grace_s = 1\nheartbeat_s = 1\ndead_after_s = 30\n"
     wan = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", wan["B"]) as relay:
+    async with Shaper(target=("127.0.0.1", wan["B"])) as relay:
         cfg, a, b = await _relayed_pair(daemons, short_dir, relay, wan, extra)
         ea = await engines.connect(cfg["sock"]["A"], "prefill")
         src = engines.memory(8 * MiB)
@@ -535,7 +535,7 @@ async def test_sigterm_fails_a_stuck_transfer_with_shutting_down_after_the_grace
 async def test_sigterm_lets_a_transfer_that_can_finish_complete_before_exit(daemons, short_dir, engines):
     extra = "[timeouts]\nshutdown_grace_s = 15\nheartbeat_s = 1\ndead_after_s = 30\n"
     wan = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", wan["B"]) as relay:
+    async with Shaper(target=("127.0.0.1", wan["B"])) as relay:
         cfg, a, b = await _relayed_pair(daemons, short_dir, relay, wan, extra)
         ea = await engines.connect(cfg["sock"]["A"], "prefill")
         eb = await engines.connect(cfg["sock"]["B"], "decode")

@@ -19,9 +19,9 @@ import time
 
 import pytest
 
+from pdd_tools.sim import MdSim, RldSim, check_stream
 from pdd_wire import EngineClient, SharedMemory
 from pdd_wire.engine import protocol as p
-from pdd_tools.sim import MdSim, RldSim, check_stream
 from pdd_wire.errors import ErrorCode, TransportError
 from support.netagents import NetAgents
 

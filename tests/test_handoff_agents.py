@@ -13,8 +13,8 @@ import asyncio
 import pytest
 
 from conftest import metric
-from pdd_wire.engine import protocol as p
 from pdd_tools.sim import MdSim, RldSim, check_stream, token_at
+from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
 from support.agents import relayed_toml, run_agents, two_site_toml
 

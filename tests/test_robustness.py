@@ -25,8 +25,8 @@ import aiohttp
 import pytest
 from conftest import fill_random, metric, same_bytes, until
 from support.agents import free_port, run_agents, two_site_toml
-from support.relay import Relay
 
+from pdd_tools.shaper import Shaper
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
 from pdd_wire.memory import SharedMemory
@@ -519,7 +519,7 @@ async def test_send_kv_with_a_deadline_the_wire_cannot_carry(deadline, tmp_sock_
     reconnect re-announces it inside the WELCOME handler, which raises again: the session
     never comes back up (it reconnects about 20 times a second, forever)."""
     ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
+    async with Shaper(target=("127.0.0.1", ports["B"])) as relay:
         async with run_agents(_tomls(tmp_sock_dir, ports=ports, wan_override={"B": f"127.0.0.1:{relay.port}"})) as ag:
             served = await Served(engines, tmp_sock_dir, ag).start()
             await served.round()
@@ -657,7 +657,7 @@ def _only_prefixes_of(got: bytes, want: bytes, chunk: int) -> int:
 
 async def test_sending_engine_killed_mid_transfer(tmp_sock_dir, engines):
     ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"], queue_limit=QUEUE) as relay:
+    async with Shaper(target=("127.0.0.1", ports["B"]), queue_limit=QUEUE) as relay:
         async with run_agents(_slow_tomls(tmp_sock_dir, ports, relay)) as ag:
             A, B = ag["A"], ag["B"]
             survivor = await engines.connect(tmp_sock_dir / "A.sock", "survivor")
@@ -666,7 +666,7 @@ async def test_sending_engine_killed_mid_transfer(tmp_sock_dir, engines):
             rb = await eb.register(dst, block_bytes=CHUNK)
             await eb.post_recv("doomed", [rb.blocks(0, rb.n_blocks)], from_site="A")
             regions0 = len(A.regions)
-            relay.set_delay(0.02)  # slow enough that the transfer is caught in the middle
+            relay.set_delay(20)  # slow enough that the transfer is caught in the middle
             proc = await _spawn("--socket", str(tmp_sock_dir / "A.sock"), "--role", "send", "--request", "doomed",
                                 "--spare", "spare", "--size", str(DOOMED), "--block", str(CHUNK), "--to", "B",
                                 "--seed", "11")
@@ -718,7 +718,7 @@ async def test_sending_engine_killed_mid_transfer(tmp_sock_dir, engines):
 
 async def test_receiving_engine_killed_mid_transfer(tmp_sock_dir, engines):
     ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"], queue_limit=QUEUE) as relay:
+    async with Shaper(target=("127.0.0.1", ports["B"]), queue_limit=QUEUE) as relay:
         async with run_agents(_slow_tomls(tmp_sock_dir, ports, relay)) as ag:
             A, B = ag["A"], ag["B"]
             ea = await engines.connect(tmp_sock_dir / "A.sock", "prefill")
@@ -734,7 +734,7 @@ async def test_receiving_engine_killed_mid_transfer(tmp_sock_dir, engines):
                                 "--fd", str(dst.fd), pass_fds=(dst.fd,))
             try:
                 assert len(B.regions) == regions0 + 1 and {"doomed", "spare"} <= set(B.posts)
-                relay.set_delay(0.02)
+                relay.set_delay(20)
                 await ea.send_kv("doomed", [ra.blocks(0, ra.n_blocks)], to=["B"])
                 await until(lambda: metric(B, "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2, 30)
                 relay.pause()

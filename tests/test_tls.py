@@ -1,7 +1,7 @@
 """Mutual TLS between real in-process agents over real loopback sockets, with a throwaway PKI.
 
 A (a1) always dials B (b1): ("A", "a1") sorts first. Where the dialer must be seen retrying, a
-Relay sits in between and its accepted connections count A's dial attempts (bulk connections
+shaper (pdd_tools.shaper) sits in between and its accepted connections count A's dial attempts (bulk connections
 are only dialed once a control handshake succeeded), so no test sleeps to wait for retries.
 """
 
@@ -15,8 +15,8 @@ from conftest import fill_random, metric, same_bytes
 from structlog.testing import capture_logs
 from support.agents import free_port, run_agents, two_site_toml, wait_links
 from support.certs import make_pki
-from support.relay import Relay
 
+from pdd_tools.shaper import Shaper
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as p
@@ -55,7 +55,7 @@ async def agent(toml: str):
         await a.shutdown(0)
 
 
-async def refused_dials(a: Agent, relay: Relay, attempts: int = 3, timeout: float = 10) -> None:
+async def refused_dials(a: Agent, relay: Shaper, attempts: int = 3, timeout: float = 10) -> None:
     """Wait until A has dialed B (through ``relay``) ``attempts`` times and been refused each
     time: the session never comes up and no bulk connection is ever opened."""
     sess = a.sessions["B/b1"]
@@ -115,7 +115,7 @@ async def test_peer_with_a_rogue_ca_certificate_never_comes_up_until_fixed(tmp_s
     """B presents a certificate from another CA: A's dialer refuses it, again and again; once B
     restarts with its good certificate, the session comes up."""
     ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
+    async with Shaper(target=("127.0.0.1", ports["B"])) as relay:
         rogue = relayed(tmp_sock_dir, relay.port, ports, tls_for(pki, b1=pki["rogue"]))
         good = relayed(tmp_sock_dir, relay.port, ports, tls_for(pki))
         async with agent(good["A"]) as a:
@@ -134,7 +134,7 @@ async def test_rogue_ca_refusals_are_counted_in_the_errors_metric(tmp_sock_dir, 
     """An operator must see in /metrics why a peer stays down: a certificate the CA did not sign
     is an error, not just 'peer not reachable'."""
     ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
+    async with Shaper(target=("127.0.0.1", ports["B"])) as relay:
         tomls = relayed(tmp_sock_dir, relay.port, ports, tls_for(pki, b1=pki["rogue"]))
         async with agent(tomls["A"]) as a, agent(tomls["B"]):
             await refused_dials(a, relay, attempts=3)
@@ -145,7 +145,7 @@ async def test_dialer_with_a_rogue_ca_certificate_is_refused_by_the_listener(tmp
     """The other direction: A's client certificate is from the rogue CA; B (CERT_REQUIRED)
     refuses the TLS handshake, so A never gets as far as HELLO."""
     ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
+    async with Shaper(target=("127.0.0.1", ports["B"])) as relay:
         tomls = relayed(tmp_sock_dir, relay.port, ports, tls_for(pki, a1=pki["rogue"]))
         async with agent(tomls["A"]) as a, agent(tomls["B"]) as b:
             await refused_dials(a, relay, attempts=3)
@@ -158,7 +158,7 @@ async def test_client_certificate_for_the_wrong_node_is_refused_with_identity_mi
     """A presents a valid certificate (good CA) that names b1, not a1: B's HELLO check refuses
     it with IDENTITY_MISMATCH and tells A so in an ERROR frame."""
     ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
+    async with Shaper(target=("127.0.0.1", ports["B"])) as relay:
         tomls = relayed(tmp_sock_dir, relay.port, ports, tls_for(pki, a1=pki["b1"]))
         with capture_logs() as logs:
             async with agent(tomls["A"]) as a, agent(tomls["B"]) as b:
@@ -175,7 +175,7 @@ async def test_identity_mismatch_refusal_is_not_counted_as_unknown_peer_by_the_d
     """B refused A with IDENTITY_MISMATCH; A is a configured peer of B, so A's own metrics and
     logs must not report UNKNOWN_PEER."""
     ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
+    async with Shaper(target=("127.0.0.1", ports["B"])) as relay:
         tomls = relayed(tmp_sock_dir, relay.port, ports, tls_for(pki, a1=pki["b1"]))
         with capture_logs() as logs:
             async with agent(tomls["A"]) as a, agent(tomls["B"]) as b:
@@ -189,7 +189,7 @@ async def test_identity_mismatch_refusal_is_not_counted_as_unknown_peer_by_the_d
 async def test_server_certificate_for_the_wrong_node_is_refused(tmp_sock_dir, pki):
     """A expects b1, B presents a valid certificate (good CA) for a1: A's dialer refuses it."""
     ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
+    async with Shaper(target=("127.0.0.1", ports["B"])) as relay:
         tomls = relayed(tmp_sock_dir, relay.port, ports, tls_for(pki, b1=pki["a1"]))
         async with agent(tomls["A"]) as a, agent(tomls["B"]) as b:
             await refused_dials(a, relay, attempts=4)
@@ -199,7 +199,7 @@ async def test_server_certificate_for_the_wrong_node_is_refused(tmp_sock_dir, pk
 async def test_server_certificate_for_the_wrong_node_is_counted_as_identity_mismatch(tmp_sock_dir, pki):
     """The dialer-side name check: the chain is valid but names a1 where A expects b1."""
     ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
+    async with Shaper(target=("127.0.0.1", ports["B"])) as relay:
         tomls = relayed(tmp_sock_dir, relay.port, ports, tls_for(pki, b1=pki["a1"]))
         async with agent(tomls["A"]) as a, agent(tomls["B"]):
             await refused_dials(a, relay, attempts=3)

@@ -29,14 +29,14 @@ import pytest
 import pytest_asyncio
 
 from conftest import metric
+from pdd_tools.shaper import Shaper
+from pdd_tools.vllm.roles import RoleProc, missing
 from pdd_wire import EngineClient, SharedMemory
 from pdd_wire.agent import Agent
 from pdd_wire import config as cfgmod
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
 from support.agents import cluster_toml, free_port
-from support.relay import Relay
-from pdd_tools.vllm.roles import RoleProc, missing
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -59,7 +59,7 @@ catchup_gap_tokens = 4
 
 
 class Cluster:
-    def __init__(self, tmp: Path, agents: dict[str, Agent], relay: Relay, P: RoleProc, RLD: RoleProc,
+    def __init__(self, tmp: Path, agents: dict[str, Agent], relay: Shaper, P: RoleProc, RLD: RoleProc,
                  MD: RoleProc) -> None:
         self.tmp, self.agents, self.relay = tmp, agents, relay
         self.P, self.RLD, self.MD = P, RLD, MD
@@ -98,7 +98,7 @@ async def cluster():
     ports = {n: free_port() for n in ("a1", "a2", "b1")}
     agents: dict[str, Agent] = {}
     procs: list[RoleProc] = []
-    async with Relay("127.0.0.1", ports["b1"]) as relay:
+    async with Shaper(target=("127.0.0.1", ports["b1"])) as relay:
         # a1 dials b1 through the relay (the byte-flip test); a1-a2 is the UCX local path.
         tomls = cluster_toml(tmp, [("A", "a1"), ("A", "a2"), ("B", "b1")], local_transport="ucx", streams=1,
                              extra=AGENT_EXTRA, ports=ports, dial={("a1", "b1"): relay.port})

@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 from pathlib import Path
 
+from pdd_tools.harness import free_port  # noqa: F401 - tests import it from here
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
-from pdd_tools.harness import free_port  # noqa: F401 - tests import it from here
 
 
 def two_site_toml(tmp: Path, *, streams: int = 4, chunk: int = 4 << 20, extra: str = "",
@@ -113,10 +113,10 @@ shutdown_grace_s = 2
 async def relayed_toml(tmp: Path, *, transfer: str = ""):
     """A fault-injecting relay in front of B (A dials B through it: A->B is the relay's c2s) and
     the two agents' TOML; ``transfer`` adds lines to both [transfer] tables."""
-    from .relay import Relay
+    from pdd_tools.shaper import Shaper
 
     ports = {"A": free_port(), "B": free_port()}
-    async with Relay("127.0.0.1", ports["B"]) as relay:
+    async with Shaper(target=("127.0.0.1", ports["B"])) as relay:
         tomls = two_site_toml(tmp, ports=ports, wan_override={"B": f"127.0.0.1:{relay.port}"})
         if transfer:
             tomls = {k: (v.replace("[transfer]\n", f"[transfer]\n{transfer}\n") if k in "AB" else v)

@@ -1,4 +1,5 @@
-"""Tests for the fault-injection relay in tests/support/relay.py.
+"""The shaper's fault injection (pdd_tools.shaper: flip, cut, pause, link drop, refused
+connections) and its plain relaying: bulk, half-close, resets, the delay queue's bound.
 
 Every test runs on both the default asyncio loop and uvloop, each in a fresh
 loop (asyncio.Runner), and fails if the loop reports an unhandled error or a
@@ -19,7 +20,7 @@ from typing import Any
 import pytest
 import uvloop
 
-from support.relay import Relay, RelayedConn
+from pdd_tools.shaper import Shaper
 
 TIMEOUT = 10  # seconds; any single wait in these tests
 MiB = 1 << 20
@@ -133,7 +134,7 @@ async def send_all(writer: asyncio.StreamWriter, data: bytes, *, eof: bool = Tru
         await writer.drain()
 
 
-async def connect(relay: Relay) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def connect(relay: Shaper) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.wait_for(asyncio.open_connection("127.0.0.1", relay.port), TIMEOUT)
 
 
@@ -166,7 +167,7 @@ def test_bulk_64mib_both_directions(run):
         return received, exc
 
     async def body():
-        async with Target(server) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(server) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             reader, writer = await connect(relay)
             sender = asyncio.create_task(send_all(writer, up))
             got_down, exc = await asyncio.wait_for(read_all(reader), TIMEOUT)
@@ -190,7 +191,7 @@ def test_half_close_forwarded(run):
     """EOF from the client reaches the server as EOF; the reply still comes back."""
 
     async def body():
-        async with Target(echo) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(echo) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             reader, writer = await connect(relay)
             await send_all(writer, b"hello, half-closed world")
             assert (await read_all(reader)) == (b"hello, half-closed world", None)
@@ -205,7 +206,7 @@ def test_target_down_resets_client(run):
     async def body():
         async with Target(sink) as target:
             port = target.port
-        async with Relay("127.0.0.1", port) as relay:
+        async with Shaper(target=("127.0.0.1", port)) as relay:
             reader, writer = await connect(relay)
             data, exc = await asyncio.wait_for(read_all(reader), TIMEOUT)
             assert data == b""
@@ -230,7 +231,7 @@ def test_flip_byte_at_c2s_once(run):
     offset = 1_234_567
 
     async def body():
-        async with Target(sink) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(sink) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             relay.flip_byte_at(offset)
             for attempt in range(2):
                 reader, writer = await connect(relay)
@@ -253,7 +254,7 @@ def test_flip_byte_at_s2c(run):
     data = payload(MiB, 4)
 
     async def body():
-        async with Target(echo) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(echo) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             relay.flip_byte_at(0, direction="s2c")
             relay.flip_byte_at(len(data) - 1, direction="s2c")
             reader, writer = await connect(relay)
@@ -273,7 +274,7 @@ def test_flip_byte_at_skips_small_connections(run):
     small, big = payload(100, 5), payload(MiB, 6)
 
     async def body():
-        async with Target(sink) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(sink) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             # Offset 10 lies in both connections, but only the big one carries
             # more than 64 KiB in total.
             relay.flip_byte_at(10, min_conn_bytes=64 * 1024)
@@ -295,7 +296,7 @@ def test_flip_hold_released_when_spent_elsewhere(run):
     small, big = payload(100, 12), payload(MiB, 13)
 
     async def body():
-        async with Target(echo) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(echo) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             relay.flip_byte_at(10, min_conn_bytes=64 * 1024)
             ra, wa = await connect(relay)
             wa.write(small)
@@ -327,7 +328,7 @@ def test_cut_after_resets_then_next_connection_works(run):
     cut = 40_000
 
     async def body():
-        async with Target(sink) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(sink) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             relay.cut_after(cut)
             reader, writer = await connect(relay)
             writer.write(data)  # more than the cut: the rest is never forwarded
@@ -359,7 +360,7 @@ def test_cut_after_s2c_count(run):
     cut = 1000
 
     async def body():
-        async with Target(echo) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(echo) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             relay.cut_after(cut, direction="s2c", count=2)
             for i in range(3):
                 reader, writer = await connect(relay)
@@ -385,15 +386,15 @@ def test_cut_after_s2c_count(run):
 
 
 def test_set_delay_adds_latency(run):
-    delay = 0.1
+    delay_ms = 100
 
     async def body():
-        async with Target(echo) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(echo) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             reader, writer = await connect(relay)
             await roundtrip(reader, writer, b"warm-up")
-            relay.set_delay(delay)
+            relay.set_delay(delay_ms)
             # One way each direction: a round trip takes at least twice the delay.
-            assert await roundtrip(reader, writer, b"ping") >= 2 * delay
+            assert await roundtrip(reader, writer, b"ping") >= 2 * delay_ms / 1e3
             # Order is kept across many small chunks and a large one.
             msgs = [b"%d," % i for i in range(200)] + [payload(3 * MiB, 9)]
             for m in msgs:
@@ -409,33 +410,26 @@ def test_set_delay_adds_latency(run):
     run(body)
 
 
-def test_delay_queue_bounded(run, monkeypatch):
+def test_delay_queue_bounded(run):
     """With a long delay the relay stops reading once queue_limit bytes are queued."""
     limit = 256 * 1024
     data = payload(32 * MiB, 10)
-    high = [0]
-    enqueue = RelayedConn._enqueue
-
-    def watch(self, d, item, size):
-        enqueue(self, d, item, size)
-        high[0] = max(high[0], self._qbytes[d])
-
-    monkeypatch.setattr(RelayedConn, "_enqueue", watch)
 
     async def body():
-        async with Target(sink) as target, Relay("127.0.0.1", target.port, queue_limit=limit) as relay:
-            relay.set_delay(0.3)
+        async with Target(sink) as target, Shaper(target=("127.0.0.1", target.port), queue_limit=limit) as relay:
+            relay.set_delay(300)
             reader, writer = await connect(relay)
+            (conn,) = await relay.wait_connections(1)
             sender = asyncio.create_task(send_all(writer, data))
             # The relay must stop reading: the client blocks.  (The timeout is
             # the assertion, not synchronisation.)
             done, _ = await asyncio.wait({sender}, timeout=0.2)
             assert not done
-            assert limit < high[0] <= limit + MiB  # at most one read past the limit
+            assert limit < conn.queued_peak <= limit + MiB  # at most one read past the limit
             relay.set_delay(0)
             await asyncio.wait_for(sender, TIMEOUT)
             assert await target.result() == (data, None)
-            assert high[0] <= limit + MiB
+            assert conn.queued_peak <= limit + MiB
             writer.close()
 
     run(body)
@@ -446,7 +440,7 @@ def test_delay_queue_bounded(run, monkeypatch):
 
 def test_pause_resume(run):
     async def body():
-        async with Target(echo) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(echo) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             reader, writer = await connect(relay)
             await roundtrip(reader, writer, b"before")
             conn = relay.connections[0]
@@ -472,7 +466,7 @@ def test_pause_holds_bulk_data_bounded(run):
     data = payload(16 * MiB, 11)
 
     async def body():
-        async with Target(sink) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(sink) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             reader, writer = await connect(relay)
             (conn,) = await relay.wait_connections(1)
             relay.pause()
@@ -480,7 +474,7 @@ def test_pause_holds_bulk_data_bounded(run):
             done, _ = await asyncio.wait({sender}, timeout=0.3)
             assert not done  # the client blocks: the relay stops reading
             assert conn.bytes_c2s == 0
-            assert conn._qbytes[0] <= MiB
+            assert conn.queued_peak <= MiB
             relay.resume()
             await asyncio.wait_for(sender, TIMEOUT)
             assert await target.result() == (data, None)
@@ -494,7 +488,7 @@ def test_pause_holds_bulk_data_bounded(run):
 
 def test_abort_all(run):
     async def body():
-        async with Target(echo) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(echo) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             clients = [await connect(relay) for _ in range(3)]
             for reader, writer in clients:
                 await roundtrip(reader, writer, b"up")
@@ -527,7 +521,7 @@ def test_target_reset_reaches_client(run):
         return "reset"
 
     async def body():
-        async with Target(server) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(server) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             reader, writer = await connect(relay)
             writer.write(b"hello")
             got, exc = await asyncio.wait_for(read_all(reader), TIMEOUT)
@@ -542,7 +536,7 @@ def test_target_reset_reaches_client(run):
 
 def test_reject_new(run):
     async def body():
-        async with Target(echo) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(echo) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             reader, writer = await connect(relay)
             await roundtrip(reader, writer, b"live")
             relay.reject_new(True)
@@ -569,11 +563,11 @@ def test_reject_new(run):
 def test_close_is_idempotent_and_resets(run):
     async def body():
         async with Target(echo) as target:
-            relay = Relay("127.0.0.1", target.port)
+            relay = Shaper(target=("127.0.0.1", target.port))
             await relay.start()
             reader, writer = await connect(relay)
             await roundtrip(reader, writer, b"x")
-            relay.set_delay(5)  # data queued in the relay when it closes
+            relay.set_delay(5000)  # data queued in the relay when it closes
             writer.write(b"queued")
             await asyncio.gather(relay.close(), relay.close())
             await relay.close()
@@ -590,7 +584,7 @@ def test_close_is_idempotent_and_resets(run):
 
 def test_wait_connections_timeout(run):
     async def body():
-        async with Target(echo) as target, Relay("127.0.0.1", target.port) as relay:
+        async with Target(echo) as target, Shaper(target=("127.0.0.1", target.port)) as relay:
             with pytest.raises(TimeoutError):
                 await relay.wait_connections(1, timeout=0.05)
             reader, writer = await connect(relay)
