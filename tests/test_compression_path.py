@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from conftest import metric
 from pdd_wire import EngineClient, SharedMemory
 from pdd_wire.engine import protocol as p
@@ -83,6 +84,7 @@ async def test_auto_leaves_compression_off_on_a_fast_link(tmp_sock_dir, engines)
         assert metric(agents["A"], "pddwire_compressed_chunks", peer="B/b1") == 0
 
 
+@pytest.mark.root
 async def test_auto_turns_compression_on_over_a_slow_wan():
     async with NetAgents("pddwz", rate_bps=100_000_000, transfer='compress = "auto"') as net:
         a = await EngineClient(net.socket("A"), "a").connect()

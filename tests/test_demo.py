@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import subprocess
 
+import pytest
+
 from pdd_tools import demo
 from pdd_tools.sim import check_stream
 
@@ -79,6 +81,7 @@ async def test_demo_on_loopback_with_a_shaper(tmp_path):
     assert _our_processes(out) == []  # agents, shaper and engine processes all stopped
 
 
+@pytest.mark.root
 async def test_demo_across_two_network_namespaces(tmp_path):
     prefix = "pddwd"  # not the demo's pddw nor test_netns's pddwt
     cfg = _cfg(tmp_path, where="netns", prefix=prefix, requests=24)

@@ -25,6 +25,8 @@ from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode, TransportError
 from support.netagents import NetAgents
 
+pytestmark = pytest.mark.root  # agents in two network namespaces
+
 MiB = 1 << 20
 RATE = 200_000_000  # 200 Mbit/s: a 64 MiB transfer takes ~2.8 s, long enough to hit mid-way
 GIVE_UP = 3.0

@@ -17,6 +17,8 @@ import pytest
 
 from pdd_tools.netns import NetnsError, TwoSites, tbf_params
 
+pytestmark = pytest.mark.root  # network namespaces
+
 PREFIX = "pddwt"
 
 # Run in site B: listen on B's address, print the port, serve one connection, then exit.

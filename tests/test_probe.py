@@ -69,6 +69,7 @@ async def test_probe_between_agents_and_estimate_from_engines(tmp_sock_dir, engi
         assert agents["B"].audit() == ({"post": 0, "send": 0, "recv": 0}, 0)
 
 
+@pytest.mark.root
 @pytest.mark.parametrize("mbit", [200, 1000])
 async def test_probe_reports_a_tbf_shaped_link_within_10_percent(mbit):
     async with NetAgents("pddwp", rate_bps=mbit * 1_000_000, admin=True, streams=2) as net:
@@ -85,6 +86,7 @@ async def test_probe_reports_a_tbf_shaped_link_within_10_percent(mbit):
         assert st["peers"][0]["link"]["bandwidth_Bps"] > 0.8 * rate
 
 
+@pytest.mark.root
 @pytest.mark.parametrize("mbit,pipeline", [(100, "P-RLD-MD"), (1000, "P-MD")])
 async def test_pipeline_choice_follows_the_live_link_estimate(mbit, pipeline):
     """The same request (8 MiB of KV MD lacks, budget 0.2 s) goes P-MD on a 1 Gbit/s WAN and

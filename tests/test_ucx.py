@@ -126,6 +126,7 @@ def test_available_says_why_when_ucxx_cannot_be_imported():
     assert exc_name == "TransportError" and "ucxx is not importable" in exc_msg
 
 
+@pytest.mark.ucx
 def test_available_with_ucxx_leaves_the_environment_alone():
     code = ("import os, json; from pdd_wire.transport import ucx\n"
             "ok, why = ucx.available()\n"
@@ -144,6 +145,7 @@ def test_available_with_ucxx_leaves_the_environment_alone():
 # --------------------------------------------------------------------------------------
 # two processes
 # --------------------------------------------------------------------------------------
+@pytest.mark.ucx
 @pytest.mark.parametrize("tls", ["sm,self", "tcp,self"])
 def test_64mib_memfd_lands_byte_identical_in_another_process(tls):
     recv, send = two_processes("bulk", tls)
@@ -151,6 +153,7 @@ def test_64mib_memfd_lands_byte_identical_in_another_process(tls):
     assert recv["xxh3"] == send["xxh3"]
 
 
+@pytest.mark.ucx
 def test_many_tagged_messages_out_of_order_match_their_tags_across_processes():
     recv, send = two_processes("ooo", "sm,self")
     assert send["sent"] == recv["received"] == 48
@@ -166,6 +169,7 @@ def tcp_loop():
     loop.stop()
 
 
+@pytest.mark.ucx
 def test_send_to_a_peer_process_that_died_raises_transport_error_naming_the_ucx_error(tcp_loop):
     peer = ucx.UcxPeer(tcp_loop)
     child = spawn_peer("idle", "x", "tcp,self")
@@ -193,6 +197,7 @@ def test_send_to_a_peer_process_that_died_raises_transport_error_naming_the_ucx_
 # --------------------------------------------------------------------------------------
 # matching and cancellation (in-process peers on one UcxLoop)
 # --------------------------------------------------------------------------------------
+@pytest.mark.ucx
 @pytest.mark.parametrize("size", [100, 1 << 20])  # eager and rendezvous
 def test_cancelled_recv_before_its_data_is_never_written(ucx_loop, pair, size):
     a, b = pair
@@ -219,6 +224,7 @@ def test_cancelled_recv_before_its_data_is_never_written(ucx_loop, pair, size):
     assert bytes(buf) == b"\xAA" * size
 
 
+@pytest.mark.ucx
 def test_cancel_recv_fails_the_waiting_receive_with_transfer_cancelled(ucx_loop, pair):
     a, b = pair
     tag = ucx.tag_for(1, 9, 3)
@@ -237,6 +243,7 @@ def test_cancel_recv_fails_the_waiting_receive_with_transfer_cancelled(ucx_loop,
     assert bytes(buf) == bytes(64)
 
 
+@pytest.mark.ucx
 def test_cancel_after_the_data_started_landing_waits_until_it_has_landed(tcp_loop):
     # over tcp 64 MiB takes many progress rounds, so the cancel meets the receive mid-way
     a, b = ucx.UcxPeer(tcp_loop), ucx.UcxPeer(tcp_loop)
@@ -274,6 +281,7 @@ def test_cancel_after_the_data_started_landing_waits_until_it_has_landed(tcp_loo
         dst.close()
 
 
+@pytest.mark.ucx
 def test_cancel_transfer_drops_its_receives_and_drains_its_messages(ucx_loop, pair):
     a, b = pair
     x, y = 1001, 1002
@@ -307,6 +315,7 @@ def test_cancel_transfer_drops_its_receives_and_drains_its_messages(ucx_loop, pa
     assert bytes(ybuf) == b"\x33" * 50_000
 
 
+@pytest.mark.ucx
 @pytest.mark.parametrize("sent", [99, 101, 1 << 20])
 def test_a_message_of_another_size_is_refused_without_touching_the_buffer(ucx_loop, pair, sent):
     a, b = pair
@@ -324,6 +333,7 @@ def test_a_message_of_another_size_is_refused_without_touching_the_buffer(ucx_lo
     assert bytes(buf) == b"\x07" * 100
 
 
+@pytest.mark.ucx
 def test_same_tag_twice_matches_in_order(ucx_loop, pair):
     a, b = pair
     tag = ucx.tag_for(0, 4, 0)
@@ -337,6 +347,7 @@ def test_same_tag_twice_matches_in_order(ucx_loop, pair):
     assert on(ucx_loop, scenario()) == (b"1", b"2")
 
 
+@pytest.mark.ucx
 def test_close_fails_what_waits_drains_what_came_and_is_idempotent(ucx_loop):
     a, b = ucx.UcxPeer(ucx_loop), ucx.UcxPeer(ucx_loop)
     on(ucx_loop, a.connect(b.local_address()))
@@ -361,6 +372,7 @@ def test_close_fails_what_waits_drains_what_came_and_is_idempotent(ucx_loop):
     a.close()
 
 
+@pytest.mark.ucx
 def test_misuse_is_refused(ucx_loop, pair):
     b = pair[1]
     with pytest.raises(ValueError, match="writable"):
@@ -376,6 +388,7 @@ def test_misuse_is_refused(ucx_loop, pair):
         fresh.close()
 
 
+@pytest.mark.ucx
 async def test_peer_coroutines_refuse_to_run_off_the_ucx_loop(pair):
     a = pair[0]
     with pytest.raises(RuntimeError, match="UcxLoop"):
@@ -393,6 +406,7 @@ async def _ping(a: ucx.UcxPeer, b: ucx.UcxPeer, msg: bytes) -> bytes:
     return bytes(got)
 
 
+@pytest.mark.ucx
 def test_shared_loop_restarts_after_the_last_release():
     for round_ in range(3):
         first = ucx.acquire_loop(options={"TLS": "sm,self"})

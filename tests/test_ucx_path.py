@@ -2,11 +2,14 @@
 
 import asyncio
 
+import pytest
 from conftest import fill_random, same_bytes, wait_rx_chunks
 from support.agents import cluster_toml, run_agents
 
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
+
+pytestmark = pytest.mark.ucx
 
 MiB = 1 << 20
 NODES = [("A", "a1"), ("A", "a2"), ("B", "b1")]  # prefill, relay decode, main decode

@@ -38,7 +38,7 @@ from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
 from support.agents import cluster_toml, free_port
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.vllm, pytest.mark.ucx]
 
 N = 128  # tokens generated per request
 BLOCK = 32  # vLLM block size (tokens) in the role servers
