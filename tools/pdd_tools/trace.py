@@ -1,7 +1,7 @@
 """A synthetic request trace shaped like PDD's traffic: multi-turn conversations, a skewed prefix
 hit distribution, and a few "ultra-long input, ultra-short output" requests. Seeded, deterministic.
 
-What it reproduces (``../shared/PDD.md``, "What makes it feasible"):
+What it reproduces of the traffic PDD is designed for:
 
 * **multi-turn conversations** (chat and agent traffic): each turn's prompt is the previous
   prompt, the previous answer and a new user message (or tool output); the main decoder (MD)

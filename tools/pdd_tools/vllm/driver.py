@@ -34,10 +34,11 @@ import os
 import time
 from typing import Any, Callable
 
+from pdd_wire.adapters.loop_thread import LoopThread
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine.client import EngineClient
-from pdd_wire.adapters.loop_thread import LoopThread
 
+KV_CACHE_BYTES = 64 << 20  # each tiny engine's KV cache: the tiny Llama's blocks for a few requests
 HANDOFF_EVENTS = (p.Emit, p.Extend, p.StopGenerating, p.StartGenerating, p.HandoffDone)
 
 
@@ -68,7 +69,7 @@ class Engine:
         from vllm.config import KVTransferConfig
 
         kw = dict(dtype="float32", enforce_eager=True, block_size=32, max_model_len=512, seed=0,
-                  kv_cache_memory_bytes=64 << 20, enable_prefix_caching=False)
+                  kv_cache_memory_bytes=KV_CACHE_BYTES, enable_prefix_caching=False)
         kw.update(llm_kwargs)
         if kv is not None:
             kw["kv_transfer_config"] = KVTransferConfig(**kv)
