@@ -4,8 +4,10 @@ Each adapter talks to the agent only through the engine socket (:class:`pdd_wire
 Importing this package imports no engine; the modules do:
 
 - :mod:`pdd_wire.adapters.vllm_connector`: a vLLM ``KVConnectorBase_V1`` (needs ``vllm``).
-- :mod:`pdd_tools.vllm.driver`: PDD roles (prefill, relay decode, main decode) driven
-  around offline vLLM engines, with the handoff ops of the engine socket.
 - :mod:`pdd_wire.adapters.loop_thread`: a private asyncio loop on a thread, so that
   synchronous engine code can call the asyncio ``EngineClient``.
+
+PDD's roles (prefill, relay decode, main decode) driven by hand around offline vLLM engines,
+with the handoff ops of the engine socket, are a tool, not product: ``pdd_tools.vllm.driver``
+in ``tools/``.
 """

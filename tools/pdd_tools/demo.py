@@ -643,15 +643,15 @@ async def _site_main(spec: dict) -> int:
                           "error": f"{type(exc).__name__}: {exc}"})
 
         # An engine connection that ends (its agent died) ends this process: the demo sees it at once.
-        watch = asyncio.ensure_future(asyncio.wait([e._events_task for e in engines],
+        watch = asyncio.ensure_future(asyncio.wait([e.events_task for e in engines],
                                                    return_when=asyncio.FIRST_COMPLETED))
         while True:
             next_line = asyncio.ensure_future(reader.readline())
             await asyncio.wait({next_line, watch}, return_when=asyncio.FIRST_COMPLETED)
             if watch.done():
                 next_line.cancel()
-                dead = [e for e in engines if e._events_task.done()]
-                why = [repr(e._events_task.exception()) if not e._events_task.cancelled() else "cancelled"
+                dead = [e for e in engines if e.events_task.done()]
+                why = [repr(e.events_task.exception()) if not e.events_task.cancelled() else "cancelled"
                        for e in dead]
                 print(f"site {site}: an engine lost its agent: {why}", file=sys.stderr)
                 return 1

@@ -473,7 +473,8 @@ class _EventLoopEngine:
     eng: EngineClient
 
     def _start_events(self) -> None:
-        self._events_task = asyncio.create_task(self._event_loop(), name=f"{type(self).__name__}-events")
+        # Public: it ends when the engine connection does (the demo watches it).
+        self.events_task = asyncio.create_task(self._event_loop(), name=f"{type(self).__name__}-events")
         self.errors: list[str] = []
 
     async def _event_loop(self) -> None:
@@ -488,7 +489,7 @@ class _EventLoopEngine:
         raise NotImplementedError
 
     async def _stop_tasks(self, *tasks: asyncio.Task | None) -> None:
-        live = [t for t in (*tasks, getattr(self, "_events_task", None)) if t is not None]
+        live = [t for t in (*tasks, getattr(self, "events_task", None)) if t is not None]
         for t in live:
             t.cancel()
         await asyncio.gather(*live, return_exceptions=True)
