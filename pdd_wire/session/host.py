@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from ..transfer import InTransfer, OutTransfer
     from ..transport.base import DataPath
     from ..transport.tcp import BulkLoop
-    from .estimator import LinkEstimator
+    from .link import LinkState
 
 S = TypeVar("S", contravariant=True)
 
@@ -51,7 +51,7 @@ class Shell(Protocol):
     metrics: "Metrics"
     log: Any
     data: "DataPath"
-    est: "LinkEstimator"
+    link: "LinkState"
     remote_caps: frozenset[str] | None
     chunk_bytes: int
     peer_max_chunk: int
@@ -63,6 +63,3 @@ class Shell(Protocol):
     def cancel_transfer(self, tid: int, msg: m.KvCancel) -> None: ...
     def count_error(self, code: int) -> None: ...
     def count_failure(self, direction: str, code: int) -> None: ...
-    def compression_for(self, t: "OutTransfer") -> Any: ...
-    def acks_landed(self, now: float, nbytes: int, *, busy: bool) -> None: ...
-    def transfer_goodput(self, rate_Bps: float) -> None: ...

@@ -17,26 +17,25 @@ import contextlib
 import itertools
 import random
 import time
-from typing import Any
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from typing import Any
 
 import structlog
 
 from .. import policy, transport
 from ..config import Peer, parse_hostport
-from ..errors import ErrorCode, FatalHandshakeError, HandshakeError, ProtocolError, TransportError
+from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError
 from ..memory import BlockMap
 from ..transfer import InTransfer, OutTransfer
-from ..transport.bulk import Compression
 from ..transport.tcp import FrameProtocol, TcpConnector
 from ..transport.tcp_path import PathSettings
 from ..wire import HEADER_SIZE, FrameType, Lane, decode_body, encode, encode_body
 from ..wire import messages as m
 from ..wire.frame import Frame
-from ..wire.handshake import CAPABILITIES, MAX_CHUNK, Limits, check_welcome, choose_version, negotiate, refusal
-from .estimator import LinkEstimator
+from ..wire.handshake import CAPABILITIES, MAX_CHUNK, Limits, check_welcome, choose_version, negotiate
+from .dialer import Dialer
 from .host import SessionHost
+from .link import LinkState
 from .protocol import SendWindow, code_name
 from .receiving import Receiver
 from .sending import Sender
@@ -45,19 +44,6 @@ from .tokens import TokenRelay
 log = structlog.get_logger("pdd_wire.session")
 
 _LANE_NAMES = ("control", "token", "bulk")
-
-
-@dataclass
-class Handshake:
-    """The dialer's handshake in progress: resolved by WELCOME, failed by ERROR or a loss."""
-
-    conn: FrameProtocol
-    done: asyncio.Future
-    refusal_counted: bool = False  # the peer's ERROR frame was counted in the metrics already
-
-    def fail(self, exc: BaseException) -> None:
-        if not self.done.done():
-            self.done.set_exception(exc)
 
 
 class PeerSession:
@@ -89,23 +75,19 @@ class PeerSession:
             maxlen=2 * self.cfg.transfer.max_transfers)
         self.up = asyncio.Event()
         self.down_since: float | None = time.monotonic()
-        self._lost = asyncio.Event()
-        self._handshake: Handshake | None = None
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
         self._last_rx = time.monotonic()
         self._ping_nonce = itertools.count(1)
         self._ping_waiters: dict[int, asyncio.Future] = {}
-        self.rtt_s: float | None = None
-        self.est = LinkEstimator()
-        self.acked_bytes = 0  # KV bytes acknowledged by the peer, ever
-        self._ack_log: collections.deque[tuple[float, int]] | None = None  # while a probe records
-        self.goodput_Bps = 0.0  # EWMA of finished transfers' goodput
-        self.lz = Compression(shuffle=self.cfg.transfer.compress_shuffle)
-        self.lz.on = self.cfg.transfer.compress == "on"
+        self.link = LinkState(self.cfg, self.metrics, self.key, self.log)
+        self.est = self.link.est
+        self.lz = self.link.lz
         host_, port = parse_hostport(peer.address, "peer.address")
         server_name = peer.server_name or peer.node
-        self.connector = TcpConnector(host_, port, ssl_client=host.ssl_client, server_name=server_name)
+        self.dialer_loop = Dialer(TcpConnector(host_, port, ssl_client=host.ssl_client, server_name=server_name),
+                                  self.cfg.timeouts, new_conn=self._new_control, hello=self._hello,
+                                  count_error=self.metrics.error, log=self.log)
         to = self.cfg.timeouts
         self.data = transport.data_path(peer.transport, self, PathSettings(
             name=self.key, host=host_, port=port, server_name=server_name, site=self.cfg.site, node=self.cfg.node,
@@ -147,10 +129,18 @@ class PeerSession:
     def window(self) -> int:
         return self.flow.window
 
+    @property
+    def goodput_Bps(self) -> float:
+        return self.link.goodput_Bps
+
+    @property
+    def rtt_s(self) -> float | None:
+        return self.link.rtt_s
+
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
         if self.dialer:
-            self.spawn(self._dial_forever(), "dial")
+            self.spawn(self.dialer_loop.run(), "dial")
         self.spawn(self._tick_forever(), "tick")
 
     def spawn(self, coro, name: str) -> asyncio.Task:
@@ -161,7 +151,7 @@ class PeerSession:
         return t
 
     async def close(self) -> None:
-        self._closing = True
+        self._closing = self.dialer_loop.closing = True
         if self.control is not None and not self.control.closed:
             try:
                 self.control.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye("shutdown"))))
@@ -176,39 +166,6 @@ class PeerSession:
         await self.data.close()
 
     # ------------------------------------------------------------------ dialing
-    async def _dial_forever(self) -> None:
-        backoff = 0.05
-        to = self.cfg.timeouts
-        while not self._closing:
-            self._lost.clear()
-            hs: Handshake | None = None
-            try:
-                conn = self._new_control()
-                await self.connector.connect(conn, timeout=to.connect_s)
-                hs = self._handshake = Handshake(conn, asyncio.get_running_loop().create_future())
-                conn.send(encode(FrameType.HELLO, encode_body(self._hello())))
-                try:
-                    async with asyncio.timeout(to.handshake_s):
-                        await hs.done
-                except BaseException:
-                    conn.abort()
-                    raise
-                finally:
-                    self._handshake = None
-                backoff = 0.05
-                await self._lost.wait()
-            except FatalHandshakeError as exc:
-                self.log.error("handshake refused", error=str(exc), code=exc.code.name)
-                if hs is None or not hs.refusal_counted:
-                    self.metrics.error(exc.code)
-                backoff = to.reconnect_max_backoff_s
-            except (TransportError, HandshakeError, TimeoutError, OSError) as exc:
-                self.log.info("peer not reachable", error=str(exc) or type(exc).__name__)
-            if self._closing:
-                return
-            await asyncio.sleep(backoff * (0.5 + random.random() / 2))
-            backoff = min(backoff * 2, to.reconnect_max_backoff_s)
-
     def _hello(self) -> m.Hello:
         return m.Hello(versions=list(m.SUPPORTED_VERSIONS), site=self.cfg.site, node=self.cfg.node,
                        incarnation=self.host.incarnation, capabilities=list(CAPABILITIES),
@@ -219,17 +176,14 @@ class PeerSession:
     def _on_welcome(self, conn: FrameProtocol, msg: m.Welcome) -> None:
         """Dialer side. Adopted here, in the frame handler, so that frames the listener sent
         right behind WELCOME (in the same read) already find the session established."""
-        hs = self._handshake
         try:
             check_welcome(msg, self.peer.site, self.peer.node, self.peer.address)
         except FatalHandshakeError as exc:
             conn.fail(exc)
-            if hs is not None:
-                hs.fail(exc)
+            self.dialer_loop.failed(exc)
             return
         self._established(conn, msg.incarnation, msg)
-        if hs is not None and not hs.done.done():
-            hs.done.set_result(msg)
+        self.dialer_loop.welcomed(msg)
 
     def _new_control(self) -> FrameProtocol:
         conn = FrameProtocol(max_body=self.cfg.limits.max_body, max_payload=0)
@@ -307,9 +261,7 @@ class PeerSession:
 
     def _on_control_lost(self, conn: FrameProtocol, exc) -> None:
         if conn is not self.control:
-            hs = self._handshake
-            if hs is not None and conn is hs.conn:
-                hs.fail(TransportError(f"connection closed during the handshake: {exc}"))
+            self.dialer_loop.conn_lost(conn, exc)
             return
         self.log.info("control connection lost", error=str(exc) if exc else None)
         self._connection_down("control lost")
@@ -322,9 +274,8 @@ class PeerSession:
         self.metrics.peer_up.labels(peer=self.key).set(0)
         self._drop_connections()
         self.flow.connection_lost()
-        if self._handshake is not None:
-            self._handshake.fail(TransportError(f"connection lost during the handshake ({why})"))
-        self._lost.set()
+        self.dialer_loop.failed(TransportError(f"connection lost during the handshake ({why})"))
+        self.dialer_loop.lost.set()
 
     def _drop_connections(self) -> None:
         self.data.down()
@@ -416,10 +367,8 @@ class PeerSession:
             case m.Error():
                 self.log.warning("peer reported an error", code=code_name(msg.code), message=msg.message)
                 self.metrics.error(code_name(msg.code))
-                hs = self._handshake
-                if self.control is None and hs is not None and not hs.done.done():
-                    hs.refusal_counted = True  # the ERROR frame was counted just above
-                    hs.fail(refusal(msg.code, msg.message))
+                if self.control is None:
+                    self.dialer_loop.refused(msg.code, msg.message)
             case m.Goodbye():
                 self.log.info("peer said goodbye", reason=msg.reason)
             case _:
@@ -474,9 +423,7 @@ class PeerSession:
 
     def _on_pong(self, msg: m.Pong) -> None:
         rtt = (time.monotonic_ns() - msg.sent_ns) / 1e9
-        self.rtt_s = rtt
-        self.est.pong(msg.nonce, rtt)
-        self.metrics.rtt_seconds.labels(peer=self.key).observe(rtt)
+        self.link.pong(msg.nonce, rtt)
         w = self._ping_waiters.pop(msg.nonce, None)
         if w is not None and not w.done():
             w.set_result(rtt)
@@ -573,7 +520,7 @@ class PeerSession:
                 else:
                     self._ping()
                 self.est.expire(now)
-                self._decide_compression()
+                self.link.decide_compression()
             elif self.down_since is not None and now - self.down_since > to.peer_give_up_s:
                 self.host.peer_lost(self, "peer_unreachable")
                 why = f"peer {self.key} unreachable for {to.peer_give_up_s}s"
@@ -581,58 +528,20 @@ class PeerSession:
                 await self.receiver.fail_all(ErrorCode.PEER_UNREACHABLE, why, notify_peer=True)
             self.sender.expire(now, to.chunk_ack_s)
 
-    def compression_for(self, t: OutTransfer) -> Compression | None:
-        if self.cfg.transfer.compress == "off" or "lz4.v1" not in (self.remote_caps or ()):
-            return None
-        return self.lz if t.compressible else None
-
-    def _decide_compression(self) -> None:
-        """Each heartbeat: compress when it raises goodput on this link (transfer.compress)."""
-        mode = self.cfg.transfer.compress
-        lz = self.lz
-        if mode != "auto":
-            lz.on = mode == "on"
-        else:
-            bw = self.est.bandwidth_Bps or self.goodput_Bps
-            if lz.on and lz.est.ratio:
-                bw /= lz.est.ratio  # while compressing, KV delivered outruns the wire by the ratio
-            was, lz.on = lz.on, bw > 0 and lz.est.decide(bw)
-            if was != lz.on:
-                self.log.info("lz4 compression " + ("on" if lz.on else "off"), link_Bps=round(bw),
-                              ratio=round(lz.est.ratio or 0, 3), compress_Bps=round(lz.est.compress_Bps or 0))
-        self.metrics.compression_on.labels(peer=self.key).set(1 if lz.on else 0)
-        self.metrics.compression_ratio.labels(peer=self.key).set(lz.est.ratio or 0)
-        self.metrics.compressed_chunks.labels(peer=self.key).set(lz.chunks)
-        self.metrics.compression_saved.labels(peer=self.key).set(lz.saved)
-
     # ------------------------------------------------------------------ link figures
-    def acks_landed(self, now: float, nbytes: int, *, busy: bool) -> None:
-        self.acked_bytes += nbytes
-        if self._ack_log is not None:
-            self._ack_log.append((now, self.acked_bytes))
-        self.est.on_ack(now, nbytes, busy=busy)
-
     @contextlib.contextmanager
     def acks_recorded(self, maxlen: int = 1 << 16) -> Iterator[collections.deque[tuple[float, int]]]:
         """Record ``(time, KV bytes acknowledged ever)`` at each acknowledgement while inside
         (the active probe measures goodput from it)."""
-        self._ack_log = collections.deque(maxlen=maxlen)
-        try:
-            yield self._ack_log
-        finally:
-            self._ack_log = None
-
-    def transfer_goodput(self, rate_Bps: float) -> None:
-        self.goodput_Bps = rate_Bps if not self.goodput_Bps else 0.8 * self.goodput_Bps + 0.2 * rate_Bps
+        with self.link.acks_recorded(maxlen) as acks:
+            yield acks
 
     def link_figures(self) -> "policy.LinkFigures":
         """The live estimate of this link (:class:`~.estimator.LinkEstimator`): delivery rate
         while busy (falling back to finished transfers' goodput), the KV bytes still to send, and
         the control-lane RTT. Bandwidth is 0 (unknown) before any KV moved, or while the peer is
         down."""
-        bw = self.est.bandwidth_Bps or self.goodput_Bps
-        return policy.LinkFigures(bandwidth_Bps=bw if self.is_up else 0.0,
-                                  queue_bytes=self.queue_bytes(), rtt_s=self.est.rtt_s or self.rtt_s or 0.0)
+        return self.link.figures(self.is_up, self.queue_bytes())
 
     def queue_bytes(self) -> int:
         """KV bytes accepted for this peer and not yet acknowledged."""
@@ -642,18 +551,13 @@ class PeerSession:
         """Seconds ``nbytes`` more KV to this peer would take now (None: bandwidth unknown)."""
         if not self.is_up:
             return None
-        return self.est.predict(nbytes, self.queue_bytes(), fallback_Bps=self.goodput_Bps)
+        return self.link.predict(nbytes, self.queue_bytes())
 
     def describe(self) -> dict:
-        return {"peer": self.key, "goodput_Bps": round(self.goodput_Bps),
-                "link": self.est.describe(self.queue_bytes()),
-                "compression": {"mode": self.cfg.transfer.compress, "on": self.lz.on, "chunks": self.lz.chunks,
-                                "bytes_saved": self.lz.saved, "ratio": self.lz.est.ratio,
-                                "compress_Bps": self.lz.est.compress_Bps},
+        return {"peer": self.key, **self.link.describe(self.queue_bytes()),
                 "data_path": self.data.active, "address": self.peer.address, "transport": self.peer.transport,
                 "role": "dialer" if self.dialer else "listener", "up": self.is_up,
                 "bulk_streams_up": len(self.links), "bulk_streams": self.streams,
-                "rtt_ms": round(self.rtt_s * 1e3, 3) if self.rtt_s is not None else None,
                 "credit_window_bytes": self.flow.window, "bytes_in_flight": self.flow.in_flight_bytes,
                 "chunk_bytes": self.chunk_bytes,
                 "transfers_out": len(self.out), "transfers_in": len(self.inn)}

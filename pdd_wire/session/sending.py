@@ -61,7 +61,7 @@ class Sender:
         return t
 
     def _query_wait(self) -> float:
-        return max(self.s.cfg.transfer.prefix_query_s, 4 * (self.s.est.rtt_s or 0.0))
+        return max(self.s.cfg.transfer.prefix_query_s, 4 * (self.s.link.est.rtt_s or 0.0))
 
     def _query_unanswered(self, t: OutTransfer) -> None:
         if self.flow.out.get(t.tid) is t and t.state == State.QUERYING:
@@ -142,7 +142,7 @@ class Sender:
         for d in self.flow.dispatch(time.monotonic()):
             t = self.flow.out[d.tid]
             assert isinstance(t, OutTransfer)
-            s.data.send(d.lane, d.tid, d.k, t.chunk(d.k), s.compression_for(t))
+            s.data.send(d.lane, d.tid, d.k, t.chunk(d.k), s.link.compression_for(t, s.remote_caps))
         s.metrics.inflight_bytes.labels(peer=s.key).set(self.flow.in_flight_bytes)
 
     def on_ack(self, tid: int, first: int, count: int) -> None:
@@ -154,7 +154,7 @@ class Sender:
         self._count_tx(acked.nbytes, acked.chunks)
         self.pump()
         if acked.nbytes:
-            s.acks_landed(now, acked.nbytes, busy=bool(self.flow.inflight))
+            s.link.acks_landed(now, acked.nbytes, busy=bool(self.flow.inflight))
 
     def _count_tx(self, nbytes: int, chunks: int) -> None:
         if chunks:
@@ -209,7 +209,7 @@ class Sender:
         s.metrics.transfers.labels(peer=s.key, direction="out", outcome="done").inc()
         s.metrics.transfer_seconds.labels(direction="out").observe(dt)
         if t.total >= GOODPUT_MIN_BYTES and dt > 0:
-            s.transfer_goodput(t.total / dt)
+            s.link.transfer_goodput(t.total / dt)
         s.host.kv_sent(t)
 
     def _release(self, t: OutTransfer) -> None:

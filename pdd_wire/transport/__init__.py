@@ -39,7 +39,7 @@ def data_path(kind: str, owner: "BulkOwner", settings: "PathSettings") -> "DataP
     """A new data path of ``kind`` for one peer session."""
     target = _DATA_PATHS.get(kind)
     if target is None:
-        raise ConfigError(f"unknown transport {kind!r} (known: {', '.join(kinds())})")
+        raise ConfigError("peers.transport", f"unknown transport {kind!r} (known: {', '.join(kinds())})")
     if isinstance(target, str):
         module, _, name = target.partition(":")
         target = getattr(importlib.import_module(module), name)

@@ -1,10 +1,10 @@
 """The transport seam: what a peer session needs from whatever moves its frames and chunks.
 
-Two roles, after dask's ``comm/`` (one contract suite, ``tests/test_transport_contract.py``,
+Three roles, after dask's ``comm/`` (one contract suite, ``tests/test_transport_contract.py``,
 runs against every implementation):
 
-* a :class:`Connector` opens a control connection to a peer (the agent's listener accepts
-  them); control connections carry the handshake, control, token-ID and ack frames;
+* a :class:`Connector` opens a control connection to a peer and a :class:`Listener` accepts
+  them; control connections carry the handshake, control, token-ID and ack frames;
 * a :class:`DataPath` moves one peer's KV chunks: bulk TCP connections on their own threads
   (:mod:`.tcp_path`), UCX tagged messages (:mod:`.ucx_path`), or memory within this process
   for tests (:mod:`.inproc`).
@@ -133,6 +133,19 @@ class DataPath(abc.ABC):
 
     def describe(self) -> dict[str, Any]:
         return {"data_path": self.active}
+
+
+class Listener(abc.ABC):
+    """Accepts connections and hands each, as a socket whose preamble is not read yet, to the
+    callback it was created with (the agent reads the preamble and attaches the protocol)."""
+
+    @abc.abstractmethod
+    async def start(self) -> None:
+        """Accept from now on (bound and listening when this returns)."""
+
+    @abc.abstractmethod
+    async def close(self) -> None:
+        """Accept no more; connections already handed over are the callback's."""
 
 
 class Connector(abc.ABC):

@@ -15,8 +15,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from ..errors import TransportError
-from .base import BulkOwner, Connector, DataPath
-from .route import Route
+from .base import BulkOwner, Connector, DataPath, Listener
+from .tcp import KIND_CONTROL, preamble
 
 INPROC_LANE = 0
 _paths: dict[bytes, "InprocDataPath"] = {}
@@ -87,7 +87,7 @@ class InprocDataPath(DataPath):
         _paths.pop(self._address, None)
 
 
-class InprocListener:
+class InprocListener(Listener):
     """Accepts control connections addressed to ``name`` within this process."""
 
     def __init__(self, name: str, on_connection: Callable[[socket.socket], Awaitable[None]]) -> None:
@@ -123,6 +123,7 @@ class InprocConnector(Connector):
         if listener is None:
             raise TransportError(f"nothing listens at in-process address {self.name!r}")
         mine, theirs = socket.socketpair()
+        mine.sendall(preamble(KIND_CONTROL))  # as over TCP: the listener's side reads it first
         mine.setblocking(False)
         theirs.setblocking(False)
         try:

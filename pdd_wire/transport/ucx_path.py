@@ -48,6 +48,7 @@ class UcxDataPath(DataPath):
         self._dir_out = ucx.DIR_DIALER if settings.dialer else ucx.DIR_ACCEPTOR
         self._dir_in = ucx.DIR_ACCEPTOR if settings.dialer else ucx.DIR_DIALER
         self._tasks: set[asyncio.Task] = set()
+        self._closed = False
 
     @property
     def active(self) -> str:
@@ -175,6 +176,12 @@ class UcxDataPath(DataPath):
         self.tcp.down()
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.ready:
+            self.ready = False
+            self.owner.lane_lost(UCX_LANE)
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -188,4 +195,4 @@ class UcxDataPath(DataPath):
         ucx.release_loop(self.loop)
 
     def describe(self) -> dict[str, Any]:
-        return {"data_path": self.active, "bulk_streams_up": len(self.tcp.links)}
+        return {"data_path": self.active, "bulk_streams_up": len(self.tcp.links), "ucx": dict(self.peer.stats)}
