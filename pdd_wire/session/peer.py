@@ -66,7 +66,7 @@ class PeerSession:
         self.chunk_bytes = self.cfg.transfer.chunk_bytes
         self.peer_max_chunk = MAX_CHUNK
         self.peer_max_body = 4096  # the format's floor until the peer says more
-        self.flow = SendWindow(self.cfg.transfer.credit_bytes)
+        self.flow: SendWindow[OutTransfer] = SendWindow(self.cfg.transfer.credit_bytes)
         self.sender = Sender(self, self.flow)
         self.receiver = Receiver(self)
         self.tokens = TokenRelay(self)
@@ -105,7 +105,7 @@ class PeerSession:
 
     @property
     def out(self) -> dict[int, OutTransfer]:
-        return self.flow.out  # type: ignore[return-value]
+        return self.flow.out
 
     @property
     def inn(self) -> dict[int, InTransfer]:

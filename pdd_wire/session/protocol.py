@@ -17,7 +17,7 @@ from __future__ import annotations
 import collections
 import enum
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from ..errors import ErrorCode
 from ..memory import chunk_range
@@ -44,14 +44,21 @@ class Outgoing(Protocol):
     """What the core reads and writes of a transfer being sent (an :class:`~pdd_wire.transfer.OutTransfer`)."""
 
     tid: int
-    total: int
     chunk_bytes: int
-    n_chunks: int
     state: State
     acked: set[int]
     pending: collections.deque[int]
     retransmits: int
     streams_limit: int | None
+
+    @property
+    def total(self) -> int: ...
+
+    @property
+    def n_chunks(self) -> int: ...
+
+
+T = TypeVar("T", bound=Outgoing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,13 +93,13 @@ class Resumed(enum.Enum):
     UNKNOWN = "unknown"  # the receiver forgot it: fail it
 
 
-class SendWindow:
+class SendWindow(Generic[T]):
     """The sender's books for one peer: open transfers, credit, chunks in flight per lane."""
 
     def __init__(self, window: int) -> None:
         self.window = window
         self.credit = window
-        self.out: dict[int, Outgoing] = {}
+        self.out: dict[int, T] = {}
         # (tid, k) -> (lane, nbytes, sent at)
         self.inflight: dict[tuple[int, int], tuple[int, int, float]] = {}
         self.lanes: dict[int, int] = {}  # lane -> bytes dispatched on it and not yet acknowledged
@@ -130,10 +137,10 @@ class SendWindow:
         return self.window - self.credit
 
     # -- transfers
-    def add(self, t: Outgoing) -> None:
+    def add(self, t: T) -> None:
         self.out[t.tid] = t
 
-    def remove(self, tid: int) -> Outgoing | None:
+    def remove(self, tid: int) -> T | None:
         """Forget a transfer (done, failed, withdrawn); its chunks in flight give credit back."""
         t = self.out.pop(tid, None)
         if t is not None:
@@ -151,7 +158,7 @@ class SendWindow:
         self._ready(t)
         return True
 
-    def _ready(self, t: Outgoing) -> None:
+    def _ready(self, t: T) -> None:
         if t.tid not in self.rr:
             self.rr.append(t.tid)
 

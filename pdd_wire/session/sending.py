@@ -30,7 +30,7 @@ GOODPUT_MIN_BYTES = 1 << 20
 
 
 class Sender:
-    def __init__(self, session: "Shell", flow: SendWindow) -> None:
+    def __init__(self, session: "Shell", flow: SendWindow[OutTransfer]) -> None:
         self.s = session
         self.flow = flow
         self._lookups: dict[str, list[asyncio.Future]] = {}  # PREFIX_QUERYs of choose_pipeline
@@ -96,7 +96,7 @@ class Sender:
                     fut.set_result(msg.matched)
             return
         t = self.flow.out.get(tid)
-        if not isinstance(t, OutTransfer) or t.state != State.QUERYING or t.request_id != msg.request_id:
+        if t is None or t.state != State.QUERYING or t.request_id != msg.request_id:
             return
         if t.query_timer is not None:
             t.query_timer.cancel()
@@ -141,7 +141,6 @@ class Sender:
             return
         for d in self.flow.dispatch(time.monotonic()):
             t = self.flow.out[d.tid]
-            assert isinstance(t, OutTransfer)
             s.data.send(d.lane, d.tid, d.k, t.chunk(d.k), s.link.compression_for(t, s.remote_caps))
         s.metrics.inflight_bytes.labels(peer=s.key).set(self.flow.in_flight_bytes)
 
@@ -172,7 +171,7 @@ class Sender:
         s.metrics.retransmits.labels(peer=s.key, reason="checksum").inc()
         t = self.flow.out[tid]
         s.log.warning("chunk failed its checksum at the receiver; sending it again",
-                      transfer_id=tid, request_id=getattr(t, "request_id", ""), chunk=k)
+                      transfer_id=tid, request_id=t.request_id, chunk=k)
         self.requeue(tid, k)
 
     def send_failed(self, tid: int, k: int, why: str) -> None:
@@ -200,7 +199,7 @@ class Sender:
     # -- ending
     def on_done(self, tid: int) -> None:
         t = self.flow.out.get(tid)
-        if not isinstance(t, OutTransfer):
+        if t is None:
             return
         self._release(t)
         t.state = State.DONE
@@ -237,7 +236,7 @@ class Sender:
         s.host.transfer_failed(t, "out", int(code), message)
 
     def fail_all(self, code: int, message: str, *, notify_peer: bool, engine=None) -> int:
-        ts = [t for t in self.flow.out.values() if isinstance(t, OutTransfer) and engine in (None, t.engine)]
+        ts = [t for t in self.flow.out.values() if engine in (None, t.engine)]
         for t in ts:
             self.fail(t, code, message, notify_peer=notify_peer)
         return len(ts)
@@ -257,18 +256,17 @@ class Sender:
 
     def on_cancel(self, tid: int, msg: m.KvCancel) -> None:
         t = self.flow.out.get(tid)
-        if isinstance(t, OutTransfer):
+        if t is not None:
             self.fail(t, msg.code, f"cancelled by peer {self.s.key}: {msg.message}", notify_peer=False)
 
     def on_reject(self, tid: int, msg: m.KvReject) -> None:
         t = self.flow.out.get(tid)
-        if isinstance(t, OutTransfer):
+        if t is not None:
             self.fail(t, msg.code, msg.message, notify_peer=False)
 
     # -- resume after a reconnect
     def resume(self) -> None:
         for t in list(self.flow.out.values()):
-            assert isinstance(t, OutTransfer)
             if t.state == State.QUERYING:  # the answer may be lost: do not wait for it
                 if t.query_timer is not None:
                     t.query_timer.cancel()
@@ -290,5 +288,4 @@ class Sender:
             self._count_tx(acked.nbytes, acked.chunks)
             self.pump()
         elif outcome is Resumed.UNKNOWN:
-            assert isinstance(t, OutTransfer)
             self.fail(t, ErrorCode.PEER_RESTARTED, "the receiver no longer knows this transfer", notify_peer=False)
