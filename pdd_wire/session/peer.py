@@ -372,10 +372,10 @@ class PeerSession:
             case m.Goodbye():
                 self.log.info("peer said goodbye", reason=msg.reason)
             case _:
-                exc = ProtocolError(f"unexpected {FrameType(h.type).name} on the control connection",
+                err = ProtocolError(f"unexpected {FrameType(h.type).name} on the control connection",
                                     ErrorCode.UNEXPECTED_FRAME)
-                self.metrics.error(exc.code)
-                conn.fail(exc)
+                self.metrics.error(err.code)
+                conn.fail(err)
 
     def send_frame(self, ftype: int, body, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool:
         """Send a control-connection frame; False if the connection is down (nothing queued).
@@ -472,11 +472,11 @@ class PeerSession:
                              notify_peer: bool = True) -> int:
         """Cancel every transfer of ``request_id`` (of ``engine`` when given); tells the peer."""
         n = 0
-        for t in [t for t in self.out.values() if t.request_id == request_id and engine in (None, t.engine)]:
-            self.sender.fail(t, code, message, notify_peer=notify_peer)
+        for o in [t for t in self.out.values() if t.request_id == request_id and engine in (None, t.engine)]:
+            self.sender.fail(o, code, message, notify_peer=notify_peer)
             n += 1
-        for t in [t for t in self.inn.values() if t.request_id == request_id and engine in (None, t.engine)]:
-            await self.receiver.fail(t, code, message, notify_peer=notify_peer)
+        for i in [t for t in self.inn.values() if t.request_id == request_id and engine in (None, t.engine)]:
+            await self.receiver.fail(i, code, message, notify_peer=notify_peer)
             n += 1
         return n
 
@@ -512,11 +512,12 @@ class PeerSession:
         while True:
             await asyncio.sleep(to.heartbeat_s)
             now = time.monotonic()
-            if self.is_up:
+            control = self.control
+            if control is not None and self.is_up:
                 if now - self._last_rx > to.dead_after_s:
                     self.log.warning("peer silent; dropping the control connection",
                                      silent_s=round(now - self._last_rx, 2))
-                    self.control.abort()
+                    control.abort()
                 else:
                     self._ping()
                 self.est.expire(now)

@@ -94,16 +94,22 @@ class Receiver:
             ok=ok, invalid=invalid,
             complete=t is not None and t.state == State.MOVING and t.route.complete)
         match verdict:
-            case Landing.FAIL_INVALID:
-                self.fail_later(t, ErrorCode.MALFORMED_BODY,
-                                f"chunk {k} of {nbytes} bytes does not fit the announced transfer", True)
+            case Landing.DROP:
+                return
             case Landing.ACK_AGAIN:
                 s.metrics.duplicates.labels(peer=s.key).inc()
                 s.send_frame(FrameType.KV_ACK, m.KvAck(k, 1), tid=tid)
+                return
             case Landing.NACK_BUSY:
                 # Another connection still holds this chunk (one that died mid-chunk and has
                 # not noticed yet): ask for it again a little later.
                 s.send_frame(FrameType.KV_NACK, m.KvNack(k, int(ErrorCode.CHUNK_BUSY)), tid=tid)
+                return
+        assert t is not None  # every other verdict is about an open transfer
+        match verdict:
+            case Landing.FAIL_INVALID:
+                self.fail_later(t, ErrorCode.MALFORMED_BODY,
+                                f"chunk {k} of {nbytes} bytes does not fit the announced transfer", True)
             case Landing.NACK_CHECKSUM:
                 s.metrics.checksum_failures.labels(peer=s.key).inc()
                 s.count_error(ErrorCode.CHUNK_CHECKSUM)

@@ -36,9 +36,10 @@ class DataPathOwner(Protocol):
     """What a data path reports to (a :class:`~pdd_wire.session.PeerSession`). Every call
     comes on the owner's loop unless it says otherwise."""
 
-    #: Open incoming transfers by id. Read by data-path threads (a dict read is atomic);
-    #: a route is the lock that keeps a cancelled transfer from being written.
-    routes: Mapping[int, Route]
+    @property
+    def routes(self) -> Mapping[int, Route]:
+        """Open incoming transfers by id. Read by data-path threads (a dict read is atomic);
+        a route is the lock that keeps a cancelled transfer from being written."""
 
     @property
     def is_up(self) -> bool: ...

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from ..errors import TransportError
@@ -90,7 +90,7 @@ class InprocDataPath(DataPath):
 class InprocListener(Listener):
     """Accepts control connections addressed to ``name`` within this process."""
 
-    def __init__(self, name: str, on_connection: Callable[[socket.socket], Awaitable[None]]) -> None:
+    def __init__(self, name: str, on_connection: Callable[[socket.socket], Coroutine[Any, Any, None]]) -> None:
         self.name = name
         self.on_connection = on_connection
         self._tasks: set[asyncio.Task] = set()

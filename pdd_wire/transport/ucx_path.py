@@ -132,7 +132,9 @@ class UcxDataPath(DataPath):
         they are not contiguous). No xxh3 here: UCX moves the bytes memory to memory (RDMA
         carries its own link CRC), and the checksum pass would cost as much as the copy."""
         n = route.chunk_len(k)
-        views = route.claim(k, n) if n is not None else None
+        if n is None:
+            return
+        views = route.claim(k, n)
         if views is None:
             return
         ok = False

@@ -5,6 +5,7 @@ No I/O: the session layer feeds it the decoded Hello and acts on the answer.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ..errors import ErrorCode, FatalHandshakeError, HandshakeError
@@ -17,7 +18,7 @@ MAX_CHUNK = 64 << 20
 CAPABILITIES = ("kv.v1", "tokens.v1", "resume.v1", "handoff.v1", "abort.v1", "prefix.v1", "lz4.v1")
 
 
-def choose_version(offered: list[int], supported=SUPPORTED_VERSIONS) -> int:
+def choose_version(offered: list[int], supported: Iterable[int] = SUPPORTED_VERSIONS) -> int:
     """The highest version both sides speak, or a fatal refusal that names both sets."""
     common = set(offered) & set(supported)
     if not common:
