@@ -509,8 +509,8 @@ class Agent:
             self.inventory.release(rid)
             for s in self.sessions.values():
                 for t in [t for t in s.inn.values() if t.request_id == rid and t.reused_blocks]:
-                    s._spawn(s._fail_in(t, ErrorCode.PREFIX_LOST, "matched prefix blocks were evicted",
-                                        notify_peer=True), "prefix-lost")
+                    s.fail_incoming(t, ErrorCode.PREFIX_LOST, "matched prefix blocks were evicted",
+                                    notify_peer=True)
 
     def request_aborted(self, session: PeerSession, msg: m.RequestAbort) -> None:
         """A peer's engine aborted the request: end what we hold for it on that site's behalf
@@ -520,8 +520,8 @@ class Agent:
         told: set[EngineConn] = set()
         if session.has_request(rid):
             told |= {t.engine for t in list(session.out.values()) + list(session.inn.values()) if t.request_id == rid}
-            session._spawn(session.cancel_request(rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: "
-                                                  f"{reason}", notify_peer=False), "abort")
+            session.spawn(session.cancel_request(rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: "
+                                                 f"{reason}", notify_peer=False), "abort")
         post = self.posts.get(rid)
         if post is not None and post.from_site in (None, session.peer.site):
             self._drop_post(rid)

@@ -47,7 +47,7 @@ async def test_dual_path_local_over_ucx_wan_over_tcp(tmp_sock_dir, engines):
             assert isinstance(a, p.KvReceived) and isinstance(b, p.KvReceived), (a, b)
             assert {(await prefill.wait(rid, timeout=10)).peer for _ in range(2)} == {"A/a2", "B/b1"}
         assert await same_bytes(d_rld.buf, src.buf) and await same_bytes(d_md.buf, src.buf)
-        assert local.ucx.stats["bytes_sent"] >= 3 * size  # the local copy really went over UCX
+        assert local.data.describe()["ucx"]["bytes_sent"] >= 3 * size  # the local copy really went over UCX
         assert local.describe()["data_path"] == "ucx" and wan.describe()["data_path"] == "tcp"
 
 

@@ -32,6 +32,7 @@ from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportErr
 from ..wire import FrameReader, FrameType, encode_bytes, encode_body
 from ..wire.frame import Frame, PayloadSink
 from ..wire.messages import Error
+from .base import Connector
 
 PREAMBLE = struct.Struct("<4sBBH")
 PREAMBLE_MAGIC = b"PDDW"
@@ -71,6 +72,8 @@ def tls_error(exc: ssl.SSLError, what: str) -> FatalHandshakeError:
 
 
 def tune_socket(sock: socket.socket, *, nodelay: bool) -> None:
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return  # a socket pair within the process (transport.inproc)
     if nodelay:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
@@ -290,6 +293,21 @@ async def dial(host: str, port: int, kind: int, protocol: FrameProtocol, *,
     except OSError as exc:
         raise TransportError(f"connect to {host}:{port} failed: {exc.strerror or exc}") from exc
     return protocol
+
+
+class TcpConnector(Connector):
+    """Control connections to one peer's WAN address (TLS when ``ssl_client()`` gives a context)."""
+
+    def __init__(self, host: str, port: int, *, ssl_client: Callable[[], ssl.SSLContext | None],
+                 server_name: str) -> None:
+        self.host = host
+        self.port = port
+        self.ssl_client = ssl_client
+        self.server_name = server_name
+
+    async def connect(self, protocol: FrameProtocol, *, timeout: float) -> FrameProtocol:
+        return await dial(self.host, self.port, KIND_CONTROL, protocol, ssl_ctx=self.ssl_client(),
+                          server_name=self.server_name, timeout=timeout)
 
 
 async def read_preamble(sock: socket.socket, timeout: float) -> int:

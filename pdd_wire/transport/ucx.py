@@ -24,16 +24,9 @@ processes of a transfer spin. We use the objects that layer is built on
 (``ucxx._lib.libucxx``: context, worker, endpoint, request) with our own progress engine on
 the :class:`UcxLoop`: after any activity it keeps polling for ``SPIN_S`` (``progress()``
 and ``sched_yield()`` release the GIL), then arms the workers and sleeps on their epoll
-fds, so an idle agent costs no CPU. Measured on the 2-core dev VM
-(``python -m pdd_tools.bench_ucx``: two processes, ``UCX_TLS=sm,self``, memfd buffers, 4 / 64
-MiB messages): with both cores free, this path 8.3-9.6 / 5.0-5.5 GB/s, bare ucxx
-``blocking`` 9.5-10.1 / 5.2-5.6 GB/s, ``ucx_perftest`` 9.2-10.3 / 5.3-6.3 GB/s; with another process
-busy on one core, this path 8.0 / 5.4 GB/s, bare ucxx 2.1 / 2.5-3.4 GB/s (its spinning
-sender takes the core the receiver's copy needs), ``ucx_perftest`` 5.3 / 2.7 GB/s. 64-byte
-round trip, cores free: 34 us median / 68 us p99 here, 20 / 35 us bare ucxx; one core busy:
-112 / 215 us here, bare ucxx 21 us to 8 ms median and 8 ms p99. The ``sched_yield()`` while
-spinning is what keeps a busy host usable: without it a spinning process starves its peer
-(344 / 440 us). Other transports, this path: ``posix,self`` (no CMA) 4.3 / 3.3-3.9 GB/s, ``tcp,self`` 2.2 / 2.0 GB/s.
+fds, so an idle agent costs no CPU. The ``sched_yield()`` while spinning is what keeps a busy
+host usable: a spinning sender otherwise takes the core its receiver's copy needs (figures:
+``scripts/bench --only ucx``, which also measures bare ucxx and ``ucx_perftest``).
 
 Receiving: "pull" matching, and what cancel guarantees
 ------------------------------------------------------

@@ -1,26 +1,40 @@
 """Token-ID relay for one peer session: per-request sequence numbers, in order, exactly once.
 
-The sender keeps every frame until TOKENS_ACK covers it and sends the unacknowledged ones again
-after a reconnect; the receiver delivers each index once, drops what it already delivered, and
-asks for a resend when it sees a gap. Frames travel on the session's control connection, so they
-never queue behind KV. Rules: ``proto/transfer.md``.
+Token frames take the TOKEN lane of the control connection: they never queue behind KV, which
+moves on the data path. The sender keeps every frame until TOKENS_ACK covers it and sends the
+unacknowledged ones again after a reconnect; the receiver delivers each index once, drops what
+it already delivered, and asks for a resend when it sees a gap. Rules: ``proto/transfer.md``.
 """
 
 from __future__ import annotations
 
 import collections
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-from .errors import ErrorCode, PddWireError
-from .wire import FrameType, Lane
-from .wire import messages as m
+from ..errors import ErrorCode, PddWireError
+from ..wire import FrameType, Lane
+from ..wire import messages as m
 
 if TYPE_CHECKING:
-    from .session import PeerSession
+    from ..config import Config
+    from ..metrics import Metrics
 
 
 MAX_UNACKED_TOKENS = 1 << 20
+
+
+class TokenLink(Protocol):
+    """What the relay needs of its session (a :class:`~pdd_wire.session.PeerSession`)."""
+
+    key: str
+    cfg: "Config"
+    metrics: "Metrics"
+    log: Any
+    peer_max_body: int
+
+    def send_frame(self, ftype: int, body: Any, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool: ...
+    def tokens_arrived(self, msg: m.Tokens) -> None: ...
 
 
 class TokenStream:
@@ -40,7 +54,7 @@ class TokenRelay:
     recently used (never with unacknowledged tokens), so an index never restarts under a live
     receiver."""
 
-    def __init__(self, session: "PeerSession") -> None:
+    def __init__(self, session: TokenLink) -> None:
         self.s = session
         self.tok_out: collections.OrderedDict[str, TokenStream] = collections.OrderedDict()
         self.tok_in: collections.OrderedDict[str, int] = collections.OrderedDict()
@@ -58,7 +72,7 @@ class TokenRelay:
     def resend_unacked(self) -> None:
         for rid, ts in self.tok_out.items():
             for seq, toks, _ in ts.unacked:
-                self.s._send(FrameType.TOKENS, m.Tokens(rid, seq, toks, ts.handoff), lane=Lane.TOKEN)
+                self.s.send_frame(FrameType.TOKENS, m.Tokens(rid, seq, toks, ts.handoff), lane=Lane.TOKEN)
 
     def send(self, request_id: str, tokens: list[int], *, handoff: bool = False) -> int:
         """Queue token IDs for ``request_id``; returns the sequence number of the first one.
@@ -83,8 +97,8 @@ class TokenRelay:
             ts.next_seq += len(part)
             ts.pending += len(part)
             ts.unacked.append((seq, part, now))
-            self.s._send(FrameType.TOKENS, m.Tokens(request_id, seq, part, ts.handoff), lane=Lane.TOKEN)
-        self.s.m.tokens.labels(peer=self.s.key, direction="tx").inc(len(tokens))
+            self.s.send_frame(FrameType.TOKENS, m.Tokens(request_id, seq, part, ts.handoff), lane=Lane.TOKEN)
+        self.s.metrics.tokens.labels(peer=self.s.key, direction="tx").inc(len(tokens))
         return first
 
     def _evict_token_streams(self) -> None:
@@ -102,15 +116,15 @@ class TokenRelay:
         expect = self.tok_in.get(msg.request_id, 0)
         end = msg.seq + len(msg.tokens)
         if end <= expect:
-            self.s._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect), lane=Lane.TOKEN)
+            self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect), lane=Lane.TOKEN)
             return  # a resend of what was delivered
         if msg.seq > expect:
             # A gap: something before this frame was lost. Drop it and ask for everything from
             # the first missing token; the sender still holds all it has not seen acknowledged.
             self.s.log.warning("token gap; asking for a resend", request_id=msg.request_id, expected=expect,
-                             got=msg.seq)
-            self.s.m.token_gaps.labels(peer=self.s.key).inc()
-            self.s._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect, True), lane=Lane.TOKEN)
+                               got=msg.seq)
+            self.s.metrics.token_gaps.labels(peer=self.s.key).inc()
+            self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect, True), lane=Lane.TOKEN)
             return
         fresh = msg.tokens[expect - msg.seq:]
         self.tok_in[msg.request_id] = end
@@ -119,9 +133,9 @@ class TokenRelay:
         # forgotten here first, so its new tokens are not mistaken for a resend.
         if len(self.tok_in) > self.s.cfg.transfer.max_transfers * 4:
             self.tok_in.popitem(last=False)  # least recently used
-        self.s._send(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, end), lane=Lane.TOKEN)
-        self.s.m.tokens.labels(peer=self.s.key, direction="rx").inc(len(fresh))
-        self.s.host.tokens_received(self.s, m.Tokens(msg.request_id, expect, fresh, msg.handoff))
+        self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, end), lane=Lane.TOKEN)
+        self.s.metrics.tokens.labels(peer=self.s.key, direction="rx").inc(len(fresh))
+        self.s.tokens_arrived(m.Tokens(msg.request_id, expect, fresh, msg.handoff))
 
     def on_ack(self, msg: m.TokensAck) -> None:
         ts = self.tok_out.get(msg.request_id)
@@ -131,7 +145,7 @@ class TokenRelay:
         while ts.unacked and ts.unacked[0][0] + len(ts.unacked[0][1]) <= msg.next_seq:
             _, part, sent = ts.unacked.popleft()
             ts.pending -= len(part)
-            self.s.m.token_seconds.observe(now - sent)
+            self.s.metrics.token_seconds.observe(now - sent)
         if msg.resend:
             for seq, part, _ in ts.unacked:
-                self.s._send(FrameType.TOKENS, m.Tokens(msg.request_id, seq, part, ts.handoff), lane=Lane.TOKEN)
+                self.s.send_frame(FrameType.TOKENS, m.Tokens(msg.request_id, seq, part, ts.handoff), lane=Lane.TOKEN)

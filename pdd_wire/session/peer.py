@@ -1,0 +1,564 @@
+"""One peer agent: its control connection, its data path, and the transfers between us.
+
+A :class:`PeerSession` lives as long as the peer is configured; its connections come and go.
+The agent whose (site, node) sorts lower dials, the other accepts. While the peer's incarnation
+stays the same, a reconnect *resumes* (only missing chunks and unacknowledged token frames are
+sent again); a new incarnation means the peer restarted and every transfer with it fails.
+
+This is the async shell: it dials, runs timers and moves frames. What to send when is decided
+by the sans-IO core (:mod:`.protocol`), how chunks move by the data path (:mod:`pdd_wire.transport`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import itertools
+import random
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import structlog
+
+from .. import policy, transport
+from ..config import Peer, parse_hostport
+from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError
+from ..memory import BlockMap
+from ..transfer import InTransfer, OutTransfer
+from ..transport.tcp import FrameProtocol, TcpConnector
+from ..transport.tcp_path import PathSettings
+from ..wire import HEADER_SIZE, FrameType, Lane, decode_body, encode, encode_body
+from ..wire import messages as m
+from ..wire.frame import Frame
+from ..wire.handshake import CAPABILITIES, MAX_CHUNK, Limits, check_welcome, choose_version, negotiate
+from .dialer import Dialer
+from .host import SessionHost
+from .link import LinkState
+from .protocol import SendWindow, code_name
+from .receiving import Receiver
+from .sending import Sender
+from .tokens import TokenRelay
+
+log = structlog.get_logger("pdd_wire.session")
+
+_LANE_NAMES = ("control", "token", "bulk")
+
+
+class PeerSession:
+    def __init__(self, host: SessionHost["PeerSession"], peer: Peer) -> None:
+        self.host = host
+        self.cfg = host.config
+        self.peer = peer
+        self.key = f"{peer.site}/{peer.node}"
+        self.index = host.config.peers.index(peer)  # spreads sessions over the bulk threads
+        self.dialer = (self.cfg.site, self.cfg.node) < (peer.site, peer.node)
+        self.log = log.bind(peer=self.key)
+        self.metrics = host.metrics
+        self.configured_streams = peer.streams or self.cfg.transfer.streams
+        self.streams = self.configured_streams  # after the handshake: the smaller of both sides
+        self.control: FrameProtocol | None = None
+        self.remote_incarnation: int | None = None
+        self.remote_caps: frozenset[str] | None = None  # what the peer advertised (None: not met yet)
+        self.token = random.getrandbits(63)  # bulk connections present it (listener side)
+        self.remote_token = 0
+        self.chunk_bytes = self.cfg.transfer.chunk_bytes
+        self.peer_max_chunk = MAX_CHUNK
+        self.peer_max_body = 4096  # the format's floor until the peer says more
+        self.flow: SendWindow[OutTransfer] = SendWindow(self.cfg.transfer.credit_bytes)
+        self.sender = Sender(self, self.flow)
+        self.receiver = Receiver(self)
+        self.tokens = TokenRelay(self)
+        # KV_CANCELs that could not be sent (peer down), sent on reconnect; bounded.
+        self.cancel_later: collections.deque[tuple[int, m.KvCancel]] = collections.deque(
+            maxlen=2 * self.cfg.transfer.max_transfers)
+        self.up = asyncio.Event()
+        self.down_since: float | None = time.monotonic()
+        self._tasks: set[asyncio.Task] = set()
+        self._closing = False
+        self._last_rx = time.monotonic()
+        self._ping_nonce = itertools.count(1)
+        self._ping_waiters: dict[int, asyncio.Future] = {}
+        self.link = LinkState(self.cfg, self.metrics, self.key, self.log)
+        self.est = self.link.est
+        self.lz = self.link.lz
+        host_, port = parse_hostport(peer.address, "peer.address")
+        server_name = peer.server_name or peer.node
+        self.dialer_loop = Dialer(TcpConnector(host_, port, ssl_client=host.ssl_client, server_name=server_name),
+                                  self.cfg.timeouts, new_conn=self._new_control, hello=self._hello,
+                                  count_error=self.metrics.error, log=self.log)
+        to = self.cfg.timeouts
+        self.data = transport.data_path(peer.transport, self, PathSettings(
+            name=self.key, host=host_, port=port, server_name=server_name, site=self.cfg.site, node=self.cfg.node,
+            dialer=self.dialer, connect_s=to.connect_s, handshake_s=to.handshake_s,
+            backoff_max_s=to.reconnect_max_backoff_s, ucx_chunk_bytes=self.cfg.transfer.ucx_chunk_bytes,
+            ssl_client=host.ssl_client, bulk_loop=lambda n: host.bulk_loop(self.index * self.configured_streams + n),
+            remote_token=lambda: self.remote_token,
+            on_streams=lambda n: self.metrics.bulk_streams.labels(peer=self.key).set(n), log=self.log))
+        self.metrics.peer_up.labels(peer=self.key).set(0)
+
+    # ------------------------------------------------------------------ what others read
+    @property
+    def is_up(self) -> bool:
+        return self.control is not None and not self.control.closed and self.up.is_set()
+
+    @property
+    def out(self) -> dict[int, OutTransfer]:
+        return self.flow.out
+
+    @property
+    def inn(self) -> dict[int, InTransfer]:
+        return self.receiver.inn
+
+    @property
+    def routes(self):
+        return self.receiver.routes
+
+    @property
+    def links(self) -> Mapping[int, Any]:
+        """Bulk TCP connections up, by stream (empty on paths without them)."""
+        return self.data.links
+
+    @property
+    def over_ucx(self) -> bool:
+        """KV to this peer moves as UCX messages now (a status, for pages and tests)."""
+        return self.data.active == "ucx"
+
+    @property
+    def window(self) -> int:
+        return self.flow.window
+
+    @property
+    def goodput_Bps(self) -> float:
+        return self.link.goodput_Bps
+
+    @property
+    def rtt_s(self) -> float | None:
+        return self.link.rtt_s
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        if self.dialer:
+            self.spawn(self.dialer_loop.run(), "dial")
+        self.spawn(self._tick_forever(), "tick")
+
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        """Run ``coro`` as a task the session owns (cancelled and awaited by :meth:`close`)."""
+        t = asyncio.create_task(coro, name=f"{self.key}:{name}")
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    async def close(self) -> None:
+        self._closing = self.dialer_loop.closing = True
+        if self.control is not None and not self.control.closed:
+            try:
+                self.control.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye("shutdown"))))
+            except TransportError:
+                pass
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._drop_connections()
+        self.sender.fail_all(ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
+        await self.receiver.fail_all(ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
+        await self.data.close()
+
+    # ------------------------------------------------------------------ dialing
+    def _hello(self) -> m.Hello:
+        return m.Hello(versions=list(m.SUPPORTED_VERSIONS), site=self.cfg.site, node=self.cfg.node,
+                       incarnation=self.host.incarnation, capabilities=list(CAPABILITIES),
+                       max_body=self.cfg.limits.max_body, max_chunk=MAX_CHUNK,
+                       credit_bytes=self.cfg.transfer.credit_bytes, bulk_streams=self.configured_streams,
+                       ucx_address=self.data.address())
+
+    def _on_welcome(self, conn: FrameProtocol, msg: m.Welcome) -> None:
+        """Dialer side. Adopted here, in the frame handler, so that frames the listener sent
+        right behind WELCOME (in the same read) already find the session established."""
+        try:
+            check_welcome(msg, self.peer.site, self.peer.node, self.peer.address)
+        except FatalHandshakeError as exc:
+            conn.fail(exc)
+            self.dialer_loop.failed(exc)
+            return
+        self._established(conn, msg.incarnation, msg)
+        self.dialer_loop.welcomed(msg)
+
+    def _new_control(self) -> FrameProtocol:
+        conn = FrameProtocol(max_body=self.cfg.limits.max_body, max_payload=0)
+        conn.on_frame = self._on_control_frame
+        conn.on_lost = self._on_control_lost
+        return conn
+
+    # ------------------------------------------------------------------ accepting
+    def adopt_control(self, conn: FrameProtocol, hello: m.Hello) -> m.Welcome:
+        """Listener side: a dialer's HELLO passed the agent's checks; take the connection."""
+        version = choose_version(hello.versions)
+        if self.control is not None and not self.control.closed:
+            self.log.info("peer reconnected; dropping the previous control connection")
+            old, self.control = self.control, None
+            old.on_lost = lambda c, e: None
+            old.abort()
+            self._connection_down("replaced")
+        conn.on_frame = self._on_control_frame
+        conn.on_lost = self._on_control_lost
+        welcome = m.Welcome(version=version, site=self.cfg.site, node=self.cfg.node,
+                            incarnation=self.host.incarnation, session=self.token,
+                            capabilities=list(CAPABILITIES), max_body=self.cfg.limits.max_body,
+                            max_chunk=MAX_CHUNK, credit_bytes=self.cfg.transfer.credit_bytes,
+                            bulk_streams=self.configured_streams,
+                            resumed=self.remote_incarnation == hello.incarnation,
+                            ucx_address=self.data.address())
+        conn.send(encode(FrameType.WELCOME, encode_body(welcome)))
+        self._established(conn, hello.incarnation, hello)
+        return welcome
+
+    def adopt_bulk(self, stream: int, loop, conn: FrameProtocol) -> None:
+        """An accepted bulk connection named this session (called on the main loop)."""
+        self.data.adopt_bulk(stream, loop, conn)
+
+    def bulk_lost(self, conn: FrameProtocol, stream: int, exc) -> None:
+        """A bulk connection ended (main loop)."""
+        self.data.bulk_lost(conn, stream, exc)
+
+    # ------------------------------------------------------------------ connection state
+    def _established(self, conn: FrameProtocol, incarnation: int, info: m.Hello | m.Welcome) -> None:
+        first = self.remote_incarnation is None
+        restarted = not first and self.remote_incarnation != incarnation
+        self.control = conn
+        self._last_rx = time.monotonic()
+        if restarted:
+            self.log.warning("peer restarted; failing every transfer with it")
+            self.cancel_later.clear()  # it forgot those transfers anyway
+            self._peer_restarted()
+        self.remote_incarnation = incarnation
+        terms = negotiate(Limits(self.cfg.transfer.chunk_bytes, self.cfg.transfer.credit_bytes,
+                                 self.configured_streams), info)
+        self.remote_caps = terms.capabilities
+        if isinstance(info, m.Welcome):
+            self.remote_token = info.session
+        self.chunk_bytes = terms.chunk_bytes
+        self.peer_max_chunk = terms.peer_max_chunk
+        self.peer_max_body = terms.peer_max_body
+        self.flow.configure(terms.window)
+        self.streams = terms.streams
+        self.down_since = None
+        self.up.set()
+        self.metrics.peer_up.labels(peer=self.key).set(1)
+        if not first:
+            self.metrics.reconnects.labels(peer=self.key).inc()
+        self.log.info("peer up", resumed=not restarted, streams=self.streams)
+        self._ping()  # an RTT at once
+        while self.cancel_later:
+            tid, cancel = self.cancel_later.popleft()
+            self.send_frame(FrameType.KV_CANCEL, cancel, tid=tid)
+        self.sender.resume()
+        self.tokens.resend_unacked()
+        self.sender.pump()
+        self.host.session_up(self)
+        self.data.connected(info.ucx_address, streams=self.streams)
+
+    def _on_control_lost(self, conn: FrameProtocol, exc) -> None:
+        if conn is not self.control:
+            self.dialer_loop.conn_lost(conn, exc)
+            return
+        self.log.info("control connection lost", error=str(exc) if exc else None)
+        self._connection_down("control lost")
+
+    def _connection_down(self, why: str) -> None:
+        self.est.link_down()
+        self.up.clear()
+        self.control = None
+        self.down_since = time.monotonic()
+        self.metrics.peer_up.labels(peer=self.key).set(0)
+        self._drop_connections()
+        self.flow.connection_lost()
+        self.dialer_loop.failed(TransportError(f"connection lost during the handshake ({why})"))
+        self.dialer_loop.lost.set()
+
+    def _drop_connections(self) -> None:
+        self.data.down()
+        if self.control is not None:
+            self.control.abort()
+
+    def _peer_restarted(self) -> None:
+        self.sender.fail_all(ErrorCode.PEER_RESTARTED, f"peer {self.key} restarted", notify_peer=False)
+        self.receiver.peer_restarted()
+        self.tokens.clear()
+        self.host.peer_lost(self, "peer_restarted")
+        self.flow.peer_restarted()
+
+    # ------------------------------------------------------------------ the data path reports (DataPathOwner)
+    def lane_up(self, lane: int) -> None:
+        self.flow.lane_up(lane)
+        self.sender.pump()
+
+    def lane_lost(self, lane: int) -> None:
+        self.sender.lane_lost(lane)
+
+    def send_failed(self, tid: int, k: int, why: str) -> None:
+        self.sender.send_failed(tid, k, why)
+
+    def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False) -> None:
+        """A data path finished reading chunk ``k`` (main loop)."""
+        self.receiver.chunk_arrived(tid, k, ok, nbytes, claimed, invalid)
+
+    def reconnect(self, why: str) -> None:
+        if self.control is not None:
+            self.log.info("dropping the control connection", reason=why)
+            self.control.abort()
+
+    # ------------------------------------------------------------------ control frames
+    def _on_control_frame(self, conn: FrameProtocol, frame: Frame) -> None:
+        self._last_rx = time.monotonic()
+        h = frame.header
+        try:
+            msg = decode_body(h.type, frame.body)
+        except ProtocolError as exc:
+            self.metrics.error(exc.code)
+            conn.fail(exc)
+            return
+        lane_name = _LANE_NAMES[h.lane]
+        self.metrics.frames.labels(peer=self.key, lane=lane_name, direction="rx").inc()
+        self.metrics.bytes.labels(peer=self.key, lane=lane_name, direction="rx").inc(HEADER_SIZE + h.body_len)
+        tid = h.transfer_id
+        match msg:
+            case m.Welcome() if self.dialer and self.control is None:
+                self._on_welcome(conn, msg)
+            case m.Ping():
+                self.send_frame(FrameType.PONG, m.Pong(msg.nonce, msg.sent_ns))
+            case m.Pong():
+                self._on_pong(msg)
+            case m.KvBegin():
+                self.receiver.on_begin(tid, msg)
+            case m.KvAccept():
+                self.sender.on_accept(tid)
+            case m.KvReject():
+                self.sender.on_reject(tid, msg)
+            case m.KvAck():
+                self.sender.on_ack(tid, msg.first, msg.count)
+            case m.KvNack():
+                self.sender.on_nack(tid, msg.chunk, msg.code)
+            case m.KvDone():
+                self.sender.on_done(tid)
+            case m.KvCancel() if msg.by_receiver:
+                self.sender.on_cancel(tid, msg)
+            case m.KvCancel():
+                self.receiver.on_cancel(tid, msg)
+            case m.KvResume():
+                self.receiver.on_resume(tid, msg)
+            case m.KvStatus():
+                self.sender.on_status(tid, msg)
+            case m.Tokens():
+                self.tokens.on_tokens(msg)
+            case m.TokensAck():
+                self.tokens.on_ack(msg)
+            case m.HandoffProgress() | m.HandoffCommit() | m.HandoffTaken() | m.HandoffRelease() | m.HandoffAbort():
+                self.host.handoff_message(self, msg)
+            case m.PrefixQuery():
+                k = self.host.prefix_query(self, msg)
+                self.send_frame(FrameType.PREFIX_MATCH, m.PrefixMatch(msg.request_id, k), tid=tid)
+            case m.PrefixMatch():
+                self.sender.on_prefix_match(tid, msg)
+            case m.RequestAbort():
+                self.tokens.drop(msg.request_id)
+                self.host.request_aborted(self, msg)
+            case m.Error():
+                self.log.warning("peer reported an error", code=code_name(msg.code), message=msg.message)
+                self.metrics.error(code_name(msg.code))
+                if self.control is None:
+                    self.dialer_loop.refused(msg.code, msg.message)
+            case m.Goodbye():
+                self.log.info("peer said goodbye", reason=msg.reason)
+            case _:
+                err = ProtocolError(f"unexpected {FrameType(h.type).name} on the control connection",
+                                    ErrorCode.UNEXPECTED_FRAME)
+                self.metrics.error(err.code)
+                conn.fail(err)
+
+    def send_frame(self, ftype: int, body, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool:
+        """Send a control-connection frame; False if the connection is down (nothing queued).
+        ``lane``: CONTROL or TOKEN (the frame header's lane: token frames are counted apart)."""
+        c = self.control
+        if c is None or c.closed:
+            return False
+        frame = encode(ftype, encode_body(body), lane=lane, transfer_id=tid)
+        try:
+            c.send(frame)
+        except TransportError:
+            return False
+        lane_name = _LANE_NAMES[lane]
+        self.metrics.frames.labels(peer=self.key, lane=lane_name, direction="tx").inc()
+        self.metrics.bytes.labels(peer=self.key, lane=lane_name, direction="tx").inc(len(frame[0]))
+        return True
+
+    def send_message(self, body, *, lane: int = Lane.TOKEN) -> bool:
+        """Send a control message whose frame type follows from its body (handoff messages);
+        False if the control connection is down (the caller resends on reconnect)."""
+        return self.send_frame(m.TYPE_OF[type(body)], body, lane=lane)
+
+    def cancel_transfer(self, tid: int, msg: m.KvCancel) -> None:
+        """KV_CANCEL now, or at the next reconnect if the peer is unreachable: a transfer given
+        up on while the link was down must not stay open on the other side once it is back."""
+        if not self.send_frame(FrameType.KV_CANCEL, msg, tid=tid):
+            self.cancel_later.append((tid, msg))
+
+    def tokens_arrived(self, msg: m.Tokens) -> None:
+        self.host.tokens_received(self, msg)
+
+    def count_error(self, code: int) -> None:
+        self.metrics.error(code_name(code))
+
+    def count_failure(self, direction: str, code: int) -> None:
+        self.metrics.transfers.labels(peer=self.key, direction=direction, outcome=code_name(code).lower()).inc()
+        self.metrics.error(code_name(code))
+
+    # ------------------------------------------------------------------ PING
+    def _ping(self) -> int:
+        nonce = next(self._ping_nonce)
+        if self.send_frame(FrameType.PING, m.Ping(nonce, time.monotonic_ns())):
+            self.est.ping_sent(nonce, time.monotonic())
+        return nonce
+
+    def _on_pong(self, msg: m.Pong) -> None:
+        rtt = (time.monotonic_ns() - msg.sent_ns) / 1e9
+        self.link.pong(msg.nonce, rtt)
+        w = self._ping_waiters.pop(msg.nonce, None)
+        if w is not None and not w.done():
+            w.set_result(rtt)
+
+    async def ping(self, timeout: float = 1.0) -> float | None:
+        """One PING on the control lane; its round trip in seconds, or None if unanswered."""
+        fut = asyncio.get_running_loop().create_future()
+        nonce = self._ping()
+        self._ping_waiters[nonce] = fut
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        except TimeoutError:
+            return None
+        finally:
+            self._ping_waiters.pop(nonce, None)
+
+    # ------------------------------------------------------------------ transfers (the agent's API)
+    def start_send(self, engine, request_id: str, blocks: BlockMap, deadline_s: float,
+                   hashes: list[int] | None = None) -> OutTransfer:
+        return self.sender.start(engine, request_id, blocks, deadline_s, hashes)
+
+    def drop_out(self, t: OutTransfer) -> None:
+        """Withdraw a transfer its engine was told never started (tells the peer, no event)."""
+        self.sender.drop(t)
+
+    async def prefix_lookup(self, request_id: str, hashes: list[int], timeout: float | None = None) -> int | None:
+        """How many leading blocks of ``hashes`` the peer's node holds (leased for the request);
+        None if the peer does not keep an inventory, is down, or does not answer in time."""
+        return await self.sender.prefix_lookup(request_id, hashes, timeout)
+
+    def accept_in(self, tid: int, begin: m.KvBegin, engine, dest: BlockMap) -> InTransfer | None:
+        """The agent matched a KV_BEGIN with a posted receive: check it and open the transfer.
+        A refusal is sent to the peer and told to the posting engine (its post is used up)."""
+        return self.receiver.accept(tid, begin, engine, dest)
+
+    def reject_in(self, tid: int, begin: m.KvBegin, code: int, message: str) -> None:
+        self.receiver.reject(tid, begin, code, message)
+
+    def fail_incoming(self, t: InTransfer, code: int, message: str, *, notify_peer: bool) -> None:
+        """Fail an incoming transfer (scheduled: its memory is handed back once no data path
+        writes into it; the engine then gets the failure)."""
+        self.receiver.fail_later(t, code, message, notify_peer)
+
+    async def cancel_request(self, request_id: str, code: int, message: str, engine=None, *,
+                             notify_peer: bool = True) -> int:
+        """Cancel every transfer of ``request_id`` (of ``engine`` when given); tells the peer."""
+        n = 0
+        for o in [t for t in self.out.values() if t.request_id == request_id and engine in (None, t.engine)]:
+            self.sender.fail(o, code, message, notify_peer=notify_peer)
+            n += 1
+        for i in [t for t in self.inn.values() if t.request_id == request_id and engine in (None, t.engine)]:
+            await self.receiver.fail(i, code, message, notify_peer=notify_peer)
+            n += 1
+        return n
+
+    def has_request(self, request_id: str) -> bool:
+        return any(t.request_id == request_id for t in self.out.values()) or \
+            any(t.request_id == request_id for t in self.inn.values())
+
+    def send_abort(self, request_id: str, reason: str) -> bool:
+        """Tell the peer the request is dead (REQUEST_ABORT), if it is up and understands it."""
+        self.tokens.drop(request_id)
+        if self.is_up and self.remote_caps is not None and "abort.v1" in self.remote_caps:
+            return self.send_frame(FrameType.REQUEST_ABORT, m.RequestAbort(request_id, reason), lane=Lane.TOKEN)
+        return False
+
+    async def engine_gone(self, engine) -> None:
+        self.sender.fail_all(ErrorCode.ENGINE_GONE, "the sending engine disconnected", notify_peer=True,
+                             engine=engine)
+        await self.receiver.fail_all(ErrorCode.ENGINE_GONE, "the receiving engine disconnected", notify_peer=True,
+                                     engine=engine)
+
+    def send_tokens(self, request_id: str, tokens: list[int], *, handoff: bool = False) -> int:
+        """Relay token IDs for ``request_id``; returns the index of the first one. ``handoff``:
+        RLD's relay of a handoff (MD's agent keeps it before MD's engine registers)."""
+        return self.tokens.send(request_id, tokens, handoff=handoff)
+
+    def relaying_tokens(self, request_id: str) -> bool:
+        """Token IDs of ``request_id`` are being relayed to this peer."""
+        return request_id in self.tokens.tok_out
+
+    # ------------------------------------------------------------------ heartbeat and housekeeping
+    async def _tick_forever(self) -> None:
+        to = self.cfg.timeouts
+        while True:
+            await asyncio.sleep(to.heartbeat_s)
+            now = time.monotonic()
+            control = self.control
+            if control is not None and self.is_up:
+                if now - self._last_rx > to.dead_after_s:
+                    self.log.warning("peer silent; dropping the control connection",
+                                     silent_s=round(now - self._last_rx, 2))
+                    control.abort()
+                else:
+                    self._ping()
+                self.est.expire(now)
+                self.link.decide_compression()
+            elif self.down_since is not None and now - self.down_since > to.peer_give_up_s:
+                self.host.peer_lost(self, "peer_unreachable")
+                why = f"peer {self.key} unreachable for {to.peer_give_up_s}s"
+                self.sender.fail_all(ErrorCode.PEER_UNREACHABLE, why, notify_peer=True)
+                await self.receiver.fail_all(ErrorCode.PEER_UNREACHABLE, why, notify_peer=True)
+            self.sender.expire(now, to.chunk_ack_s)
+
+    # ------------------------------------------------------------------ link figures
+    @contextlib.contextmanager
+    def acks_recorded(self, maxlen: int = 1 << 16) -> Iterator[collections.deque[tuple[float, int]]]:
+        """Record ``(time, KV bytes acknowledged ever)`` at each acknowledgement while inside
+        (the active probe measures goodput from it)."""
+        with self.link.acks_recorded(maxlen) as acks:
+            yield acks
+
+    def link_figures(self) -> "policy.LinkFigures":
+        """The live estimate of this link (:class:`~.estimator.LinkEstimator`): delivery rate
+        while busy (falling back to finished transfers' goodput), the KV bytes still to send, and
+        the control-lane RTT. Bandwidth is 0 (unknown) before any KV moved, or while the peer is
+        down."""
+        return self.link.figures(self.is_up, self.queue_bytes())
+
+    def queue_bytes(self) -> int:
+        """KV bytes accepted for this peer and not yet acknowledged."""
+        return self.flow.queue_bytes()
+
+    def predict(self, nbytes: int) -> float | None:
+        """Seconds ``nbytes`` more KV to this peer would take now (None: bandwidth unknown)."""
+        if not self.is_up:
+            return None
+        return self.link.predict(nbytes, self.queue_bytes())
+
+    def describe(self) -> dict:
+        return {"peer": self.key, **self.link.describe(self.queue_bytes()),
+                "data_path": self.data.active, "address": self.peer.address, "transport": self.peer.transport,
+                "role": "dialer" if self.dialer else "listener", "up": self.is_up,
+                "bulk_streams_up": len(self.links), "bulk_streams": self.streams,
+                "credit_window_bytes": self.flow.window, "bytes_in_flight": self.flow.in_flight_bytes,
+                "chunk_bytes": self.chunk_bytes,
+                "transfers_out": len(self.out), "transfers_in": len(self.inn)}

@@ -1,0 +1,291 @@
+"""The sending side of a peer session: KV transfers to the peer, from PREFIX_QUERY to KV_DONE.
+
+The books (credit, chunks in flight, acks, what to send again) are the sans-IO
+:class:`~.protocol.SendWindow`; this module turns control frames into its inputs and its
+answers into frames, timers and engine events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+from ..errors import ErrorCode, PddWireError
+from ..memory import BlockMap
+from ..transfer import OutTransfer, State
+from ..wire import FrameType
+from ..wire import messages as m
+from .protocol import Resumed, SendWindow, Status
+
+if TYPE_CHECKING:
+    from .host import Shell
+
+#: How long a chunk the receiver is still writing from a lost connection waits before it is
+#: sent again (KV_NACK CHUNK_BUSY), and one whose send failed.
+BUSY_RETRY_S = 0.05
+SEND_RETRY_S = 0.1
+#: Transfers smaller than this measure the RTT, not the bandwidth: not fed to the goodput EWMA.
+GOODPUT_MIN_BYTES = 1 << 20
+
+
+class Sender:
+    def __init__(self, session: "Shell", flow: SendWindow[OutTransfer]) -> None:
+        self.s = session
+        self.flow = flow
+        self._lookups: dict[str, list[asyncio.Future]] = {}  # PREFIX_QUERYs of choose_pipeline
+
+    # -- starting
+    def start(self, engine, request_id: str, blocks: BlockMap, deadline_s: float,
+              hashes: list[int] | None = None) -> OutTransfer:
+        s, cfg = self.s, self.s.cfg.transfer
+        if len(self.flow.out) >= cfg.max_transfers:
+            raise PddWireError(f"{len(self.flow.out)} transfers open to {s.key} (limit transfer.max_transfers)",
+                               ErrorCode.TOO_MANY_TRANSFERS)
+        loop = asyncio.get_running_loop()
+        chunk = s.data.chunk_bytes(s.chunk_bytes, window=self.flow.window, peer_max_chunk=s.peer_max_chunk)
+        t = OutTransfer(s.host.next_transfer_id(), request_id, engine, s.key, blocks, chunk, loop.time() + deadline_s)
+        self.flow.add(t)
+        t.timer = loop.call_at(t.deadline, self._deadline, t)
+        s.metrics.inflight.labels(direction="out").inc()
+        if hashes and blocks.n_blocks > 1 and s.is_up and "prefix.v1" in (s.remote_caps or ()):
+            # Ask first which leading blocks the receiver's node holds; at least one block is
+            # always sent (the last one is usually partial and never shared anyway).
+            t.hashes = hashes[:min(len(hashes), blocks.n_blocks - 1)]
+            t.state = State.QUERYING
+            s.send_frame(FrameType.PREFIX_QUERY, m.PrefixQuery(request_id, t.hashes, int(cfg.prefix_lease_s * 1000)),
+                         tid=t.tid)
+            t.query_timer = loop.call_later(self._query_wait(), self._query_unanswered, t)
+        else:
+            self._announce(t)
+        return t
+
+    def _query_wait(self) -> float:
+        return max(self.s.cfg.transfer.prefix_query_s, 4 * (self.s.link.est.rtt_s or 0.0))
+
+    def _query_unanswered(self, t: OutTransfer) -> None:
+        if self.flow.out.get(t.tid) is t and t.state == State.QUERYING:
+            self.s.log.info("no PREFIX_MATCH in time; sending every block", request_id=t.request_id)
+            t.state = State.ANNOUNCED
+            self._announce(t)
+
+    async def prefix_lookup(self, request_id: str, hashes: list[int], timeout: float | None = None) -> int | None:
+        s = self.s
+        if not s.is_up or "prefix.v1" not in (s.remote_caps or ()):
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        self._lookups.setdefault(request_id, []).append(fut)
+        s.send_frame(FrameType.PREFIX_QUERY, m.PrefixQuery(request_id, hashes,
+                                                           int(s.cfg.transfer.prefix_lease_s * 1000)))
+        try:
+            async with asyncio.timeout(timeout or self._query_wait()):
+                return await fut
+        except TimeoutError:
+            return None
+        finally:
+            waiters = self._lookups.get(request_id, [])
+            if fut in waiters:
+                waiters.remove(fut)
+            if not waiters:
+                self._lookups.pop(request_id, None)
+
+    def on_prefix_match(self, tid: int, msg: m.PrefixMatch) -> None:
+        if tid == 0:
+            for fut in self._lookups.pop(msg.request_id, []):
+                if not fut.done():
+                    fut.set_result(msg.matched)
+            return
+        t = self.flow.out.get(tid)
+        if t is None or t.state != State.QUERYING or t.request_id != msg.request_id:
+            return
+        if t.query_timer is not None:
+            t.query_timer.cancel()
+        k = max(0, min(msg.matched, len(t.hashes or ()), t.blocks.n_blocks - 1))
+        n = t.blocks.n_blocks
+        if k:
+            t.skip = k
+            t.blocks = t.full_blocks.after_blocks(k)
+            self.s.metrics.prefix_bytes_saved.labels(peer=self.s.key).inc(k * t.blocks.block_bytes)
+        self.s.metrics.prefix_hit_ratio.observe(k / n)
+        t.state = State.ANNOUNCED
+        self._announce(t)
+
+    def _restart_full(self, t: OutTransfer, message: str) -> None:
+        """The receiver lost the prefix it matched (a broken lease): send the request again,
+        every block, as a new transfer. The engine sees only the new transfer's outcome."""
+        s = self.s
+        s.log.warning("receiver lost the matched prefix; sending every block", request_id=t.request_id,
+                      transfer_id=t.tid, reason=message)
+        s.metrics.retransmits.labels(peer=s.key, reason="prefix_lost").inc(t.n_chunks)
+        left = t.deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            s.host.transfer_failed(t, "out", int(ErrorCode.TRANSFER_TIMEOUT), "deadline passed")
+            return
+        self.start(t.engine, t.request_id, t.full_blocks, left)
+
+    def _announce(self, t: OutTransfer) -> None:
+        remaining = max(1, int((t.deadline - asyncio.get_running_loop().time()) * 1000))
+        self.s.send_frame(FrameType.KV_BEGIN, m.KvBegin(t.request_id, t.total, t.chunk_bytes, t.n_chunks,
+                                                        t.blocks.block_bytes, t.blocks.n_blocks, remaining, t.skip),
+                          tid=t.tid)
+
+    # -- moving
+    def on_accept(self, tid: int) -> None:
+        if self.flow.accepted(tid):
+            self.pump()
+
+    def pump(self) -> None:
+        """Send what the window allows now."""
+        s = self.s
+        if not s.is_up:
+            return
+        for d in self.flow.dispatch(time.monotonic()):
+            t = self.flow.out[d.tid]
+            s.data.send(d.lane, d.tid, d.k, t.chunk(d.k), s.link.compression_for(t, s.remote_caps))
+        s.metrics.inflight_bytes.labels(peer=s.key).set(self.flow.in_flight_bytes)
+
+    def on_ack(self, tid: int, first: int, count: int) -> None:
+        s = self.s
+        acked = self.flow.on_ack(tid, first, count)
+        now = time.monotonic()
+        for sent in acked.sent_at:
+            s.metrics.chunk_seconds.observe(now - sent)
+        self._count_tx(acked.nbytes, acked.chunks)
+        self.pump()
+        if acked.nbytes:
+            s.link.acks_landed(now, acked.nbytes, busy=bool(self.flow.inflight))
+
+    def _count_tx(self, nbytes: int, chunks: int) -> None:
+        if chunks:
+            self.s.metrics.bytes.labels(peer=self.s.key, lane="bulk", direction="tx").inc(nbytes)
+            self.s.metrics.chunks.labels(peer=self.s.key, direction="tx").inc(chunks)
+
+    def on_nack(self, tid: int, k: int, code: int) -> None:
+        s = self.s
+        if not self.flow.on_nack(tid, k):
+            return
+        if code == ErrorCode.CHUNK_BUSY:
+            s.metrics.retransmits.labels(peer=s.key, reason="busy").inc()
+            asyncio.get_running_loop().call_later(BUSY_RETRY_S, self.requeue, tid, k)
+            return
+        s.metrics.retransmits.labels(peer=s.key, reason="checksum").inc()
+        t = self.flow.out[tid]
+        s.log.warning("chunk failed its checksum at the receiver; sending it again",
+                      transfer_id=tid, request_id=t.request_id, chunk=k)
+        self.requeue(tid, k)
+
+    def send_failed(self, tid: int, k: int, why: str) -> None:
+        if self.flow.send_failed(tid, k):
+            self.s.metrics.retransmits.labels(peer=self.s.key, reason=why).inc()
+            asyncio.get_running_loop().call_later(SEND_RETRY_S, self.requeue, tid, k)
+
+    def requeue(self, tid: int, k: int) -> None:
+        if self.flow.requeue(tid, k):
+            self.pump()
+
+    def lane_lost(self, lane: int) -> None:
+        requeued = self.flow.lane_down(lane)
+        if requeued:
+            self.s.metrics.retransmits.labels(peer=self.s.key, reason="connection_lost").inc(requeued)
+        self.s.metrics.inflight_bytes.labels(peer=self.s.key).set(self.flow.in_flight_bytes)
+        self.pump()
+
+    def expire(self, now: float, ack_timeout: float) -> None:
+        retried = self.flow.expire(now, ack_timeout)
+        if retried:
+            self.s.metrics.retransmits.labels(peer=self.s.key, reason="ack_timeout").inc(len(retried))
+            self.pump()
+
+    # -- ending
+    def on_done(self, tid: int) -> None:
+        t = self.flow.out.get(tid)
+        if t is None:
+            return
+        self._release(t)
+        t.state = State.DONE
+        s = self.s
+        dt = time.monotonic() - t.started
+        s.metrics.transfers.labels(peer=s.key, direction="out", outcome="done").inc()
+        s.metrics.transfer_seconds.labels(direction="out").observe(dt)
+        if t.total >= GOODPUT_MIN_BYTES and dt > 0:
+            s.link.transfer_goodput(t.total / dt)
+        s.host.kv_sent(t)
+
+    def _release(self, t: OutTransfer) -> None:
+        self.flow.remove(t.tid)
+        self.s.host.transfer_ended()
+        if t.timer is not None:
+            t.timer.cancel()
+        if t.query_timer is not None:
+            t.query_timer.cancel()
+        self.s.metrics.inflight.labels(direction="out").dec()
+        self.s.metrics.inflight_bytes.labels(peer=self.s.key).set(self.flow.in_flight_bytes)
+
+    def fail(self, t: OutTransfer, code: int, message: str, *, notify_peer: bool) -> None:
+        if self.flow.out.get(t.tid) is not t:
+            return
+        self._release(t)
+        t.state = State.FAILED
+        s = self.s
+        if code == ErrorCode.PREFIX_LOST and t.skip and not notify_peer:
+            self._restart_full(t, message)
+            return
+        if notify_peer:
+            s.cancel_transfer(t.tid, m.KvCancel(t.request_id, int(code), message, False))
+        s.count_failure("out", code)
+        s.host.transfer_failed(t, "out", int(code), message)
+
+    def fail_all(self, code: int, message: str, *, notify_peer: bool, engine=None) -> int:
+        ts = [t for t in self.flow.out.values() if engine in (None, t.engine)]
+        for t in ts:
+            self.fail(t, code, message, notify_peer=notify_peer)
+        return len(ts)
+
+    def drop(self, t: OutTransfer) -> None:
+        """Withdraw a transfer its engine was told never started (tells the peer, no event)."""
+        if self.flow.out.get(t.tid) is not t:
+            return
+        self._release(t)
+        t.state = State.FAILED
+        self.s.send_frame(FrameType.KV_CANCEL, m.KvCancel(t.request_id, int(ErrorCode.TRANSFER_CANCELLED),
+                                                          "withdrawn by the sender", False), tid=t.tid)
+
+    def _deadline(self, t: OutTransfer) -> None:
+        self.fail(t, ErrorCode.TRANSFER_TIMEOUT, "transfer deadline passed before the receiver confirmed",
+                  notify_peer=True)
+
+    def on_cancel(self, tid: int, msg: m.KvCancel) -> None:
+        t = self.flow.out.get(tid)
+        if t is not None:
+            self.fail(t, msg.code, f"cancelled by peer {self.s.key}: {msg.message}", notify_peer=False)
+
+    def on_reject(self, tid: int, msg: m.KvReject) -> None:
+        t = self.flow.out.get(tid)
+        if t is not None:
+            self.fail(t, msg.code, msg.message, notify_peer=False)
+
+    # -- resume after a reconnect
+    def resume(self) -> None:
+        for t in list(self.flow.out.values()):
+            if t.state == State.QUERYING:  # the answer may be lost: do not wait for it
+                if t.query_timer is not None:
+                    t.query_timer.cancel()
+                t.state = State.ANNOUNCED
+            if t.state == State.ANNOUNCED:
+                self._announce(t)
+            elif t.state == State.RESUMING:
+                self.s.send_frame(FrameType.KV_RESUME, m.KvResume(t.request_id), tid=t.tid)
+
+    def on_status(self, tid: int, msg: m.KvStatus) -> None:
+        t = self.flow.out.get(tid)
+        if t is None:
+            return
+        have = m.bitmap_members(msg.have, t.n_chunks) if msg.state == Status.RECEIVING else set()
+        outcome, acked = self.flow.on_status(tid, msg.state, have)
+        if outcome is Resumed.DONE:
+            self.on_done(tid)
+        elif outcome is Resumed.MOVING:
+            self._count_tx(acked.nbytes, acked.chunks)
+            self.pump()
+        elif outcome is Resumed.UNKNOWN:
+            self.fail(t, ErrorCode.PEER_RESTARTED, "the receiver no longer knows this transfer", notify_peer=False)

@@ -1,0 +1,201 @@
+"""Bulk connections on their event-loop threads: queueing chunks out, landing chunks in.
+
+A :class:`BulkHandler` owns one bulk connection's frames on its :class:`BulkLoop`. Incoming KV
+chunks land through the owner's routes (``Route.claim`` gives the destination views, the frame
+reader writes into them, ``Route.settle`` ends the claim); everything else the owner's loop must
+know goes there by ``call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+from .. import compress as cz
+from ..errors import ErrorCode, ProtocolError
+from ..memory import scatter
+from ..wire import FrameType, Lane, decode_body, encode, encode_body
+from ..wire import messages as m
+from ..wire.frame import Flags, Frame, payload_checksum
+from ..wire.handshake import MAX_CHUNK
+from .route import Route
+from .tcp import FrameProtocol
+
+if TYPE_CHECKING:
+    from .base import BulkOwner
+
+log = structlog.get_logger("pdd_wire.bulk")
+
+
+class Compression:
+    """One link's lz4 state, shared by the main loop (which decides) and the bulk threads (which
+    compress and feed the estimates). ``on``: compress every chunk; otherwise every
+    ``sample_every``-th chunk is compressed only to keep the estimates live (and sent as is)."""
+
+    def __init__(self, *, shuffle: bool, sample_every: int = 64) -> None:
+        self.shuffle = shuffle
+        self.on = False
+        self.sample_every = sample_every
+        self.est = cz.Estimator()
+        self.chunks = 0  # compressed and sent
+        self.saved = 0  # bytes not sent thanks to it
+        self._n = 0
+
+    def wants(self) -> bool:
+        self._n += 1
+        return self.on or self.est.samples < self.est.min_samples or self._n % self.sample_every == 0
+
+
+def bulk_send(conn: FrameProtocol, tid: int, k: int, views, lz: Compression | None = None) -> None:
+    """On the bulk loop: checksum and queue one chunk (the views are not copied, unless the
+    link compresses: then the chunk is lz4-encoded, and sent that way if it shrank)."""
+    if conn.closed:
+        return  # the main loop requeues it when it hears the connection is gone
+    if lz is not None and lz.wants():
+        data = views[0] if len(views) == 1 else b"".join(views)
+        t0 = time.perf_counter()
+        payload = cz.encode_chunk(data, shuffle=lz.shuffle)
+        lz.est.feed(len(data), len(payload), time.perf_counter() - t0)
+        if lz.on and len(payload) < len(data):
+            flags = Flags.LZ4 | (Flags.SHUFFLE16 if lz.shuffle else 0)
+            lz.chunks += 1
+            lz.saved += len(data) - len(payload)
+            conn.send(encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=tid, seq=k, payload=[payload],
+                             flags=flags, xxh3=payload_checksum([data])))
+            return
+    conn.send(encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=tid, seq=k, payload=views))
+
+
+class BulkHandler:
+    """Frames of one bulk connection, on its bulk loop. Chunks land through the routes of
+    ``session`` (its owner; on an accepted connection, ``resolve(BULK_HELLO)`` names it).
+    ``welcomed``: on a dialed connection, resolved by the peer's BULK_WELCOME."""
+
+    def __init__(self, session: "BulkOwner | None", stream: int, main: asyncio.AbstractEventLoop, *,
+                 resolve=None, max_body: int = 64 << 10, on_attach=None) -> None:
+        self.session = session
+        self.welcomed: asyncio.Future | None = None
+        self.stream = stream
+        self.main = main
+        self.resolve = resolve
+        self.on_attach = on_attach
+        self._claim: tuple[Route, int] | None = None
+        self._invalid = False
+        self._lz: tuple[list, int] | None = None  # an lz4 chunk's destination views and length
+        self._lz_buf = bytearray()
+        self._lz_stage = bytearray()
+        self.conn = FrameProtocol(max_body=max_body, max_payload=MAX_CHUNK, sink=self._sink, bulk=True)
+        self.conn.on_frame = self._on_frame
+        self.conn.on_lost = self._on_lost
+
+    def _sink(self, header, body):
+        if self.session is None:
+            # Refuse before a payload byte is read (no scratch for unauthenticated peers).
+            raise ProtocolError("payload before BULK_HELLO", ErrorCode.UNEXPECTED_FRAME)
+        if header.type != FrameType.KV_CHUNK:
+            self._claim = None
+            return None
+        route = self.session.routes.get(header.transfer_id)
+        self._invalid = False
+        self._lz = None
+        if route is None:
+            self._claim = None
+            return None
+        if header.flags & Flags.LZ4:
+            # The payload is smaller than the chunk: read it into scratch, decode it into the
+            # claimed blocks when it is complete (_on_frame).
+            n = route.chunk_len(header.seq)
+            if n is None or header.payload_len >= n:
+                self._claim = None
+                self._invalid = True
+                return None
+            views = route.claim(header.seq, n)
+            self._claim = (route, header.seq) if views is not None else None
+            if views is None:
+                return None
+            self._lz = (views, n)
+            if len(self._lz_buf) < header.payload_len:
+                self._lz_buf = bytearray(header.payload_len)
+            return [memoryview(self._lz_buf)[:header.payload_len]]
+        if not route.fits(header.seq, header.payload_len):
+            self._claim = None
+            self._invalid = True
+            return None
+        views = route.claim(header.seq, header.payload_len)
+        self._claim = (route, header.seq) if views is not None else None
+        return views
+
+    def _decode_lz4(self, frame: Frame) -> bool:
+        """Decode an lz4 chunk into its claimed blocks and check the chunk's xxh3."""
+        views, n = self._lz
+        self._lz = None
+        shuffle = bool(frame.header.flags & Flags.SHUFFLE16)
+        try:
+            if len(views) == 1:
+                cz.decode_chunk(frame.payload, views[0], shuffle=shuffle)
+            else:  # blocks not contiguous: decode into a reused staging buffer, then scatter
+                if len(self._lz_stage) < n:
+                    self._lz_stage = bytearray(n)
+                stage = memoryview(self._lz_stage)[:n]
+                cz.decode_chunk(frame.payload, stage, shuffle=shuffle)
+                scatter(stage, views)
+        except cz.CompressedChunkError:
+            return False
+        return payload_checksum(views) == frame.header.payload_xxh3
+
+    def _on_frame(self, conn: FrameProtocol, frame: Frame) -> None:
+        h = frame.header
+        if h.type == FrameType.KV_CHUNK:
+            s = self.session
+            if s is None:
+                conn.fail(ProtocolError("KV_CHUNK before BULK_HELLO", ErrorCode.UNEXPECTED_FRAME))
+                return
+            claim, self._claim = self._claim, None
+            ok, nbytes = frame.payload_ok, h.payload_len
+            if h.flags & Flags.LZ4:
+                nbytes = self._lz[1] if self._lz is not None else h.payload_len
+                ok = self._decode_lz4(frame) if self._lz is not None else True
+            if claim is not None:
+                claim[0].settle(claim[1], ok)
+            self.main.call_soon_threadsafe(s.chunk_arrived, h.transfer_id, h.seq, ok,
+                                           nbytes, claim is not None, self._invalid)
+            self._invalid = False
+            return
+        try:
+            msg = decode_body(h.type, frame.body)
+        except ProtocolError as exc:
+            conn.fail(exc)
+            return
+        match msg:
+            case m.BulkHello() if self.resolve is not None and self.session is None:
+                session = self.resolve(msg)
+                if session is None:
+                    conn.fail(ProtocolError("unknown session token or peer on a bulk connection",
+                                            ErrorCode.UNKNOWN_SESSION))
+                    return
+                if not session.is_up or not 0 <= msg.stream < session.streams:
+                    conn.fail(ProtocolError(f"bulk stream {msg.stream} out of range", ErrorCode.UNEXPECTED_FRAME))
+                    return
+                self.session = session
+                self.stream = msg.stream
+                conn.send(encode(FrameType.BULK_WELCOME, encode_body(m.BulkWelcome(msg.stream))))
+                self.on_attach(self)
+            case m.BulkWelcome():
+                if self.welcomed is not None and not self.welcomed.done():
+                    self.welcomed.set_result(None)
+            case m.Error():
+                log.warning("peer reported an error on a bulk connection", code=msg.code, message=msg.message)
+            case _:
+                conn.fail(ProtocolError(f"unexpected {FrameType(h.type).name} on a bulk connection",
+                                        ErrorCode.UNEXPECTED_FRAME))
+
+    def _on_lost(self, conn: FrameProtocol, exc) -> None:
+        self._lz = None
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim[0].settle(claim[1], False)
+        if self.session is not None:
+            self.main.call_soon_threadsafe(self.session.bulk_lost, conn, self.stream, exc)

@@ -1,0 +1,437 @@
+"""The sans-IO session core (pdd_wire/session/protocol.py, proto/transfer.md).
+
+Two parts:
+
+* exact sequences: the credit window, striping over lanes, acks, NACK repair, a lane lost,
+  resume after a reconnect, the receiver's answers (kept as regression tests);
+* a hypothesis state machine that drives a sender's :class:`SendWindow` and a receiver built
+  on :class:`ReceiveLedger` through simulated lanes (FIFO each, like one TCP connection, read
+  in any order across lanes) and a control connection (FIFO), with chunks lost, duplicated and
+  corrupted, lanes lost, ack timeouts, transfers cancelled, and the control connection lost
+  and resumed at any point. After every step: credit never exceeds the window and equals it
+  minus what is in flight; each lane's count is what is in flight on it. At the end, once
+  everything is delivered: every transfer ended exactly once with one outcome, one that ended
+  done only once the receiver held every chunk, no chunk was newly acknowledged twice, and
+  nothing is left on the books (credit, lanes, queues).
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from pdd_wire.memory import chunk_range, n_chunks
+from pdd_wire.session.protocol import Landing, ReceiveLedger, Resumed, SendWindow, Status, code_name
+from pdd_wire.transfer import State
+
+
+@dataclass
+class Tx:
+    """A transfer being sent, as the core sees it (an OutTransfer without memory)."""
+
+    tid: int
+    total: int
+    chunk_bytes: int
+    streams_limit: int | None = None
+    state: State = State.ANNOUNCED
+    acked: set[int] = field(default_factory=set)
+    pending: collections.deque[int] = field(default_factory=collections.deque)
+    retransmits: int = 0
+
+    @property
+    def n_chunks(self) -> int:
+        return n_chunks(self.total, self.chunk_bytes)
+
+
+def size(t: Tx, k: int) -> int:
+    start, end = chunk_range(k, t.total, t.chunk_bytes)
+    return end - start
+
+
+# ---------------------------------------------------------------------------------- sequences
+def test_the_window_bounds_what_is_in_flight_and_acks_give_it_back():
+    w = SendWindow(10)
+    w.lane_up(0)
+    t = Tx(1, total=12, chunk_bytes=4)
+    w.add(t)
+    assert w.dispatch(0.0) == []  # announced, not accepted
+    assert w.accepted(1)
+    sent = w.dispatch(0.0)
+    assert [(d.k, d.nbytes, d.lane) for d in sent] == [(0, 4, 0), (1, 4, 0)]
+    assert w.credit == 2 and w.in_flight_bytes == 8
+    acked = w.on_ack(1, 0, 1)
+    assert (acked.nbytes, acked.chunks, acked.sent_at) == (4, 1, (0.0,))
+    assert [d.k for d in w.dispatch(1.0)] == [2]
+    assert w.on_ack(1, 0, 3).chunks == 2  # chunk 0 again counts nothing
+    assert w.credit == 10 and w.lanes == {0: 0} and t.acked == {0, 1, 2}
+
+
+def test_chunks_go_to_the_least_loaded_lane_and_a_stream_limit_keeps_probes_on_lane_0():
+    w = SendWindow(100)
+    for lane in (0, 1, 2):
+        w.lane_up(lane)
+    a, b = Tx(1, 16, 4), Tx(2, 16, 4, streams_limit=1)
+    w.add(a)
+    w.add(b)
+    w.accepted(1)
+    w.accepted(2)
+    sent = w.dispatch(0.0)
+    assert {d.lane for d in sent if d.tid == 1} == {0, 1, 2}
+    assert {d.lane for d in sent if d.tid == 2} == {0}
+    assert [d.tid for d in sent[:4]] == [1, 2, 1, 2]  # round robin over transfers
+
+
+def test_a_lost_lane_requeues_its_chunks_first_and_a_nack_repairs_one():
+    w = SendWindow(100)
+    w.lane_up(0)
+    w.lane_up(1)
+    t = Tx(1, 16, 4)
+    w.add(t)
+    w.accepted(1)
+    sent = w.dispatch(0.0)
+    on1 = [d.k for d in sent if d.lane == 1]
+    assert w.lane_down(1) == len(on1) and t.retransmits == len(on1)
+    again = w.dispatch(1.0)
+    assert sorted(d.k for d in again) == sorted(on1) and {d.lane for d in again} == {0}
+    assert w.on_nack(1, 0) and w.requeue(1, 0)
+    assert [d.k for d in w.dispatch(2.0)] == [0]
+    w.on_ack(1, 0, 4)
+    assert not w.on_nack(1, 0)  # acknowledged meanwhile: nothing to repair
+
+
+def test_an_ack_timeout_sends_again_and_the_late_ack_counts_once():
+    w = SendWindow(100)
+    w.lane_up(0)
+    t = Tx(1, 8, 4)
+    w.add(t)
+    w.accepted(1)
+    w.dispatch(0.0)
+    assert w.expire(5.0, ack_timeout=10.0) == []
+    assert w.expire(11.0, ack_timeout=10.0) == [(1, 0), (1, 1)]
+    assert w.credit == 100
+    assert sorted(d.k for d in w.dispatch(11.0)) == [0, 1]
+    assert w.on_ack(1, 0, 2).chunks == 2 and w.on_ack(1, 0, 2).chunks == 0
+
+
+def test_resume_after_a_reconnect_sends_only_what_the_receiver_lacks():
+    w = SendWindow(100)
+    w.lane_up(0)
+    t = Tx(1, 16, 4)
+    w.add(t)
+    w.accepted(1)
+    w.dispatch(0.0)
+    w.on_ack(1, 0, 1)
+    w.lane_down(0)
+    w.connection_lost()
+    assert t.state == State.RESUMING
+    w.lane_up(0)
+    assert w.dispatch(1.0) == []  # waits for KV_STATUS
+    outcome, acked = w.on_status(1, Status.RECEIVING, {0, 2})  # chunk 2's ack was lost
+    assert outcome is Resumed.MOVING and (acked.nbytes, acked.chunks) == (4, 1)
+    assert [d.k for d in w.dispatch(2.0)] == [1, 3]
+    assert w.on_status(1, Status.COMPLETE, set())[0] is Resumed.DONE
+    assert w.on_status(1, Status.UNKNOWN, set())[0] is Resumed.UNKNOWN
+    assert w.on_status(9, Status.RECEIVING, set())[0] is Resumed.IGNORED
+
+
+def test_the_receiver_answers_each_kind_of_chunk():
+    led = ReceiveLedger(keep=2)
+    kw = dict(verified=False, claimed=True, ok=True, invalid=False, complete=False)
+    assert led.landing(1, is_open=True, **kw) is Landing.ACK
+    assert led.landing(1, is_open=True, **kw | {"complete": True}) is Landing.ACK_COMPLETE
+    assert led.landing(1, is_open=True, **kw | {"ok": False}) is Landing.NACK_CHECKSUM
+    assert led.landing(1, is_open=True, **kw | {"invalid": True}) is Landing.FAIL_INVALID
+    assert led.landing(1, is_open=True, **kw | {"claimed": False, "verified": True}) is Landing.ACK_AGAIN
+    assert led.landing(1, is_open=True, **kw | {"claimed": False}) is Landing.NACK_BUSY
+    assert led.landing(1, is_open=False, **kw) is Landing.DROP
+    led.completed_transfer(1, "r1")
+    assert led.landing(1, is_open=False, **kw | {"claimed": False}) is Landing.ACK_AGAIN
+    assert led.status(1, None) == Status.COMPLETE and led.status(2, {0}) == Status.RECEIVING
+    led.completed_transfer(2, "r2")
+    led.completed_transfer(3, "r3")
+    assert led.status(1, None) == Status.UNKNOWN  # bounded: the oldest is forgotten
+    assert code_name(2**15) == "CODE_32768"
+
+
+# ---------------------------------------------------------------------------------- the state machine
+@dataclass
+class Rx:
+    """The receiving end of one transfer."""
+
+    tid: int
+    total: int
+    chunk_bytes: int
+    verified: set[int] = field(default_factory=set)
+    open: bool = True
+
+
+class SessionCore(RuleBasedStateMachine):
+    LANES = 3
+    CHUNK = 4
+    ACK_TIMEOUT = 10.0
+
+    @initialize(window_chunks=st.integers(1, 5))
+    def setup(self, window_chunks: int) -> None:
+        self.w = SendWindow(window_chunks * self.CHUNK)
+        self.ledger = ReceiveLedger(keep=1000)
+        self.tx: dict[int, Tx] = {}
+        self.rx: dict[int, Rx] = {}
+        self.lanes: dict[int, collections.deque] = {}  # lane -> chunks on the wire (tid, k, good)
+        self.to_sender: collections.deque = collections.deque()  # control frames from the receiver
+        self.to_receiver: collections.deque = collections.deque()  # control frames from the sender
+        self.control_up = True
+        self.now = 0.0
+        self.next_tid = 1
+        self.acks: collections.Counter = collections.Counter()  # (tid, k) -> times newly acknowledged
+        self.outcomes: dict[int, list[str]] = collections.defaultdict(list)
+        for lane in range(self.LANES):
+            self.lane_up(lane)
+
+    # -- helpers
+    def lane_up(self, lane: int) -> None:
+        self.lanes[lane] = collections.deque()
+        self.w.lane_up(lane)
+
+    def pump(self) -> None:
+        if not self.control_up:
+            return
+        for d in self.w.dispatch(self.now):
+            t = self.tx[d.tid]
+            assert d.nbytes == size(t, d.k) and d.lane in self.lanes
+            self.lanes[d.lane].append((d.tid, d.k, True))
+
+    def ended(self, tid: int, outcome: str) -> None:
+        self.outcomes[tid].append(outcome)
+        self.w.remove(tid)
+
+    def acked(self, tid: int, first: int, count: int) -> None:
+        t = self.tx[tid]
+        before = set(t.acked) if tid in self.w.out else None
+        got = self.w.on_ack(tid, first, count)
+        if before is not None:
+            for k in t.acked - before:
+                self.acks[(tid, k)] += 1
+            assert got.chunks == len(t.acked - before)
+            assert got.nbytes == sum(size(t, k) for k in t.acked - before)
+
+    # -- rules: the sender's side
+    @rule(chunks=st.integers(1, 6), tail=st.integers(0, CHUNK - 1), probe=st.booleans())
+    def start(self, chunks: int, tail: int, probe: bool) -> None:
+        tid, self.next_tid = self.next_tid, self.next_tid + 1
+        total = chunks * self.CHUNK - tail if chunks > 1 or tail == 0 else self.CHUNK - tail
+        t = self.tx[tid] = Tx(tid, total, self.CHUNK, streams_limit=1 if probe else None)
+        self.w.add(t)
+        if self.control_up:
+            self.to_receiver.append(("begin", tid))
+
+    @precondition(lambda self: any(t.tid in self.w.out for t in self.tx.values()))
+    @rule(data=st.data())
+    def cancel(self, data) -> None:
+        tid = data.draw(st.sampled_from(sorted(self.w.out)))
+        self.ended(tid, "cancelled")
+        if tid in self.rx:
+            self.rx[tid].open = False  # KV_CANCEL: the receiver closes it (sent on reconnect if down)
+
+    @rule(dt=st.floats(0.0, 2 * ACK_TIMEOUT))
+    def tick(self, dt: float) -> None:
+        self.now += dt
+        for tid, k in self.w.expire(self.now, self.ACK_TIMEOUT):
+            assert tid in self.w.out
+        self.pump()
+
+    # -- rules: the wire
+    @precondition(lambda self: any(self.lanes.values()))
+    @rule(data=st.data())
+    def deliver_chunk(self, data) -> None:
+        lane = data.draw(st.sampled_from(sorted(lane for lane, q in self.lanes.items() if q)))
+        tid, k, good = self.lanes[lane].popleft()
+        self.land(tid, k, good)
+
+    @precondition(lambda self: any(self.lanes.values()))
+    @rule(data=st.data(), what=st.sampled_from(["lose", "duplicate", "corrupt"]))
+    def mangle_chunk(self, data, what: str) -> None:
+        lane = data.draw(st.sampled_from(sorted(lane for lane, q in self.lanes.items() if q)))
+        q = self.lanes[lane]
+        i = data.draw(st.integers(0, len(q) - 1))
+        tid, k, good = q[i]
+        if what == "lose":  # an ack timeout repairs it
+            del q[i]
+        elif what == "duplicate":
+            q.insert(data.draw(st.integers(i, len(q))), (tid, k, good))
+        else:
+            q[i] = (tid, k, False)
+
+    @precondition(lambda self: len(self.lanes) > 1)
+    @rule(data=st.data())
+    def lose_lane(self, data) -> None:
+        lane = data.draw(st.sampled_from(sorted(self.lanes)))
+        del self.lanes[lane]  # what was on it is gone
+        self.w.lane_down(lane)
+        self.pump()
+
+    @precondition(lambda self: self.control_up and len(self.lanes) < SessionCore.LANES)
+    @rule()
+    def redial_lane(self) -> None:
+        self.lane_up(min(set(range(self.LANES)) - set(self.lanes)))
+        self.pump()
+
+    @precondition(lambda self: self.to_sender)
+    @rule(duplicate=st.booleans())
+    def deliver_to_sender(self, duplicate: bool) -> None:
+        frame = self.to_sender[0] if duplicate else self.to_sender.popleft()
+        kind, tid, *rest = frame
+        match kind:
+            case "accept":
+                self.w.accepted(tid)
+            case "ack":
+                self.acked(tid, rest[0], 1)
+            case "nack":
+                if self.w.on_nack(tid, rest[0]):
+                    self.w.requeue(tid, rest[0])
+            case "done":
+                if tid in self.w.out:
+                    self.ended(tid, "done")
+            case "status":
+                state, have = rest
+                t = self.tx[tid]
+                before = set(t.acked) if tid in self.w.out else None
+                outcome, got = self.w.on_status(tid, state, have)
+                if before is not None:
+                    for k in t.acked - before:
+                        self.acks[(tid, k)] += 1
+                    assert got.chunks == len(t.acked - before)
+                if outcome is Resumed.DONE:
+                    self.ended(tid, "done")
+                elif outcome is Resumed.UNKNOWN:
+                    self.ended(tid, "failed")
+        self.pump()
+
+    @precondition(lambda self: self.to_receiver)
+    @rule()
+    def deliver_to_receiver(self) -> None:
+        kind, tid = self.to_receiver.popleft()
+        t = self.tx[tid]
+        if kind == "begin":
+            rx = self.rx.get(tid)
+            # (a KV_CANCEL of a transfer not yet begun here is the sender's not opening it)
+            if rx is None and tid not in self.ledger.completed and tid in self.w.out:
+                self.rx[tid] = Rx(tid, t.total, t.chunk_bytes)
+                self.to_sender.append(("accept", tid))
+            elif rx is not None and rx.open:
+                self.to_sender.append(("accept", tid))
+            elif tid in self.ledger.completed:
+                self.to_sender.append(("done", tid))
+        else:  # resume
+            rx = self.rx.get(tid)
+            have = set(rx.verified) if rx is not None and rx.open else None
+            state = self.ledger.status(tid, have)
+            self.to_sender.append(("status", tid, int(state), have or set()))
+
+    @precondition(lambda self: self.control_up)
+    @rule()
+    def lose_control(self) -> None:
+        self.control_up = False
+        for lane in list(self.lanes):
+            del self.lanes[lane]
+            self.w.lane_down(lane)
+        self.w.connection_lost()
+        self.to_sender.clear()
+        self.to_receiver.clear()
+
+    @precondition(lambda self: not self.control_up)
+    @rule()
+    def reconnect(self) -> None:
+        self.control_up = True
+        for t in self.tx.values():
+            if t.tid not in self.w.out:
+                continue
+            if t.state == State.ANNOUNCED:
+                self.to_receiver.append(("begin", t.tid))
+            elif t.state == State.RESUMING:
+                self.to_receiver.append(("resume", t.tid))
+        for lane in range(self.LANES):
+            self.lane_up(lane)
+        self.pump()
+
+    # -- the receiver's side of a chunk (what a bulk connection's reader and Receiver do)
+    def land(self, tid: int, k: int, good: bool) -> None:
+        rx = self.rx.get(tid)
+        is_open = rx is not None and rx.open
+        claimed = is_open and k not in rx.verified
+        if claimed and good:
+            rx.verified.add(k)
+        verdict = self.ledger.landing(tid, is_open=is_open, verified=is_open and k in rx.verified and not claimed,
+                                      claimed=claimed, ok=good, invalid=False,
+                                      complete=is_open and len(rx.verified) == n_chunks(rx.total, rx.chunk_bytes))
+        frames = []
+        match verdict:
+            case Landing.ACK | Landing.ACK_AGAIN:
+                frames.append(("ack", tid, k))
+            case Landing.ACK_COMPLETE:
+                frames.append(("ack", tid, k))
+                rx.open = False
+                self.ledger.completed_transfer(tid, f"r{tid}")
+                frames.append(("done", tid))
+            case Landing.NACK_CHECKSUM | Landing.NACK_BUSY:
+                frames.append(("nack", tid, k))
+            case Landing.DROP:
+                pass
+            case other:
+                raise AssertionError(f"unexpected {other}")
+        if self.control_up:  # otherwise its answers are lost with the connection
+            self.to_sender.extend(frames)
+
+    # -- invariants
+    @invariant()
+    def credit_within_the_window(self) -> None:
+        if not hasattr(self, "w"):
+            return
+        w = self.w
+        assert 0 <= w.credit <= w.window
+        assert w.window - w.credit == sum(n for _, n, _ in w.inflight.values())
+        for lane, out in w.lanes.items():
+            assert out == sum(n for on, n, _ in w.inflight.values() if on == lane)
+        assert all(key[0] in w.out for key in w.inflight), "chunks in flight of an ended transfer"
+
+    @invariant()
+    def acknowledged_at_most_once_and_ended_at_most_once(self) -> None:
+        if not hasattr(self, "w"):
+            return
+        assert all(n == 1 for n in self.acks.values())
+        assert all(len(o) == 1 for o in self.outcomes.values())
+
+    def teardown(self) -> None:
+        if not hasattr(self, "w"):
+            return
+        if not self.control_up:
+            self.reconnect()
+        for _ in range(10_000):
+            if not self.w.out:
+                break
+            if self.to_receiver:
+                self.deliver_to_receiver()
+            elif self.to_sender:
+                self.deliver_to_sender(False)
+            elif any(self.lanes.values()):
+                lane = next(lane for lane, q in self.lanes.items() if q)
+                self.land(*self.lanes[lane].popleft())
+            else:
+                self.tick(2 * self.ACK_TIMEOUT)
+        assert not self.w.out, "transfers never ended"
+        for tid, t in self.tx.items():
+            assert len(self.outcomes[tid]) == 1, f"transfer {tid} ended {self.outcomes[tid]}"
+            if self.outcomes[tid] == ["done"]:  # only once the receiver holds every chunk
+                assert all(k in self.rx[tid].verified for k in range(t.n_chunks))
+        assert not self.w.inflight and self.w.credit == self.w.window
+        assert all(v == 0 for v in self.w.lanes.values())
+        self.w.dispatch(self.now)
+        assert not self.w.rr
+
+
+SessionCore.TestCase.settings = settings(max_examples=600, stateful_step_count=80, deadline=None,
+                                         suppress_health_check=[HealthCheck.too_slow])
+TestSessionCore = SessionCore.TestCase
