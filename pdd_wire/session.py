@@ -170,6 +170,12 @@ class PeerSession:
         t.add_done_callback(self._tasks.discard)
         return t
 
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        return self._spawn(coro, name)
+
+    def fail_incoming(self, t: InTransfer, code: int, message: str, *, notify_peer: bool):
+        return self._fail_in(t, code, message, notify_peer=notify_peer)
+
     async def close(self) -> None:
         self._closing = True
         if self.control is not None and not self.control.closed:

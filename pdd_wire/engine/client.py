@@ -149,7 +149,7 @@ class EngineClient:
                       deadline_s: float | None = None, block_hashes: list[int] | None = None) -> list[dict]:
         """Send ``blocks`` to every destination in ``to`` (``"B"`` or ``"B/b1"``); one transfer
         each, reading the same pages. Returns ``[{"to": peer, "transfer_id": n}, ...]``.
-        ``block_hashes`` (one chained hash per block, :func:`pdd_wire.inventory.chain_hashes`):
+        ``block_hashes`` (one chained hash per block, :func:`pdd_wire.engine.hashes.chain_hashes`):
         a destination whose node holds a leading run of them receives only the rest."""
         res = await self._call(p.SendKv(request_id=request_id, blocks=list(blocks), to=list(to),
                                         deadline_s=deadline_s, block_hashes=block_hashes))

@@ -29,7 +29,7 @@ Many requests at once, for replaying a trace (``pdd_wire.demo``):
 
 Prefix reuse: the trace says how much of each prompt MD's prefix cache holds, and the
 simulated prefill ships only the missing suffix's blocks. That stands in for the decode-side
-prefix inventory (:mod:`pdd_wire.inventory`, ``send_kv(block_hashes=...)``), with which the agents
+prefix inventory (:mod:`pdd_wire.desk.inventory`, ``send_kv(block_hashes=...)``), with which the agents
 work the suffix out themselves; the demo does not use it, since MD would have to keep every
 conversation's prefix resident.
 """
