@@ -19,8 +19,6 @@ import collections
 import time
 from typing import TYPE_CHECKING
 
-import structlog
-
 from ..config import Config
 from ..engine import protocol as p
 from ..errors import EngineRequestError, ErrorCode, check_duration
