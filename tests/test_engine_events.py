@@ -93,3 +93,19 @@ async def test_an_engine_that_takes_no_events_gets_an_error_not_a_silent_drop(tm
         assert (await b.wait_tokens("r0", timeout=5)).tokens == [0]  # kept events still come
         with pytest.raises(EventOverflow):
             b.events()
+
+
+async def test_one_task_taking_every_event_sees_them_in_arrival_order(tmp_sock_dir, engines):
+    async with run_agents(two_site_toml(tmp_sock_dir)):
+        a = await engines.connect(tmp_sock_dir / "A.sock", "a")
+        b = await engines.connect(tmp_sock_dir / "B.sock", "b")
+        sent = [("p", 0), ("q", 0), ("p", 1), ("r", 0), ("q", 1)]
+        for rid, i in sent:
+            await a.send_tokens(rid, "B", [i])
+        got = [await b.next_event(timeout=10) for _ in sent]
+        assert [(e.request_id, e.tokens[0]) for e in got] == sent
+        await a.send_tokens("p", "B", [2])
+        await a.send_tokens("q", "B", [2])
+        # A predicate sees across requests too; what it passes over stays for its own waiter.
+        ev = await b.wait_for(lambda e: e.request_id == "q", timeout=10)
+        assert ev.seq == 2 and (await b.wait_tokens("p", timeout=10)).seq == 2
