@@ -173,8 +173,8 @@ class PeerSession:
     def spawn(self, coro, name: str) -> asyncio.Task:
         return self._spawn(coro, name)
 
-    def fail_incoming(self, t: InTransfer, code: int, message: str, *, notify_peer: bool):
-        return self._fail_in(t, code, message, notify_peer=notify_peer)
+    def fail_incoming(self, t: InTransfer, code: int, message: str, *, notify_peer: bool) -> None:
+        self._spawn(self._fail_in(t, code, message, notify_peer=notify_peer), "fail-incoming")
 
     async def close(self) -> None:
         self._closing = True

@@ -319,8 +319,7 @@ class KvDesk:
             self.inventory.release(rid)
             for s in self.peers:
                 for t in [t for t in s.inn.values() if t.request_id == rid and t.reused_blocks]:
-                    s.spawn(s.fail_incoming(t, ErrorCode.PREFIX_LOST, "matched prefix blocks were evicted",
-                                            notify_peer=True), "prefix-lost")
+                    s.fail_incoming(t, ErrorCode.PREFIX_LOST, "matched prefix blocks were evicted", notify_peer=True)
 
     # ------------------------------------------------------------------ aborts and departures
     async def abort(self, ec: "EngineConn", request_id: str, reason: str) -> int:
