@@ -109,3 +109,68 @@ async def test_one_task_taking_every_event_sees_them_in_arrival_order(tmp_sock_d
         # A predicate sees across requests too; what it passes over stays for its own waiter.
         ev = await b.wait_for(lambda e: e.request_id == "q", timeout=10)
         assert ev.seq == 2 and (await b.wait_tokens("p", timeout=10)).seq == 2
+
+
+# -- the mailboxes alone, under any interleaving -------------------------------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from pdd_wire.engine.events import EventBox  # noqa: E402
+
+_OPS = st.lists(st.tuples(st.sampled_from(["put-tok", "put-kv", "take-tok", "take-kv", "take-all", "forget"]),
+                          st.sampled_from(["a", "b", "c"])), max_size=80)
+
+
+def _event(rid: str, fam: str, n: int) -> p.Msg:
+    if fam == "tok":
+        return p.TokensReceived(request_id=rid, peer="A/a1", seq=n, tokens=[])
+    return p.KvSent(request_id=rid, transfer_id=n, peer="A/a1", bytes=0, seconds=0.0)
+
+
+def _key(ev: p.Msg) -> tuple[str, str, int]:
+    if isinstance(ev, p.TokensReceived):
+        return (ev.request_id, "tok", ev.seq)
+    return (ev.request_id, "kv", ev.transfer_id)
+
+
+@settings(max_examples=300, deadline=None)
+@given(ops=_OPS, per_request=st.integers(1, 6), total=st.integers(1, 20))
+def test_mailboxes_against_a_model_order_isolation_and_every_loss_raised(ops, per_request, total):
+    """A model of the rules: each (request, mailbox) keeps arrival order and at most
+    ``per_request`` events; the client at most ``total`` (an overflowed mailbox counts one);
+    a take that finds nothing raises exactly when events it could have had were lost."""
+    box = EventBox(max_events=total, max_request_events=per_request)
+    kept: list[tuple[str, str, int]] = []  # the model: every kept event, in arrival order
+    lost: set[tuple[str, str]] = set()  # mailboxes that lost events (until forget)
+    client_lost = False
+    for n, (op, rid) in enumerate(ops, 1):
+        if op.startswith("put"):
+            fam = op[4:]
+            box.put(_event(rid, fam, n))
+            if client_lost or len(kept) + len(lost) >= total:
+                client_lost = True
+            elif sum(1 for k in kept if k[:2] == (rid, fam)) >= per_request:
+                lost.add((rid, fam))
+            else:
+                kept.append((rid, fam, n))
+        elif op == "take-all":
+            if client_lost:
+                with pytest.raises(EventOverflow):
+                    box.take_all()
+            else:
+                assert [_key(e) for e in box.take_all()] == kept
+                kept = []
+        elif op == "forget":
+            box.forget(rid)
+            kept = [k for k in kept if k[0] != rid]
+            lost = {k for k in lost if k[0] != rid}
+        else:
+            fam = op[5:]
+            mine = [k for k in kept if k[:2] == (rid, fam)]
+            if not mine and ((rid, fam) in lost or client_lost):
+                with pytest.raises(EventOverflow):
+                    box.take(rid, (p.TokensReceived,) if fam == "tok" else (p.KvSent,))
+            else:
+                assert [_key(e) for e in box.take(rid, (p.TokensReceived,) if fam == "tok" else (p.KvSent,))] == mine
+                kept = [k for k in kept if k[:2] != (rid, fam)]
+        assert len(box) == len(kept)
