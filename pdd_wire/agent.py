@@ -94,6 +94,8 @@ class Agent:
                 self.log.warning("WAN connections are PLAINTEXT and unauthenticated (tls.allow_plaintext = true)")
             else:
                 self.log.info("WAN connections are plaintext: loopback only")
+        # 1. bulk threads, then every listener (a failure here leaves nothing serving: the caller
+        #    runs shutdown(), which stops whatever did start)
         for i in range(cfg.transfer.bulk_threads):
             bl = BulkLoop(f"pdd-bulk-{i}")
             bl.start()
@@ -111,6 +113,7 @@ class Agent:
         if cfg.listen.admin:
             self.admin = AdminServer(cfg.listen.admin, self)
             await self.admin.start()
+        # 2. sessions (they dial or wait to be dialled), the lease audit; 3. ready
         for peer in cfg.peers:
             s = PeerSession(self, peer)
             self.peers.add(s)
