@@ -76,7 +76,7 @@ class Agent:
                                        self.describe, self.log)
         self.regions = self.requests.regions
         self.inbound = Inbound(config, self.metrics, self.peers, bulk_loop=self.bulk_loop,
-                               ssl_server=self._ssl_server, refusing=lambda: self.stopping, log=self.log)
+                               refusing=lambda: self.stopping, log=self.log)
         self.engine_server: EngineServer | None = None
         self.admin: AdminServer | None = None
         self.wan_address: tuple[str, int] | None = None
@@ -100,7 +100,8 @@ class Agent:
             bl = BulkLoop(f"pdd-bulk-{i}")
             bl.start()
             self.bulk_loops.append(bl)
-        self.wan_address = self.inbound.listen(*parse_hostport(cfg.listen.wan, "listen.wan"))
+        self.wan_address = self.inbound.listen(*parse_hostport(cfg.listen.wan, "listen.wan"),
+                                               ssl_server=self._ssl_server)
         uids = {os.getuid()} | ({cfg.listen.engine_uid} if cfg.listen.engine_uid is not None else set())
         gids = {cfg.listen.engine_gid} if cfg.listen.engine_gid is not None else set()
         self.engine_server = EngineServer(cfg.listen.engine_socket, cfg.listen.engine_socket_mode,

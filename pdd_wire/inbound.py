@@ -32,12 +32,12 @@ class Inbound:
     connection; ``refusing()`` is true once the agent stops."""
 
     def __init__(self, config: Config, metrics: Metrics, peers: "Peers", *, bulk_loop: Callable[[int], BulkLoop],
-                 ssl_server, refusing: Callable[[], bool], log) -> None:
+                 refusing: Callable[[], bool], log) -> None:
         self.config = config
         self.metrics = metrics
         self.peers = peers
         self.bulk_loop = bulk_loop
-        self.ssl_server = ssl_server
+        self.ssl_server = None  # the TLS server context, given to listen()
         self.refusing = refusing
         self.log = log
         self.address: tuple[str, int] | None = None
@@ -51,8 +51,10 @@ class Inbound:
         """WAN connections held open (the count ``limits.max_peer_connections`` caps)."""
         return self._open
 
-    def listen(self, host: str, port: int) -> tuple[str, int]:
-        """Bind and start accepting; returns the bound address."""
+    def listen(self, host: str, port: int, *, ssl_server=None) -> tuple[str, int]:
+        """Bind and start accepting (TLS with ``ssl_server``, else plaintext); returns the bound
+        address."""
+        self.ssl_server = ssl_server
         sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         sock.setblocking(False)
         self._sock = sock
