@@ -59,7 +59,8 @@ class EngineRequests:
                 await self._deregister(ec, msg.region)
                 return None
             case p.PostRecv():
-                return self.kv.post(ec, msg)
+                self.kv.post(ec, msg)
+                return None
             case p.SendKv():
                 return self.kv.send_kv(ec, msg)
             case p.SendTokens():

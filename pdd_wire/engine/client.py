@@ -244,7 +244,9 @@ class EngineClient:
         return await self._events.wait(request_id, kinds, timeout)
 
     async def wait_tokens(self, request_id: str, *, timeout: float | None = None) -> p.TokensReceived:
-        return await self.wait(request_id, kinds=(p.TokensReceived,), timeout=timeout)
+        ev = await self.wait(request_id, kinds=(p.TokensReceived,), timeout=timeout)
+        assert isinstance(ev, p.TokensReceived)
+        return ev
 
     def take(self, request_id: str, *, kinds: tuple[type, ...] = HANDOFF_EVENTS) -> list[p.Msg]:
         """Every kept event of ``kinds`` for ``request_id``, in order, without waiting."""

@@ -55,7 +55,7 @@ class _Mailbox:
 
     def __init__(self) -> None:
         self.seqs: collections.deque[int] = collections.deque()  # arrival numbers, oldest first
-        self.waiters: set[asyncio.Future] = set()
+        self.waiters: set[asyncio.Future[None]] = set()
         self.lost = 0
 
 
@@ -80,7 +80,7 @@ class EventBox:
         self._order: dict[int, tuple[Key, p.Msg]] = {}  # every kept event, in arrival order
         self._boxes: dict[Key, _Mailbox] = {}
         self._overflowed = 0  # mailboxes that lost events (each counts against max_events)
-        self._any: set[asyncio.Future] = set()  # waiters on any event (next_event, wait_for)
+        self._any: set[asyncio.Future[None]] = set()  # waiters on any event (next_event, wait_for)
         self.overflow: EventOverflow | None = None  # the whole client lost events
         self.dropped = 0  # events lost, all mailboxes together
         self.closed: BaseException | None = None  # set when the connection ends
@@ -150,7 +150,7 @@ class EventBox:
     def take(self, request_id: str | None, kinds: tuple[type, ...]) -> list[p.Msg]:
         """Every kept event of ``kinds`` for ``request_id``, in arrival order, without waiting."""
         keys = self._keys(request_id, kinds)
-        out = []
+        out: list[p.Msg] = []
         while (ev := self._take_first(keys, kinds, empty_ok=bool(out))) is not None:
             out.append(ev)
         return out
@@ -264,7 +264,7 @@ class EventBox:
             del self._boxes[key]
 
     @staticmethod
-    def _wake(waiters: set[asyncio.Future]) -> None:
+    def _wake(waiters: set[asyncio.Future[None]]) -> None:
         for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
