@@ -1,8 +1,12 @@
-"""The admin HTTP server (aiohttp): /healthz, /readyz, /metrics, /v1/status."""
+"""The admin HTTP server (aiohttp): /healthz, /readyz, /metrics, /v1/status, /v1/probe.
+
+It reads the agent through :class:`AdminSource`, the few things these pages show, and imports
+nothing of the agent.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import msgspec
 from aiohttp import web
@@ -11,13 +15,21 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from .config import parse_hostport
 from .errors import PddWireError
 
-if TYPE_CHECKING:
-    from .agent import Agent
+
+class AdminSource(Protocol):
+    """What the admin pages read (the agent implements it)."""
+
+    def is_ready(self) -> bool: ...
+    def peers_up(self) -> tuple[int, int]: ...  # (up, configured)
+    def metrics_text(self) -> bytes: ...
+    def describe(self) -> dict: ...
+    async def probe(self, peer: str, seconds: float, streams: int | None) -> dict: ...
 
 
 class AdminServer:
-    def __init__(self, agent: "Agent") -> None:
-        self.agent = agent
+    def __init__(self, listen: str, source: AdminSource) -> None:
+        self.listen = listen
+        self.source = source
         self.address: str | None = None
         self._runner: web.AppRunner | None = None
         app = web.Application()
@@ -29,13 +41,11 @@ class AdminServer:
         self.app = app
 
     async def start(self) -> None:
-        host, port = parse_hostport(self.agent.config.listen.admin, "listen.admin")
+        host, port = parse_hostport(self.listen, "listen.admin")
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        sock = site._server.sockets[0]
-        h, p = sock.getsockname()[:2]
+        await web.TCPSite(self._runner, host, port).start()
+        h, p = self._runner.addresses[0][:2]
         self.address = f"{h}:{p}"
 
     async def stop(self) -> None:
@@ -50,26 +60,26 @@ class AdminServer:
     async def readyz(self, request: web.Request) -> web.Response:
         """Ready: listeners bound and not stopping. Peers being down does not make us unready
         (the engine still gets clear errors); their state is in /v1/status."""
-        a = self.agent
-        ok = a.ready.is_set() and not a.stopping
-        body = {"ready": ok, "peers_up": sum(s.is_up for s in a.sessions.values()), "peers": len(a.sessions)}
+        ok = self.source.is_ready()
+        up, n = self.source.peers_up()
+        body = {"ready": ok, "peers_up": up, "peers": n}
         return web.json_response(body, status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        resp = web.Response(body=self.agent.metrics.render())
+        resp = web.Response(body=self.source.metrics_text())
         resp.content_type = CONTENT_TYPE_LATEST.split(";")[0]
         resp.charset = "utf-8"
         return resp
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.agent.describe())
+        return web.json_response(self.source.describe())
 
     async def probe(self, request: web.Request) -> web.Response:
         """``POST /v1/probe {"peer": "B", "seconds": 4, "streams": null}``: RTT, jitter, loss and
         goodput over 1 and N bulk connections, measured through this agent's WAN path."""
         req = await _probe_request(request)
         try:
-            res = await self.agent.probe(req.peer, req.seconds, req.streams)
+            res = await self.source.probe(req.peer, req.seconds, req.streams)
         except PddWireError as exc:
             return web.json_response({"error": str(exc), "code": exc.code.name}, status=409)
         except RuntimeError as exc:  # the measurement itself failed (link down mid-probe, ...)

@@ -10,7 +10,7 @@ Pipelines (:func:`choose_pipeline`):
 P-MD       prefill in A, decode on MD in B. For requests whose missing KV (input tokens that
            MD's prefix cache lacks) crosses the WAN within the TTFT budget: no masking needed.
 P-RLD-MD   prefill in A, relay decode (RLD) in A streams the first tokens while the KV crosses,
-           then hands the output to MD (``pdd_wire.handoff``). For requests whose KV would
+           then hands the output to MD (``pdd_wire.desk.handoff_protocol``). For requests whose KV would
            take longer than the budget.
 P-RLD      finish on RLD, nothing crosses the WAN. **Refused**, except for the
            anomalous-traffic filter: very long input and short expected output. Sending
@@ -165,7 +165,7 @@ def choose_pipeline(req: RequestFigures, link: LinkFigures, kv_bytes_per_token: 
 # ----------------------------------------------------------------------------- handoff mode
 class HandoffPolicy(msgspec.Struct, **_cfg):
     """How RLD hands a P-RLD-MD request's output to MD (used by :func:`choose_handoff_mode`
-    and by ``pdd_wire.handoff.RldHandoff``)."""
+    and by ``pdd_wire.desk.handoff_protocol.RldHandoff``)."""
 
     busy_load: float = 0.8
     """RLD load (0 = idle, 1 = every decode slot in use; may exceed 1) at or above which the

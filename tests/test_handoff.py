@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from pdd_wire.handoff import (
+from pdd_wire.desk.handoff_protocol import (
     CAPABILITY, HANDOFF_MESSAGES, Done, Emit, Extend, HandoffAbort, HandoffCommit, HandoffProgress,
     HandoffProtocolError, HandoffRelease, HandoffTaken, HandoffUsageError, MdHandoff, MdState, ModeChosen,
     RelayTokens, RldHandoff, RldState, Send, StartGenerating, StopGenerating,

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import fill_random, metric
 from pdd_wire.engine import protocol as p
-from pdd_wire.inventory import Inventory, chain_hashes
+from pdd_wire.desk.inventory import Inventory
+from pdd_wire.engine.hashes import chain_hashes
 from support.agents import run_agents, two_site_toml
 
 MiB = 1 << 20

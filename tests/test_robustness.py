@@ -267,7 +267,7 @@ def check_answer(case: Case, got: bytes) -> None:
 
 def inbound(agent) -> int:
     """WAN connections the agent holds open (the count limits.max_peer_connections caps)."""
-    return agent._inbound_conns
+    return agent.inbound.open_connections
 
 
 @pytest.mark.parametrize("name", list(WAN_CASES))

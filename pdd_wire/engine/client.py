@@ -27,15 +27,17 @@ from __future__ import annotations
 
 import array
 import asyncio
-import collections
 import os
 import socket
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from ..errors import EngineRequestError, ErrorCode, TransportError
 from ..memory import SharedMemory
 from . import protocol as p
+from .events import HANDOFF_EVENTS, TRANSFER_OUTCOMES, EventBox, EventOverflow
+
+__all__ = ["EngineClient", "RegionHandle", "EventOverflow", "HANDOFF_EVENTS", "TRANSFER_OUTCOMES"]
 
 
 @dataclass(frozen=True)
@@ -63,18 +65,27 @@ class EngineClient:
     Args:
         path: the agent's engine socket (``listen.engine_socket`` in its config).
         engine: a name for logs and ``/v1/status``.
-        max_events: events kept for :meth:`wait` / :meth:`events` before the oldest are dropped.
+        max_events: events kept, all requests together, until the engine takes them; past
+            that, waits raise :class:`EventOverflow` (the engine is not taking its events).
+        max_request_events: events kept for one request (its outcomes, and separately its token
+            and handoff stream); past that, waits on that request raise :class:`EventOverflow`.
+        on_overflow: called with a request id (``None``: the whole client) when events for it
+            are first lost, for engines that poll :meth:`events` rather than wait.
+
+    Events are delivered per request (:mod:`pdd_wire.engine.events`): a waiter sees only its
+    request's events, in the order the agent sent them, and is woken only by those.
     """
 
-    def __init__(self, path: str, engine: str = "engine", *, max_events: int = 100_000) -> None:
+    def __init__(self, path: str, engine: str = "engine", *, max_events: int = 100_000,
+                 max_request_events: int = 10_000, on_overflow: Callable[[str | None], None] | None = None) -> None:
         self.path = path
         self.engine = engine
         self.agent: dict = {}
         self._sock: socket.socket | None = None
         self._ids = 0
         self._pending: dict[int, asyncio.Future] = {}
-        self._events: collections.deque[p.Msg] = collections.deque(maxlen=max_events)
-        self._changed: asyncio.Event | None = None
+        self._events = EventBox(max_events=max_events, max_request_events=max_request_events,
+                                on_overflow=on_overflow)
         self._reader: asyncio.Task | None = None
         self._closed_exc: BaseException | None = None
         self._wlock: asyncio.Lock | None = None
@@ -89,7 +100,6 @@ class EngineClient:
             sock.close()
             raise TransportError(f"cannot reach the agent at {self.path}: {exc.strerror or exc}") from exc
         self._sock = sock
-        self._changed = asyncio.Event()
         self._wlock = asyncio.Lock()
         self._reader = asyncio.create_task(self._read_forever(), name="engine-client-reader")
         self.agent = await self._call(p.Hello(engine=self.engine, pid=os.getpid()))
@@ -110,6 +120,8 @@ class EngineClient:
             self._sock.close()
             self._sock = None
         self._fail_pending(TransportError("client closed"))
+        if self._events.closed is None:
+            self._events.close(TransportError("client closed"))
 
     # -- requests ----------------------------------------------------------------------------
     async def register(self, mem: SharedMemory | int, *, block_bytes: int, size: int | None = None,
@@ -137,7 +149,7 @@ class EngineClient:
                       deadline_s: float | None = None, block_hashes: list[int] | None = None) -> list[dict]:
         """Send ``blocks`` to every destination in ``to`` (``"B"`` or ``"B/b1"``); one transfer
         each, reading the same pages. Returns ``[{"to": peer, "transfer_id": n}, ...]``.
-        ``block_hashes`` (one chained hash per block, :func:`pdd_wire.inventory.chain_hashes`):
+        ``block_hashes`` (one chained hash per block, :func:`pdd_wire.engine.hashes.chain_hashes`):
         a destination whose node holds a leading run of them receives only the rest."""
         res = await self._call(p.SendKv(request_id=request_id, blocks=list(blocks), to=list(to),
                                         deadline_s=deadline_s, block_hashes=block_hashes))
@@ -222,33 +234,40 @@ class EngineClient:
         res = await self._call(p.HandoffFail(request_id=request_id, reason=reason))
         return res["owner"]
 
-    # -- events ------------------------------------------------------------------------------
-    async def wait(self, request_id: str, *, kinds=(p.KvReceived, p.KvSent, p.TransferFailed),
+    # -- events (delivered per request: pdd_wire.engine.events) ----------------------------------
+    async def wait(self, request_id: str, *, kinds: tuple[type, ...] = TRANSFER_OUTCOMES,
                    timeout: float | None = None) -> p.Msg:
-        """The next event of one of ``kinds`` for ``request_id`` (removed from the queue)."""
-        return await self.wait_for(lambda e: isinstance(e, kinds) and e.request_id == request_id,
-                                   timeout=timeout)
+        """The next event of one of ``kinds`` for ``request_id`` (removed from its mailbox).
+
+        Raises :class:`EventOverflow` if events for the request (or the client) were lost and
+        none of ``kinds`` is kept, the connection's error if it ended, ``TimeoutError``."""
+        return await self._events.wait(request_id, kinds, timeout)
 
     async def wait_tokens(self, request_id: str, *, timeout: float | None = None) -> p.TokensReceived:
-        return await self.wait(request_id, kinds=(p.TokensReceived,), timeout=timeout)
+        ev = await self.wait(request_id, kinds=(p.TokensReceived,), timeout=timeout)
+        assert isinstance(ev, p.TokensReceived)
+        return ev
 
-    async def wait_for(self, predicate, *, timeout: float | None = None) -> p.Msg:
-        async with asyncio.timeout(timeout):
-            while True:
-                for ev in self._events:
-                    if predicate(ev):
-                        self._events.remove(ev)
-                        return ev
-                if self._closed_exc is not None:
-                    raise self._closed_exc
-                self._changed.clear()
-                await self._changed.wait()
+    def take(self, request_id: str, *, kinds: tuple[type, ...] = HANDOFF_EVENTS) -> list[p.Msg]:
+        """Every kept event of ``kinds`` for ``request_id``, in order, without waiting."""
+        return self._events.take(request_id, kinds)
+
+    async def next_event(self, *, timeout: float | None = None) -> p.Msg:
+        """The oldest event of any request (for an engine that handles all its events in one task)."""
+        return await self._events.next_event(timeout)
+
+    async def wait_for(self, predicate: Callable[[p.Msg], bool], *, timeout: float | None = None) -> p.Msg:
+        """The oldest event ``predicate`` accepts, of any request (e.g. :class:`~.protocol.Shutdown`).
+        It looks at every kept event and wakes on each new one: prefer :meth:`wait`."""
+        return await self._events.wait_for(predicate, timeout=timeout)
 
     def events(self) -> list[p.Msg]:
-        """Take every event received so far."""
-        out = list(self._events)
-        self._events.clear()
-        return out
+        """Take every event received so far, in arrival order."""
+        return self._events.take_all()
+
+    def forget(self, request_id: str) -> int:
+        """Drop the events kept for ``request_id`` and its overflow mark; returns how many."""
+        return self._events.forget(request_id)
 
     # -- plumbing ----------------------------------------------------------------------------
     async def _call(self, msg: p.Msg, *, fd: int | None = None) -> dict:
@@ -304,15 +323,14 @@ class EngineClient:
                     elif isinstance(msg, p.Err):
                         raise EngineRequestError(msg.message, ErrorCode(msg.code))
                     else:
-                        self._events.append(msg)
-                        self._changed.set()
+                        self._events.put(msg)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._closed_exc = exc if isinstance(exc, (TransportError, EngineRequestError)) else \
                 TransportError(f"engine socket failed: {exc}")
             self._fail_pending(self._closed_exc)
-            self._changed.set()
+            self._events.close(self._closed_exc)
 
     def _fail_pending(self, exc: BaseException) -> None:
         for fut in self._pending.values():

@@ -62,7 +62,7 @@ class SendKv(Msg, tag="send_kv"):
     blocks: list[tuple[int, int, int]]
     to: list[str]
     deadline_s: float | None = None
-    # Chained hashes of the blocks, in order (pdd_wire.inventory.chain_hashes): a destination
+    # Chained hashes of the blocks, in order (pdd_wire.engine.hashes.chain_hashes): a destination
     # whose node holds a leading run of them gets only the rest.
     block_hashes: list[int] | None = None
 

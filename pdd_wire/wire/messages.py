@@ -160,7 +160,7 @@ class TokensAck(msgspec.Struct, **_fast):
     resend: bool = False  # a gap was seen: send again everything unacknowledged from next_seq
 
 
-# Handoff of output ownership from relay decode to main decode (pdd_wire.handoff drives them;
+# Handoff of output ownership from relay decode to main decode (pdd_wire.desk.handoff_protocol drives them;
 # proto/handoff.md specifies them). Control connection, lane TOKEN, transfer_id 0.
 class HandoffProgress(msgspec.Struct, **_fast):
     """MD -> RLD: MD holds the request's KV and has absorbed every relayed token ``< absorbed``.

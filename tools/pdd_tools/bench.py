@@ -304,14 +304,15 @@ def inventory_tracking(capacity_tokens: int, n_requests: int = 3000, warmup: int
     a prefix P holds but MD lacks must cross the WAN although P did not compute it.
 
     A pure simulation over ``pdd_tools.trace`` (multi-turn conversations, PDD's hit mix): each
-    side is a :class:`pdd_wire.inventory.Inventory` of ``capacity_tokens`` with LRU eviction,
+    side is a :class:`pdd_wire.desk.inventory.Inventory` of ``capacity_tokens`` with LRU eviction,
     fed in arrival order (anomalous requests finish on RLD: P stores them, MD never sees them).
     Token streams are per conversation (system prompts are not shared here). Measured after
     ``warmup`` requests: MD's matched prefix over P's, in tokens."""
     import collections
     import itertools
 
-    from pdd_wire.inventory import Inventory, chain_hashes
+    from pdd_wire.desk.inventory import Inventory
+    from pdd_wire.engine.hashes import chain_hashes
     from .trace import generate
 
     reqs = generate(n_requests=n_requests)
@@ -365,7 +366,7 @@ async def _prefix_figures(figs: "Figures", pair: AgentPair, ea: EngineClient, eb
     1-8 K tokens."""
     import random
 
-    from pdd_wire.inventory import chain_hashes
+    from pdd_wire.engine.hashes import chain_hashes
 
     rng = random.Random(7)
     block, btok, maxb = 64 << 10, 16, 512

@@ -29,7 +29,7 @@ Many requests at once, for replaying a trace (``pdd_tools.demo``):
 
 Prefix reuse: the trace says how much of each prompt MD's prefix cache holds, and the
 simulated prefill ships only the missing suffix's blocks. That stands in for the decode-side
-prefix inventory (:mod:`pdd_wire.inventory`, ``send_kv(block_hashes=...)``), with which the agents
+prefix inventory (:mod:`pdd_wire.desk.inventory`, ``send_kv(block_hashes=...)``), with which the agents
 work the suffix out themselves; the demo does not use it, since MD would have to keep every
 conversation's prefix resident.
 """
@@ -76,14 +76,7 @@ class _Sim:
         return await self.eng.wait(self.rid, kinds=HANDOFF_EVENTS, timeout=timeout)
 
     def _take(self) -> list[p.Msg]:
-        out = []
-        while True:
-            ev = next((e for e in self.eng._events if isinstance(e, HANDOFF_EVENTS) and e.request_id == self.rid),
-                      None)
-            if ev is None:
-                return out
-            self.eng._events.remove(ev)
-            out.append(ev)
+        return self.eng.take(self.rid, kinds=HANDOFF_EVENTS)
 
     def _on_emit(self, ev: p.Emit) -> None:
         for i, tok in enumerate(ev.tokens):
@@ -462,10 +455,6 @@ class KvPool:
         self.mem.close()
 
 
-def _any_event(ev: p.Msg) -> bool:
-    return True
-
-
 class _EventLoopEngine:
     """One task takes every event of the engine connection and hands it to :meth:`_on_event`
     (O(1) per event, whatever the number of requests in flight)."""
@@ -479,7 +468,7 @@ class _EventLoopEngine:
 
     async def _event_loop(self) -> None:
         while True:
-            ev = await self.eng.wait_for(_any_event)
+            ev = await self.eng.next_event()
             try:
                 await self._on_event(ev)
             except (EngineRequestError, AssertionError) as exc:

@@ -25,7 +25,7 @@ trace keeps the first ``n_requests`` requests from time 0 on, so most of them ar
 turns of conversations already under way, as in a live service. ``rate_per_s`` is the mean
 request rate. Each request's ``prefix_hit_tokens`` is what MD's prefix cache would hold; the
 simulated prefill engine reads it from the trace and ships only the missing suffix. This stands
-in for the decode-side prefix inventory (:mod:`pdd_wire.inventory`): running it for real would
+in for the decode-side prefix inventory (:mod:`pdd_wire.desk.inventory`): running it for real would
 keep every conversation's prefix resident on the simulated MD (about 5.7 GB at the demo's scale).
 
 ``python -m pdd_tools.trace [--requests N] [--seed S]`` prints the trace's statistics.

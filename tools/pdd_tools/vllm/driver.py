@@ -155,10 +155,7 @@ class Agent:
 
     def take(self, rid: str) -> list[p.Msg]:
         async def take():
-            out = [e for e in self.eng._events if isinstance(e, HANDOFF_EVENTS) and e.request_id == rid]
-            for e in out:
-                self.eng._events.remove(e)
-            return out
+            return self.eng.take(rid, kinds=HANDOFF_EVENTS)
 
         return self.lt.run(take())
 

@@ -1,8 +1,8 @@
 """Decode-side prefix inventory (DRC): which KV blocks the engines of this node hold, by hash.
 
 A block's hash is chained: it covers the block's tokens and its parent's hash, per model and
-block size (:func:`chain_hashes`, or the engine's own scheme -- vLLM's prefix-caching hashes
-work the same way), so equal hashes mean equal prefixes. Engines report what they store
+block size (:func:`pdd_wire.engine.hashes.chain_hashes`, or the engine's own scheme --
+vLLM's prefix-caching hashes work the same way), so equal hashes mean equal prefixes. Engines report what they store
 (``kv_stored``) and ask before they evict (``kv_evict``); the index answers a sender's
 PREFIX_QUERY with the longest run of leading hashes it holds, and holds those blocks under a
 **lease** for the request until the engine has used them (``prefix_release``) or the lease
@@ -17,28 +17,6 @@ from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
-
-import xxhash
-
-MASK = (1 << 64) - 1
-
-
-def chain_hashes(tokens: list[int], block_tokens: int, *, model: str = "", parent: int = 0) -> list[int]:
-    """Chained 64-bit hashes of the full blocks of ``tokens``: block ``i``'s hash covers its
-    tokens and block ``i-1``'s hash (``parent`` for the first), salted by ``model`` and the block
-    size. A trailing partial block gets no hash (it is never shared)."""
-    if block_tokens <= 0:
-        raise ValueError("block_tokens must be > 0")
-    out = []
-    h = parent
-    salt = f"{model}/{block_tokens}".encode()
-    for i in range(0, len(tokens) - block_tokens + 1, block_tokens):
-        x = xxhash.xxh3_64(salt)
-        x.update(h.to_bytes(8, "little"))
-        x.update(b"".join(t.to_bytes(4, "little") for t in tokens[i:i + block_tokens]))
-        h = x.intdigest()
-        out.append(h)
-    return out
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The agent's handoff desk: drives :mod:`pdd_wire.handoff`'s state machines for its engines.
+"""The agent's handoff desk: drives :mod:`~pdd_wire.desk.handoff_protocol`'s state machines for its engines.
 
 The state machines are sans-IO; this module is their I/O. For each request in a handoff it keeps
 one :class:`Entry` (the state machine, the engine that drives it, the peer session it talks
@@ -38,20 +38,23 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from . import policy
-from .engine import protocol as p
-from .errors import EngineRequestError, ErrorCode, PddWireError, check_duration
-from .handoff import (CAPABILITY, Done, Emit, Extend, HandoffError, HandoffMessage, HandoffProtocolError,
-                      HandoffUsageError, MdHandoff, ModeChosen, RelayTokens, RldHandoff, Send, StartGenerating,
-                      StopGenerating)
-from .wire import messages as m
+from .. import policy
+from ..config import Config
+from ..engine import protocol as p
+from ..errors import EngineRequestError, ErrorCode, PddWireError, check_duration
+from ..metrics import Metrics
+from ..wire import messages as m
+from .admission import Gate, check_request_id
+from .handoff_protocol import (CAPABILITY, Done, Emit, Extend, HandoffError, HandoffMessage, HandoffProtocolError,
+                               HandoffUsageError, MdHandoff, ModeChosen, RelayTokens, RldHandoff, Send,
+                               StartGenerating, StopGenerating)
 
 if TYPE_CHECKING:
-    from .agent import Agent
-    from .engine_server import EngineConn
-    from .session import PeerSession
+    from ..engine_server import EngineConn
+    from ..peers import Peers
+    from ..session import PeerSession
 
-log = structlog.get_logger("pdd_wire.handoffs")
+log = structlog.get_logger("pdd_wire.handoff")
 
 MAX_EARLY_TOKENS = 1 << 16  # relayed tokens kept for one request that has no MD entry yet
 MAX_EARLY_TOTAL = 1 << 20  # ... and for all of them together (oldest requests dropped first)
@@ -84,11 +87,15 @@ class Early:
         self.messages: list[HandoffMessage] = []
 
 
-class Handoffs:
-    def __init__(self, agent: "Agent") -> None:
-        self.agent = agent
-        self.cfg = agent.config
-        self.metrics = agent.metrics
+class HandoffDesk:
+    """The handoffs of this agent's engines, by request id; ``peers`` finds the session an
+    engine names, ``gate`` refuses new handoffs once the agent stops."""
+
+    def __init__(self, config: Config, metrics: Metrics, peers: "Peers", gate: Gate) -> None:
+        self.cfg = config
+        self.metrics = metrics
+        self.peers = peers
+        self.gate = gate
         self.live: dict[str, Entry] = {}
         self.early: collections.OrderedDict[str, Early] = collections.OrderedDict()
         self._early_total = 0  # tokens held in ``early``
@@ -99,7 +106,7 @@ class Handoffs:
     # ------------------------------------------------------------------ engine requests
     def start_rld(self, ec: "EngineConn", msg: p.HandoffRld) -> dict:
         session = self._start_checks(ec, msg.request_id, msg.to)
-        if msg.request_id in session.tokens.tok_out:
+        if session.relaying_tokens(msg.request_id):
             raise EngineRequestError(f"request {msg.request_id!r} already relayed tokens to {session.key} outside a "
                                      f"handoff; its positions would not match", ErrorCode.DUPLICATE_TRANSFER)
         deadline = self._deadline(msg.deadline_s, self.cfg.timeouts.handoff_s)
@@ -285,9 +292,9 @@ class Handoffs:
         return self._now() + check_duration("deadline_s", default if given is None else given)
 
     def _start_checks(self, ec: "EngineConn", request_id: str, peer: str) -> "PeerSession":
-        self.agent._refuse_when_stopping()
-        self.agent._check_request_id(request_id)
-        session = self.agent._session_for(peer)
+        self.gate.check()
+        check_request_id(request_id)
+        session = self.peers.session_for(peer)
         if session.remote_caps is not None and CAPABILITY not in session.remote_caps:
             raise EngineRequestError(f"peer {session.key} does not speak {CAPABILITY}", ErrorCode.UNSUPPORTED_BY_PEER)
         old = self.live.get(request_id)

@@ -46,7 +46,7 @@ from typing import Literal
 
 import msgspec
 
-from .policy import DEFAULT_POLICY, HandoffMode, HandoffPolicy, ModeDecision
+from ..policy import DEFAULT_POLICY, HandoffMode, HandoffPolicy, ModeDecision
 
 Owner = Literal["RLD", "MD"]
 
@@ -70,7 +70,7 @@ class HandoffUsageError(HandoffError):
 # Fields are only ever appended, with defaults. ``reason`` and ``mode`` strings are informational.
 
 
-from .wire.messages import (HandoffAbort, HandoffCommit, HandoffProgress, HandoffRelease,  # noqa: E402
+from ..wire.messages import (HandoffAbort, HandoffCommit, HandoffProgress, HandoffRelease,  # noqa: E402
                             HandoffTaken)
 
 HandoffMessage = HandoffProgress | HandoffCommit | HandoffTaken | HandoffRelease | HandoffAbort

@@ -1,0 +1,422 @@
+"""The KV desk: where a posted receive meets the KV_BEGIN that fills it, and where a ``send_kv``
+fans out to its destinations.
+
+A **post** (``post_recv``) lends the agent an engine's blocks for one request until a transfer
+claims them or ``ttl_s`` runs out. A peer's KV_BEGIN is *matched* to the post of its request
+(:meth:`KvDesk.incoming_begin`); one that comes first waits, unposted, up to
+``transfer.unposted_wait_s`` for the engine to post. ``send_kv`` starts one transfer per
+destination, all reading the same pages, all or none. Aborts (from an engine here or from a
+peer) end what the desk holds for the request: posts, unposted waits, transfers, the handoff.
+
+The audit counts the blocks held for peers and those held past their lease (*stranded*), which
+every path that ends a lease keeps at zero.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import TYPE_CHECKING
+
+from ..config import Config
+from ..engine import protocol as p
+from ..errors import EngineRequestError, ErrorCode, check_duration
+from ..memory import BlockMap, as_extents
+from ..metrics import Metrics
+from ..wire import messages as m
+from .admission import Gate, check_request_id
+from .handoff import HandoffDesk
+from .inventory import Inventory
+
+if TYPE_CHECKING:
+    from ..engine_server import EngineConn
+    from ..peers import Peers
+    from ..session import PeerSession
+    from ..transfer import InTransfer, OutTransfer
+
+
+class Post:
+    """Blocks an engine lent for one request's incoming KV."""
+
+    __slots__ = ("request_id", "engine", "blocks", "from_site", "ttl", "timer", "expires")
+
+    def __init__(self, request_id: str, engine: "EngineConn", blocks: BlockMap, from_site: str | None,
+                 ttl: float) -> None:
+        self.request_id = request_id
+        self.engine = engine
+        self.blocks = blocks
+        self.from_site = from_site
+        self.ttl = ttl
+        self.timer: asyncio.TimerHandle | None = None
+        self.expires = 0.0  # loop time
+
+
+class Unposted:
+    """A KV_BEGIN that came before its request's post: it waits for one, up to a timer."""
+
+    __slots__ = ("session", "tid", "begin", "timer")
+
+    def __init__(self, session: "PeerSession", tid: int, begin: m.KvBegin, timer: asyncio.TimerHandle) -> None:
+        self.session = session
+        self.tid = tid
+        self.begin = begin
+        self.timer = timer
+
+
+def blockmap(ec: "EngineConn", blocks) -> BlockMap:
+    """``blocks`` ([region, first, count] runs) of ``ec``'s registered regions, validated."""
+    return BlockMap(ec.regions, as_extents(blocks))
+
+
+class KvDesk:
+    def __init__(self, config: Config, metrics: Metrics, peers: "Peers", gate: Gate, handoffs: HandoffDesk,
+                 inventory: Inventory, log) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.peers = peers
+        self.gate = gate
+        self.handoffs = handoffs
+        self.inventory = inventory
+        self.log = log
+        self.posts: dict[str, Post] = {}
+        self.unposted: dict[str, Unposted] = {}
+        # The engine that last posted or sent for a request: it gets the request's tokens and aborts.
+        self.owners: collections.OrderedDict[str, EngineConn] = collections.OrderedDict()
+        # (request, peer) -> the WAN seconds its pipeline choice predicted, checked on KV_SENT.
+        self.predictions: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
+
+    # ------------------------------------------------------------------ posts and matching
+    def post(self, ec: "EngineConn", msg: p.PostRecv) -> None:
+        self.gate.check()
+        check_request_id(msg.request_id)
+        if msg.request_id in self.posts:
+            raise EngineRequestError(f"request {msg.request_id!r} already has a posted receive",
+                                     ErrorCode.DUPLICATE_TRANSFER)
+        if len(self.posts) >= self.config.transfer.max_transfers * 4:
+            raise EngineRequestError("too many posted receives", ErrorCode.LIMIT_EXCEEDED)
+        ttl = check_duration("ttl_s", self.config.transfer.post_ttl_s if msg.ttl_s is None else msg.ttl_s)
+        post = self._add_post(Post(msg.request_id, ec, blockmap(ec, msg.blocks), msg.from_site, ttl))
+        self.own(msg.request_id, ec)
+        waiting = self.unposted.pop(msg.request_id, None)
+        if waiting is not None:
+            waiting.timer.cancel()
+            self._match(waiting.session, waiting.tid, waiting.begin, post)
+
+    def incoming_begin(self, session: "PeerSession", tid: int, begin: m.KvBegin) -> None:
+        """A peer announced KV for a request: match it to its post, or let it wait for one."""
+        post = self.posts.get(begin.request_id)
+        if post is not None:
+            self._match(session, tid, begin, post)
+            return
+        waiting = self.unposted.get(begin.request_id)
+        if waiting is not None:
+            if waiting.session is session and waiting.tid == tid:
+                return  # the same KV_BEGIN again (resent after a reconnect): still waiting
+            session.reject_in(tid, begin, ErrorCode.DUPLICATE_TRANSFER,
+                              f"another transfer for request {begin.request_id!r} is already waiting")
+            return
+        if len(self.unposted) >= self.config.transfer.max_transfers:
+            session.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS, "cannot hold another unposted transfer")
+            return
+        wait = self.config.transfer.unposted_wait_s
+        timer = asyncio.get_running_loop().call_later(wait, self._unposted_expired, begin.request_id)
+        self.unposted[begin.request_id] = Unposted(session, tid, begin, timer)
+
+    def incoming_cancelled(self, session: "PeerSession", tid: int, msg: m.KvCancel) -> None:
+        waiting = self.unposted.get(msg.request_id)
+        if waiting is not None and waiting.session is session and waiting.tid == tid:
+            waiting.timer.cancel()
+            del self.unposted[msg.request_id]
+
+    def _unposted_expired(self, request_id: str) -> None:
+        waiting = self.unposted.pop(request_id, None)
+        if waiting is not None:
+            waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.NOT_POSTED,
+                                      f"no receive posted for request {request_id!r} within "
+                                      f"{self.config.transfer.unposted_wait_s}s")
+
+    def _match(self, session: "PeerSession", tid: int, begin: m.KvBegin, post: Post) -> None:
+        if post.from_site is not None and post.from_site != session.peer.site:
+            session.reject_in(tid, begin, ErrorCode.NOT_POSTED,
+                              f"request {begin.request_id!r} was posted for site {post.from_site!r} only")
+            return
+        dest = post.blocks
+        skip = begin.skip_blocks
+        if skip:
+            lease = self.inventory.get(begin.request_id)
+            if lease is None or lease.broken or len(lease.hashes) < skip or skip >= post.blocks.n_blocks:
+                # The prefix this sender was promised is gone: it sends every block instead;
+                # the post stays for that transfer.
+                session.reject_in(tid, begin, ErrorCode.PREFIX_LOST,
+                                  f"the {skip} prefix blocks matched for {begin.request_id!r} are no longer held")
+                return
+            dest = post.blocks.after_blocks(skip)
+        self.drop_post(begin.request_id)
+        t = session.accept_in(tid, begin, post.engine, dest)
+        if t is not None:
+            t.reused_blocks = skip
+            t.post = post
+            if skip:  # the matched blocks stay leased while the suffix is on its way
+                self.inventory.extend(begin.request_id, t.deadline + 1.0)
+
+    def _add_post(self, post: Post) -> Post:
+        """Hold ``post`` for its engine until a transfer claims it or its ttl runs out."""
+        loop = asyncio.get_running_loop()
+        post.expires = loop.time() + post.ttl
+        post.timer = loop.call_at(post.expires, self._post_expired, post.request_id, post)
+        self.posts[post.request_id] = post
+        return post
+
+    def drop_post(self, request_id: str) -> Post | None:
+        post = self.posts.pop(request_id, None)
+        if post is not None and post.timer is not None:
+            post.timer.cancel()
+        return post
+
+    def drop_posts_in(self, region: object) -> None:
+        """The region goes away: no post may keep pointing into it."""
+        for rid, post in list(self.posts.items()):
+            if id(region) in post.blocks.regions:
+                self.drop_post(rid)
+
+    def _post_expired(self, request_id: str, post: Post) -> None:
+        """The post's lease ran out with no transfer: hand the blocks back to the engine."""
+        if self.posts.get(request_id) is not post:
+            return
+        self.drop_post(request_id)
+        self.metrics.leases_expired.labels(kind="post").inc()
+        reason = "no transfer claimed the posted receive before its ttl_s (transfer.post_ttl_s)"
+        self.log.warning("posted receive expired", request_id=request_id, engine=post.engine.name)
+        post.engine.send(p.TransferFailed(request_id=request_id, transfer_id=0, peer="", direction="in",
+                                          code=int(ErrorCode.TRANSFER_TIMEOUT), reason=reason))
+        self.handoffs.kv_failed(request_id, "post_expired")
+
+    def own(self, request_id: str, ec: "EngineConn") -> None:
+        self.owners[request_id] = ec
+        self.owners.move_to_end(request_id)
+        while len(self.owners) > self.config.transfer.max_transfers * 16:
+            self.owners.popitem(last=False)
+
+    # ------------------------------------------------------------------ sending: fan-out
+    def send_kv(self, ec: "EngineConn", msg: p.SendKv) -> dict:
+        self.gate.check()
+        if not msg.to:
+            raise EngineRequestError("send_kv needs at least one destination in 'to'", ErrorCode.BAD_REQUEST)
+        sessions = [self.peers.session_for(d) for d in msg.to]
+        if len({s.key for s in sessions}) != len(sessions):
+            raise EngineRequestError("the same peer is named twice in 'to'", ErrorCode.BAD_REQUEST)
+        blocks = blockmap(ec, msg.blocks)  # validated once, read by every destination
+        if msg.block_hashes is not None and len(msg.block_hashes) != blocks.n_blocks:
+            raise EngineRequestError(f"{len(msg.block_hashes)} block_hashes for {blocks.n_blocks} blocks",
+                                     ErrorCode.BAD_REQUEST)
+        check_request_id(msg.request_id)
+        deadline = check_duration("deadline_s", msg.deadline_s if msg.deadline_s is not None
+                                  else self.config.transfer.default_deadline_s)
+        for s in sessions:
+            if len(s.out) >= self.config.transfer.max_transfers:
+                raise EngineRequestError(f"{len(s.out)} transfers open to {s.key} (limit transfer.max_transfers)",
+                                         ErrorCode.TOO_MANY_TRANSFERS)
+        self.own(msg.request_id, ec)
+        out = []
+        started = []
+        try:
+            for s in sessions:
+                t = s.start_send(ec, msg.request_id, blocks, deadline, hashes=msg.block_hashes)
+                started.append((s, t))
+                out.append({"to": s.key, "transfer_id": t.tid})
+        except BaseException:
+            for s, t in started:  # all or nothing: the engine got an error, so no event either
+                s.drop_out(t)
+            raise
+        return {"transfers": out}
+
+    def expect_wan(self, request_id: str, peer: str, seconds: float) -> None:
+        """The pipeline choice predicted ``seconds`` of WAN for this request's KV to ``peer``."""
+        self.predictions[(request_id, peer)] = seconds
+        while len(self.predictions) > self.config.transfer.max_transfers * 4:
+            self.predictions.popitem(last=False)
+
+    # ------------------------------------------------------------------ outcomes (from the sessions)
+    def kv_received(self, t: "InTransfer", *, handoff: bool = True) -> None:
+        """The KV landed; ``handoff``: the request may be in a handoff (not a probe)."""
+        skip = t.reused_blocks
+        reused = self.inventory.places(t.request_id) if skip else []
+        t.engine.send(p.KvReceived(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
+                                   seconds=round(time.monotonic() - t.started, 6), reused_blocks=skip,
+                                   reused=reused))
+        if handoff:
+            self.handoffs.kv_received(t.request_id)
+
+    def kv_sent(self, t: "OutTransfer") -> None:
+        self._prediction_checked(t)
+        t.engine.send(p.KvSent(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
+                               seconds=round(time.monotonic() - t.started, 6)))
+
+    def _prediction_checked(self, t: "OutTransfer") -> None:
+        """The pipeline choice predicted this request's WAN time: record how it came out."""
+        predicted = self.predictions.pop((t.request_id, t.peer_key), None)
+        if predicted is None:
+            return
+        real = time.monotonic() - t.started
+        self.metrics.wan_prediction.observe(real / predicted if predicted > 0 else float("inf"))
+        self.log.info("WAN time against its prediction", request_id=t.request_id, peer=t.peer_key,
+                      predicted_s=round(predicted, 4), real_s=round(real, 4))
+
+    def transfer_failed(self, t, direction: str, code: int, message: str, *, handoff: bool = True) -> None:
+        if direction == "in" and code == ErrorCode.PREFIX_LOST and t.reused_blocks:
+            # Our matched prefix broke mid-transfer: the sender starts over with every block;
+            # post the whole receive again for it. The engine sees only the outcome of that.
+            post = t.post
+            if not self.gate.closed and not post.engine.closed and t.request_id not in self.posts:
+                self._add_post(Post(t.request_id, post.engine, post.blocks, post.from_site, post.ttl))
+                return
+        self.log.warning("transfer failed", request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
+                         direction=direction, code=ErrorCode(code).name, reason=message)
+        t.engine.send(p.TransferFailed(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
+                                       direction=direction, code=int(code), reason=message))
+        if direction == "in" and handoff:
+            self.handoffs.kv_failed(t.request_id, "kv_cancelled")
+
+    def tokens_received(self, session: "PeerSession", msg: m.Tokens, broadcast) -> None:
+        """Relayed tokens outside a handoff: to the request's engine, else to every engine."""
+        ev = p.TokensReceived(request_id=msg.request_id, peer=session.key, seq=msg.seq, tokens=msg.tokens)
+        owner = self.owners.get(msg.request_id)
+        if owner is not None and not owner.closed:
+            owner.send(ev)
+        else:
+            broadcast(ev)
+
+    # ------------------------------------------------------------------ prefix inventory
+    def prefix_query(self, session: "PeerSession", msg: m.PrefixQuery) -> int:
+        """A sender asks how many leading blocks of a chain this node holds: lease them."""
+        if len(msg.hashes) > 1 << 16 or msg.lease_ms <= 0:
+            return 0
+        ttl = min(msg.lease_ms / 1000, self.config.transfer.prefix_lease_s * 4)
+        k, _ = self.inventory.lease(msg.request_id, msg.hashes, asyncio.get_running_loop().time(), ttl)
+        return k
+
+    def kv_stored(self, ec: "EngineConn", msg: p.KvStored) -> dict:
+        bm = blockmap(ec, msg.blocks)
+        if len(msg.hashes) != bm.n_blocks:
+            raise EngineRequestError(f"{len(msg.hashes)} hashes for {bm.n_blocks} blocks", ErrorCode.BAD_REQUEST)
+        places = [(e.region, e.block + i) for e in bm.extents for i in range(e.count)]
+        self.prefix_broken(self.inventory.stored(ec, msg.hashes, places))
+        self.metrics.inventory_blocks.set(len(self.inventory.blocks))
+        return {"held": len(self.inventory.blocks)}
+
+    def kv_evict(self, ec: "EngineConn", msg: p.KvEvict) -> dict:
+        mine = [h for h in msg.hashes if (b := self.inventory.blocks.get(h)) is not None and b.owner is ec]
+        evicted, kept, broken = self.inventory.evict(mine, force=msg.force)
+        self.prefix_broken(broken)
+        self.metrics.inventory_blocks.set(len(self.inventory.blocks))
+        return {"evicted": evicted, "kept": kept}
+
+    def prefix_broken(self, request_ids: list[str]) -> None:
+        """Leased prefix blocks were dropped anyway: transfers relying on them start over."""
+        for rid in request_ids:
+            self.metrics.prefix_leases_broken.inc()
+            self.inventory.release(rid)
+            for s in self.peers:
+                for t in [t for t in s.inn.values() if t.request_id == rid and t.reused_blocks]:
+                    s.fail_incoming(t, ErrorCode.PREFIX_LOST, "matched prefix blocks were evicted", notify_peer=True)
+
+    # ------------------------------------------------------------------ aborts and departures
+    async def abort(self, ec: "EngineConn", request_id: str, reason: str) -> int:
+        """The engine aborted the request: end it here and at every peer."""
+        check_request_id(request_id)
+        self.metrics.request_aborts.labels(direction="tx").inc()
+        n = self.handoffs.abort(ec, request_id, reason)  # its HANDOFF_ABORT goes before REQUEST_ABORT
+        for s in self.peers:
+            s.send_abort(request_id, reason)
+        for s in self.peers:
+            n += await s.cancel_request(request_id, ErrorCode.TRANSFER_CANCELLED, reason, ec)
+        post = self.posts.get(request_id)
+        if post is not None and post.engine is ec:
+            self.drop_post(request_id)
+            n += 1
+        waiting = self.unposted.pop(request_id, None)
+        if waiting is not None:
+            waiting.timer.cancel()
+            waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.TRANSFER_CANCELLED, reason)
+        return n
+
+    def request_aborted(self, session: "PeerSession", msg: m.RequestAbort) -> None:
+        """A peer's engine aborted the request: end what we hold for it on that site's behalf
+        and tell our engines (proto/transfer.md §10)."""
+        rid, reason = msg.request_id, msg.reason or "aborted by the peer"
+        self.metrics.request_aborts.labels(direction="rx").inc()
+        told: set[EngineConn] = set()
+        if session.has_request(rid):
+            told |= {t.engine for t in list(session.out.values()) + list(session.inn.values()) if t.request_id == rid}
+            session.spawn(session.cancel_request(rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: "
+                                                 f"{reason}", notify_peer=False), "abort")
+        post = self.posts.get(rid)
+        if post is not None and post.from_site in (None, session.peer.site):
+            self.drop_post(rid)
+            told.add(post.engine)
+        waiting = self.unposted.get(rid)
+        if waiting is not None and waiting.session is session:
+            waiting.timer.cancel()
+            del self.unposted[rid]
+        ec = self.handoffs.request_aborted(session, rid, reason)
+        if ec is not None:
+            told.add(ec)
+        owner = self.owners.pop(rid, None)
+        if owner is not None:
+            told.add(owner)
+        for e in told:
+            if not e.closed:
+                e.send(p.RequestAborted(request_id=rid, reason=reason, origin=session.key))
+        if told:
+            self.log.info("request aborted by a peer", request_id=rid, peer=session.key, reason=reason,
+                          engines=len(told))
+
+    async def engine_gone(self, ec: "EngineConn") -> None:
+        """Cancel the engine's transfers (peers are told) and drop its posts and prefix blocks."""
+        self.handoffs.engine_gone(ec)
+        for s in self.peers:
+            await s.engine_gone(ec)
+        for rid, post in list(self.posts.items()):
+            if post.engine is ec:
+                self.drop_post(rid)
+        for rid in [r for r, e in self.owners.items() if e is ec]:
+            del self.owners[rid]
+        self.prefix_broken(self.inventory.forget_owner(ec))
+        self.metrics.inventory_blocks.set(len(self.inventory.blocks))
+
+    def shutdown(self) -> None:
+        for waiting in self.unposted.values():
+            waiting.timer.cancel()
+
+    # ------------------------------------------------------------------ leases
+    def audit(self) -> tuple[dict[str, int], int]:
+        """Blocks the agent holds for peers (posted receives, transfers in and out), and how many
+        of them are *stranded*: held past their lease -- their engine is gone, their peer has
+        been unreachable longer than ``dead_after_s + peer_give_up_s`` plus a heartbeat, or a
+        post outlived its ttl by a heartbeat. Every path that ends a lease releases the blocks
+        before then, so stranded reads 0 unless something is wrong."""
+        to = self.config.timeouts
+        now, mono = asyncio.get_running_loop().time(), time.monotonic()
+        slack = 2 * to.heartbeat_s
+        lease = to.peer_give_up_s + slack
+        pinned = {"post": 0, "send": 0, "recv": 0}
+        stranded = 0
+        for post in self.posts.values():
+            n = post.blocks.n_blocks
+            pinned["post"] += n
+            if _engine_dead(post.engine, mono, slack) or now > post.expires + slack:
+                stranded += n
+        for s in self.peers:
+            gone = s.down_since is not None and mono - s.down_since > lease
+            for kind, ts in (("send", s.out), ("recv", s.inn)):
+                for t in ts.values():
+                    n = t.blocks.n_blocks
+                    pinned[kind] += n
+                    if _engine_dead(t.engine, mono, slack) or gone:
+                        stranded += n
+        return pinned, stranded
+
+
+def _engine_dead(ec: "EngineConn", mono: float, slack: float) -> bool:
+    return ec.closed and mono - ec.closed_at > slack
