@@ -32,6 +32,7 @@ from .inventory import Inventory
 from .probe import PROBE_PREFIX, PROBE_SCRATCH_BYTES, PROBE_TRANSFER_BYTES, ProbeSink, run_probe
 from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
+from .pki import log_tls_mode, tls_files
 from .transport.tcp import (KIND_CONTROL, BulkLoop, FrameProtocol, adopt, client_tls_context, read_preamble,
                             server_tls_context)
 from .wire import FrameType, decode_body
@@ -94,10 +95,14 @@ class Agent:
         self._probe_region: HostRegion | None = None
         self._probe_filled = False
         self._probing: set[str] = set()
-        tls = config.tls
-        if tls.enabled:
-            self._ssl_server = server_tls_context(tls.cert, tls.key, tls.ca)
-            self._ssl_client = client_tls_context(tls.cert, tls.key, tls.ca)
+        self.pki = tls_files(config)
+        if self.pki is not None:
+            self._ssl_server = server_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
+            self._ssl_client = client_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
+        # Bulk connections run TLS with configured certificates; with the generated PKI (loopback
+        # only) they are bound to the TLS-authenticated session by its secret token instead
+        # (proto/handshake.md §5: TLS on loopback bulk cost 3x of the goodput here).
+        self._bulk_tls = config.tls.mode == "files"
 
     # ------------------------------------------------------------------ SessionHost
     def next_transfer_id(self) -> int:
@@ -109,17 +114,13 @@ class Agent:
     def bulk_loop(self, stream: int) -> BulkLoop:
         return self.bulk_loops[stream % len(self.bulk_loops)]
 
-    def ssl_client(self):
-        return self._ssl_client
+    def ssl_client(self, bulk: bool = False):
+        return self._ssl_client if self._bulk_tls or not bulk else None
 
     # ------------------------------------------------------------------ start and stop
     async def start(self) -> None:
         cfg = self.config
-        if not cfg.tls.enabled:
-            if cfg.tls.allow_plaintext:
-                self.log.warning("WAN connections are PLAINTEXT and unauthenticated (tls.allow_plaintext = true)")
-            else:
-                self.log.info("WAN connections are plaintext: loopback only")
+        log_tls_mode(self.log, cfg, self.pki)
         for i in range(cfg.transfer.bulk_threads):
             bl = BulkLoop(f"pdd-bulk-{i}")
             bl.start()
@@ -304,7 +305,7 @@ class Agent:
             s = self.by_token.get(msg.session)
             if s is None or (s.peer.site, s.peer.node) != (msg.site, msg.node):
                 return None
-            if self._ssl_server is not None and (s.peer.server_name or s.peer.node) not in handler.conn.peer_names:
+            if self._bulk_tls and (s.peer.server_name or s.peer.node) not in handler.conn.peer_names:
                 return None
             return s
 
@@ -313,7 +314,7 @@ class Agent:
 
         handler = BulkHandler(None, -1, main, resolve=resolve, on_attach=on_attach)
         timeout = self.config.timeouts.handshake_s
-        await adopt(sock, handler.conn, ssl_ctx=self._ssl_server, timeout=timeout)
+        await adopt(sock, handler.conn, ssl_ctx=self._ssl_server if self._bulk_tls else None, timeout=timeout)
 
         def no_hello() -> None:
             if handler.session is None and not handler.conn.closed:

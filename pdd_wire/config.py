@@ -82,14 +82,26 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
 
 
 class Tls(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Peers always authenticate: configured certificates (``cert``/``key``/``ca``), else, on
+    loopback, a deployment PKI generated in ``auto_dir`` (pdd_wire.pki); plaintext without any
+    authentication only with ``allow_plaintext = true`` (logged as a warning at every start)."""
+
     cert: str = ""
     key: str = ""
     ca: str = ""
-    allow_plaintext: bool = False  # required for plaintext on non-loopback addresses
+    auto_dir: str = ""  # generated CA and node certificates; "" = pdd-wire-pki-<uid> beside the engine socket
+    allow_plaintext: bool = False  # plaintext and unauthenticated: any process that reaches listen.wan can pose as a peer
 
     @property
     def enabled(self) -> bool:
         return bool(self.cert)
+
+    @property
+    def mode(self) -> str:
+        """"files" (configured certificates), "auto" (generated PKI) or "plaintext"."""
+        if self.cert:
+            return "files"
+        return "plaintext" if self.allow_plaintext else "auto"
 
 
 class Policy(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -212,7 +224,8 @@ def validate(cfg: Config) -> Config:
                                                    for i, p in enumerate(cfg.peers)]
         for key, addr in addrs:
             if not is_loopback(parse_hostport(addr, key)[0]):
-                raise ConfigError(key, f"{addr!r} is not loopback: set tls.cert/key/ca, "
+                raise ConfigError(key, f"{addr!r} is not loopback: set tls.cert/key/ca (the generated PKI "
+                                       "of tls.auto_dir is for agents on one machine), "
                                        "or tls.allow_plaintext = true to accept plaintext on purpose")
     return cfg
 
@@ -261,7 +274,8 @@ def load(path: str | Path, **kw) -> Config:
 DEFAULT_SITES = {"A": ("a1", 7601, 7701), "B": ("b1", 7602, 7702)}
 
 DEFAULT_TEMPLATE = """\
-# pdd-wire embedded default: sites A and B on one machine, over loopback, plaintext.
+# pdd-wire embedded default: sites A and B on one machine, over loopback, mutual TLS with a
+# deployment CA and node certificates generated on first start (tls.auto_dir).
 site = "{site}"
 node = "{node}"
 

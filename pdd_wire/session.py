@@ -18,6 +18,7 @@ import asyncio
 import collections
 import itertools
 import random
+import secrets
 import time
 from typing import TYPE_CHECKING, Protocol
 
@@ -63,7 +64,7 @@ class SessionHost(Protocol):
     def next_transfer_id(self) -> int: ...
     def transfer_ended(self) -> None: ...
     def bulk_loop(self, stream: int) -> BulkLoop: ...
-    def ssl_client(self): ...
+    def ssl_client(self, bulk: bool = False): ...
     def incoming_begin(self, session: "PeerSession", tid: int, begin: m.KvBegin) -> None: ...
     def kv_received(self, t: InTransfer) -> None: ...
     def kv_sent(self, t: OutTransfer) -> None: ...
@@ -105,7 +106,7 @@ class PeerSession:
         self.control: FrameProtocol | None = None
         self.remote_incarnation: int | None = None
         self.remote_caps: frozenset[str] | None = None  # what the peer advertised (None: not met yet)
-        self.token = random.getrandbits(63)  # bulk connections present it (listener side)
+        self.token = secrets.randbits(63) or 1  # bulk connections present it (listener side): a secret
         self.remote_token = 0
         self.links: dict[int, BulkLink] = {}
         self.out: dict[int, OutTransfer] = {}
@@ -503,7 +504,7 @@ class PeerSession:
         conn = self.make_bulk_protocol(stream, main)
         welcomed = asyncio.get_running_loop().create_future()
         conn.bulk_welcomed = welcomed
-        await dial(host, port, KIND_BULK, conn, ssl_ctx=self.host.ssl_client(),
+        await dial(host, port, KIND_BULK, conn, ssl_ctx=self.host.ssl_client(bulk=True),
                    server_name=self.peer.server_name or self.peer.node, timeout=self.cfg.timeouts.connect_s)
         conn.send(encode(FrameType.BULK_HELLO, encode_body(
             m.BulkHello(session=self.remote_token, stream=stream, site=self.cfg.site, node=self.cfg.node))))
@@ -816,7 +817,7 @@ class PeerSession:
     def _on_nack(self, tid: int, k: int, code: int = ErrorCode.CHUNK_CHECKSUM) -> None:
         self._uninflight(tid, k)
         t = self.out.get(tid)
-        if t is None or k in t.acked:
+        if t is None or k in t.acked or k >= t.n_chunks:  # the peer's index names no chunk: ignored
             return
         t.retransmits += 1
         if code == ErrorCode.CHUNK_BUSY:
