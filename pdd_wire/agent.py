@@ -24,7 +24,7 @@ from .engine import protocol as p
 from .engine_server import EngineConn, EngineServer
 from .errors import (EngineRequestError, ErrorCode, FatalHandshakeError, PddWireError, ProtocolError, TransportError,
                      check_duration)
-from .memory import HOST_FD, BlockMap, HostRegion, as_extents
+from .memory import HOST_FD, BlockMap, HostRegion, as_extents, register_async
 from .metrics import Metrics
 from .bulk import BulkHandler
 from .handoffs import Handoffs
@@ -573,7 +573,7 @@ class Agent:
                 return {"site": self.config.site, "node": self.config.node, "protocol": p.ENGINE_PROTOCOL_VERSION,
                         "peers": sorted(self.sessions), "chunk_bytes": self.config.transfer.chunk_bytes}
             case p.Register():
-                return self._register(ec, msg, fd)
+                return await self._register(ec, msg, fd)
             case p.Deregister():
                 await self._deregister(ec, msg.region)
                 return None
@@ -667,7 +667,7 @@ class Agent:
         if self.stopping:
             raise EngineRequestError("agent is shutting down", ErrorCode.SHUTTING_DOWN)
 
-    def _register(self, ec: EngineConn, msg: p.Register, fd: int) -> dict:
+    async def _register(self, ec: EngineConn, msg: p.Register, fd: int) -> dict:
         try:
             self._refuse_when_stopping()
             if msg.kind != HOST_FD:
@@ -682,7 +682,8 @@ class Agent:
             os.close(fd)
             raise
         rid = next(self._region_ids)
-        region = HostRegion(rid, fd, msg.size, msg.block_bytes, owner=ec)  # closes fd
+        region = await register_async(HostRegion(rid, fd, msg.size, msg.block_bytes, owner=ec),  # closes fd
+                                      lambda: ec.closed or self.stopping)  # paged in off the loop
         ec.regions[rid] = region
         self.regions[rid] = region
         self.metrics.regions.set(len(self.regions))
