@@ -137,7 +137,8 @@ class Agent:
                                           handler=self._engine_request, on_gone=self._engine_gone,
                                           max_engines=cfg.limits.max_engines, max_message=16 << 20,
                                           allowed_uids=uids, allowed_gids=gids, on_error=self.metrics.error,
-                                          max_out=cfg.limits.engine_queue_bytes)
+                                          max_out=cfg.limits.engine_queue_bytes, read_deadline_s=cfg.timeouts.engine_read_s,
+                                          max_per_uid=min(cfg.limits.max_engines_per_uid, cfg.limits.max_engines))
         await self.engine_server.start()
         if cfg.listen.admin:
             from .admin import AdminServer

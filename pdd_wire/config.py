@@ -62,6 +62,7 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
 class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     max_body: int = 1 * MiB  # largest control frame body accepted from a peer or engine
     max_engines: int = 64
+    max_engines_per_uid: int = 32  # engine connections of one uid: others keep the rest of max_engines
     max_regions: int = 4096  # per engine
     max_tokens_per_frame: int = 8192
     max_peer_connections: int = 64  # inbound WAN connections at once
@@ -70,6 +71,7 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     connect_s: float = 5.0
+    engine_read_s: float = 5.0  # an engine's message, once begun (and a new connection's first), completes by then
     handshake_s: float = 5.0
     heartbeat_s: float = 1.0
     dead_after_s: float = 5.0  # silence on the control connection before it is dropped

@@ -35,7 +35,7 @@ KINDS = (HOST_FD,)
 #: ``size`` bytes), and further seals are the engine's business, so neither is required.
 REQUIRED_SEALS = fcntl.F_SEAL_SHRINK
 MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
-POPULATE_SLICE = 64 << 20  # bytes paged in per madvise call; the GIL is free between (and during) them
+POPULATE_SLICE = 8 << 20  # per madvise call: the GIL is free throughout, and the mm lock between slices
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _libc.madvise.restype = ctypes.c_int

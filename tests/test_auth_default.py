@@ -13,6 +13,7 @@ import stat
 import pytest
 from conftest import fill_random, same_bytes
 from support.agents import run_agents, two_site_toml
+from support.other_uid import NOBODY, run_as
 
 from pdd_wire import config as cfgmod
 from pdd_wire import pki
@@ -23,7 +24,6 @@ from pdd_wire.wire import FrameType, encode_bytes, encode_body
 from pdd_wire.wire import messages as m
 
 MiB = 1 << 20
-NOBODY = 65534
 
 
 def test_the_embedded_default_authenticates_peers():
@@ -100,51 +100,39 @@ def _as_nobody(port: int, attempts: list[tuple[str, bytes]], pki_dir: str) -> di
     """In a child process of uid/gid nobody: each attempt connects to ``port``, sends its bytes
     (a preamble and a frame, optionally over TLS without a certificate) and reads the answer.
     Returns {name: what came back} and whether the generated keys were readable."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
+
+    def attempt_all() -> bytes:
         res: dict = {}
         try:
-            os.setgroups([])
-            os.setgid(NOBODY)
-            os.setuid(NOBODY)
+            os.listdir(pki_dir)
+            res["pki_readable"] = True
+        except OSError:
+            res["pki_readable"] = False
+        for name, data in attempts:
+            got = b""
             try:
-                os.listdir(pki_dir)
-                res["pki_readable"] = True
-            except OSError:
-                res["pki_readable"] = False
-            for name, data in attempts:
-                got = b""
-                try:
-                    s = socket.create_connection(("127.0.0.1", port), timeout=5)
-                    if name.startswith("tls"):
-                        s.sendall(data[:8])
-                        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-                        ctx.check_hostname = False
-                        ctx.verify_mode = ssl.CERT_NONE
-                        s = ctx.wrap_socket(s, server_hostname="b1")
-                        data = data[8:]
-                    s.sendall(data)
-                    while len(got) < 4096:
-                        chunk = s.recv(4096)
-                        if not chunk:
-                            break
-                        got += chunk
-                except (OSError, ssl.SSLError):
-                    pass
-                res[name] = got
-        finally:
-            os.write(w, repr(res).encode())
-            os._exit(0)
-    os.close(w)
-    raw = b""
-    while chunk := os.read(r, 65536):
-        raw += chunk
-    os.close(r)
-    os.waitpid(pid, 0)
+                s = socket.create_connection(("127.0.0.1", port), timeout=5)
+                if name.startswith("tls"):
+                    s.sendall(data[:8])
+                    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                    ctx.check_hostname = False
+                    ctx.verify_mode = ssl.CERT_NONE
+                    s = ctx.wrap_socket(s, server_hostname="b1")
+                    data = data[8:]
+                s.sendall(data)
+                while len(got) < 4096:
+                    chunk = s.recv(4096)
+                    if not chunk:
+                        break
+                    got += chunk
+            except (OSError, ssl.SSLError):
+                pass
+            res[name] = got
+        return repr(res).encode()
+
     import ast
 
-    return ast.literal_eval(raw.decode())
+    return ast.literal_eval(run_as(NOBODY, attempt_all).decode())
 
 
 async def test_another_uid_cannot_pose_as_a_peer_and_the_live_session_is_untouched(tmp_sock_dir, engines):

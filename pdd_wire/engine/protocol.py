@@ -308,6 +308,11 @@ class Decoder:
         self._buf = bytearray()
         self.max_message = max_message
 
+    @property
+    def pending(self) -> int:
+        """Bytes of a message begun but not complete."""
+        return len(self._buf)
+
     def feed(self, data: bytes) -> list[Msg]:
         self._buf += data
         out = []
