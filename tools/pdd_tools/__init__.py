@@ -1,0 +1,1 @@
+"""Tools around pdd-wire (benchmarks, demo, harness); not part of the agent."""
