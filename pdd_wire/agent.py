@@ -95,10 +95,7 @@ class Agent:
         self._probe_region: HostRegion | None = None
         self._probe_filled = False
         self._probing: set[str] = set()
-        self.pki = tls_files(config)
-        if self.pki is not None:
-            self._ssl_server = server_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
-            self._ssl_client = client_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
+        self.pki = None  # the TLS files, resolved (or generated) at start
         # Bulk connections run TLS with configured certificates; with the generated PKI (loopback
         # only) they are bound to the TLS-authenticated session by its secret token instead
         # (proto/handshake.md §5: TLS on loopback bulk cost 3x of the goodput here).
@@ -120,6 +117,10 @@ class Agent:
     # ------------------------------------------------------------------ start and stop
     async def start(self) -> None:
         cfg = self.config
+        self.pki = tls_files(cfg)  # may generate the deployment PKI (ConfigError: unusable directory)
+        if self.pki is not None:
+            self._ssl_server = server_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
+            self._ssl_client = client_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
         log_tls_mode(self.log, cfg, self.pki)
         for i in range(cfg.transfer.bulk_threads):
             bl = BulkLoop(f"pdd-bulk-{i}")

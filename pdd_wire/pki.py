@@ -55,7 +55,10 @@ def private_dir(path: str) -> Path:
     """``path`` as a directory only this uid can enter; created 0700 when missing."""
     p = Path(path)
     try:
-        p.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # The parent too is created 0700 (it is the engine socket's directory by default, which
+        # the engine server would otherwise create so).
+        os.makedirs(p.parent, mode=0o700, exist_ok=True)
+        p.mkdir(mode=0o700, exist_ok=True)
         st = os.lstat(p)
     except OSError as exc:
         raise ConfigError("tls.auto_dir", f"cannot create {path!r}: {exc.strerror}") from exc

@@ -173,3 +173,21 @@ async def test_agents_of_one_deployment_run_mutual_tls_without_any_tls_config(tm
             ssl_obj = ag[a].sessions[other].control.transport.get_extra_info("ssl_object")
             assert ssl_obj is not None and ssl_obj.version() == "TLSv1.3"
         assert ag["B"].sessions["A/a1"].control.peer_names == {"a1"}
+        # Bulk connections are bound to that session by its secret token instead (no TLS:
+        # proto/handshake.md section 5 has the goodput figures).
+        links = ag["A"].sessions["B/b1"].links
+        assert links and all(lk.conn.transport.get_extra_info("ssl_object") is None for lk in links.values())
+
+
+async def test_an_agent_refuses_to_start_on_a_pki_directory_others_can_write(tmp_sock_dir):
+    from pdd_wire.agent import Agent
+
+    d = tmp_sock_dir / "shared-pki"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    toml = two_site_toml(tmp_sock_dir, extra=f'[tls]\nauto_dir = "{d}"\n')["A"]
+    agent = Agent(cfgmod.loads(toml))
+    with pytest.raises(ConfigError, match="tls.auto_dir"):
+        await agent.start()
+    await agent.shutdown(0)
+    assert os.listdir(d) == []  # nothing written into it
