@@ -638,6 +638,7 @@ class Agent:
         hit = msg.prefix_hit_tokens
         source = "engine"
         if msg.block_hashes:
+            self._check_request_id(msg.request_id)  # it goes to the peer in PREFIX_QUERY
             if msg.block_tokens <= 0:
                 raise EngineRequestError("block_tokens must be > 0 with block_hashes", ErrorCode.BAD_REQUEST)
             k = await session.prefix_lookup(msg.request_id, list(msg.block_hashes))

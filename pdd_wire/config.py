@@ -202,6 +202,7 @@ def validate(cfg: Config) -> Config:
     for key in ("unposted_wait_s", "default_deadline_s", "post_ttl_s", "prefix_lease_s", "prefix_query_s"):
         _positive(f"transfer.{key}", getattr(t, key))
     for key, value in (("transfer.default_deadline_s", t.default_deadline_s), ("transfer.post_ttl_s", t.post_ttl_s),
+                       ("transfer.prefix_lease_s", t.prefix_lease_s),  # sent as PREFIX_QUERY lease_ms
                        ("timeouts.handoff_s", cfg.timeouts.handoff_s)):
         if value > MAX_DURATION_S:  # what an engine could not ask for either
             raise ConfigError(key, f"must be at most {MAX_DURATION_S} s, got {value}")

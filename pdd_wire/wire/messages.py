@@ -34,7 +34,7 @@ U63 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 U64 = Annotated[int, Meta(ge=0)]  # msgpack ints end at 2^64-1
 Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID)]
-Text = Annotated[str, Meta(max_length=MAX_TEXT)]
+Text = str  # free text is never refused: __post_init__ cuts it to MAX_TEXT (both when built and decoded)
 Code = U16  # an unassigned code becomes PEER_ERROR when decoded (errors.peer_code)
 ChunkIndex = Annotated[int, Meta(ge=0, le=MAX_CHUNKS - 1)]
 Seq = Annotated[int, Meta(ge=0, le=(1 << 62))]  # token stream positions, handoff positions
@@ -49,6 +49,14 @@ Streams = Annotated[int, Meta(ge=0, le=64)]
 StreamIndex = Annotated[int, Meta(ge=0, le=63)]
 Incarnation = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
 DeadlineMs = Annotated[int, Meta(ge=0, le=MAX_DEADLINE_MS)]
+
+
+def _clip(msg, field: str, limit: int = MAX_TEXT) -> None:
+    """Cut a free-text field to ``limit`` characters: a long reason (an engine's, say) is not
+    worth a closed connection, and only ``limit`` characters are kept or logged."""
+    v = getattr(msg, field)
+    if len(v) > limit:
+        msgspec.structs.force_setattr(msg, field, v[:limit])
 
 
 def _known_code(msg) -> None:
@@ -106,10 +114,11 @@ class BulkWelcome(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
 
 class Error(msgspec.Struct, **_fast):
     code: Code
-    message: Annotated[str, Meta(max_length=512)]
+    message: str
 
     def __post_init__(self) -> None:
         _known_code(self)
+        _clip(self, "message", 512)
 
 
 class Ping(msgspec.Struct, **_fast):
@@ -124,6 +133,9 @@ class Pong(msgspec.Struct, **_fast):
 
 class Goodbye(msgspec.Struct, **_fast):
     reason: Text = ""
+
+    def __post_init__(self) -> None:
+        _clip(self, "reason")
 
 
 class KvBegin(msgspec.Struct, **_fast):
@@ -157,6 +169,7 @@ class KvReject(msgspec.Struct, **_fast):
 
     def __post_init__(self) -> None:
         _known_code(self)
+        _clip(self, "message")
 
 
 class KvAck(msgspec.Struct, **_fast):
@@ -192,6 +205,7 @@ class KvCancel(msgspec.Struct, **_fast):
 
     def __post_init__(self) -> None:
         _known_code(self)
+        _clip(self, "message")
 
 
 class KvResume(msgspec.Struct, **_fast):
@@ -243,7 +257,10 @@ class HandoffCommit(msgspec.Struct, **_fast):
     request_id: RequestId
     epoch: Epoch
     position: Seq
-    mode: Annotated[str, Meta(max_length=64)] = ""  # "one-shot" | "catch-up": for MD's logs and metrics
+    mode: str = ""  # "one-shot" | "catch-up": for MD's logs and metrics
+
+    def __post_init__(self) -> None:
+        _clip(self, "mode", 64)
 
 
 class HandoffTaken(msgspec.Struct, **_fast):
@@ -263,6 +280,9 @@ class HandoffRelease(msgspec.Struct, **_fast):
     epoch: Epoch
     reason: Text = ""  # "kv_cancelled", "md_failed", "deadline", ...
 
+    def __post_init__(self) -> None:
+        _clip(self, "reason")
+
 
 class HandoffAbort(msgspec.Struct, **_fast):
     """RLD -> MD: RLD never committed and never will (this epoch): it keeps the output. MD drops
@@ -271,6 +291,9 @@ class HandoffAbort(msgspec.Struct, **_fast):
     request_id: RequestId
     epoch: Epoch
     reason: Text = ""  # "deadline", "md_failed", "finished", "md_released"
+
+    def __post_init__(self) -> None:
+        _clip(self, "reason")
 
 
 class RequestAbort(msgspec.Struct, **_fast):
@@ -281,13 +304,16 @@ class RequestAbort(msgspec.Struct, **_fast):
     request_id: RequestId
     reason: Text = ""
 
+    def __post_init__(self) -> None:
+        _clip(self, "reason")
+
 
 class PrefixQuery(msgspec.Struct, **_fast):
     """KV sender -> receiver: how many leading blocks of this chain does your node hold? Hold
     them for ``lease_ms`` for this request (a later query for the request replaces the lease)."""
 
     request_id: RequestId
-    hashes: Annotated[list[U64], Meta(max_length=65536)]  # chained 64-bit block hashes, in block order
+    hashes: list[U64]  # (as many as max_body holds) chained 64-bit block hashes, in block order
     lease_ms: DeadlineMs = 30000
 
 
@@ -295,7 +321,7 @@ class PrefixMatch(msgspec.Struct, **_fast):
     """Receiver -> sender: the first ``matched`` blocks are held (and leased) here."""
 
     request_id: RequestId
-    matched: Annotated[int, Meta(ge=0, le=65536)]
+    matched: Annotated[int, Meta(ge=0, le=MAX_CHUNKS)]
 
 
 BODY_TYPES: dict[int, type] = {
