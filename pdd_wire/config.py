@@ -193,8 +193,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("transfer.streams", f"must be 1..64, got {t.streams}")
     if not 64 * 1024 <= t.ucx_chunk_bytes <= 64 * MiB:
         raise ConfigError("transfer.ucx_chunk_bytes", f"must be 64 KiB..64 MiB, got {t.ucx_chunk_bytes}")
-    if t.credit_bytes < t.chunk_bytes:
-        raise ConfigError("transfer.credit_bytes", "must be at least transfer.chunk_bytes")
+    if not t.chunk_bytes <= t.credit_bytes <= 1 << 48:  # proto/messages.md: credit_bytes on the wire
+        raise ConfigError("transfer.credit_bytes", "must be at least transfer.chunk_bytes and at most 2^48")
     if not 1 <= t.bulk_threads <= 64:
         raise ConfigError("transfer.bulk_threads", f"must be 1..64, got {t.bulk_threads}")
     for key in ("max_transfers",):
