@@ -42,6 +42,7 @@ from .metrics import Metrics
 from .peers import Peers
 from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
+from .pki import log_tls_mode, tls_files
 from .transport.tcp import BulkLoop, client_tls_context, server_tls_context
 from .wire import messages as m
 
@@ -59,10 +60,11 @@ class Agent:
         self._tids = 0
         self._transfer_ended = asyncio.Event()  # set by sessions whenever a transfer ends
         self._ssl_server = self._ssl_client = None
-        tls = config.tls
-        if tls.enabled:
-            self._ssl_server = server_tls_context(tls.cert, tls.key, tls.ca)
-            self._ssl_client = client_tls_context(tls.cert, tls.key, tls.ca)
+        self.pki = None  # the TLS files, resolved (or generated) at start
+        # Bulk connections run TLS with configured certificates; with the generated PKI (loopback
+        # only) they are bound to the TLS-authenticated session by its secret token instead
+        # (proto/handshake.md §5: TLS on loopback bulk cost 3x of the goodput here).
+        self._bulk_tls = config.tls.mode == "files"
         self.bulk_loops: list[BulkLoop] = []
         self.gate = Gate()
         self.peers = Peers()
@@ -89,11 +91,11 @@ class Agent:
     # ------------------------------------------------------------------ start and stop
     async def start(self) -> None:
         cfg = self.config
-        if not cfg.tls.enabled:
-            if cfg.tls.allow_plaintext:
-                self.log.warning("WAN connections are PLAINTEXT and unauthenticated (tls.allow_plaintext = true)")
-            else:
-                self.log.info("WAN connections are plaintext: loopback only")
+        self.pki = tls_files(cfg)  # may generate the deployment PKI (ConfigError: unusable directory)
+        if self.pki is not None:
+            self._ssl_server = server_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
+            self._ssl_client = client_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
+        log_tls_mode(self.log, cfg, self.pki)
         # 1. bulk threads, then every listener (a failure here leaves nothing serving: the caller
         #    runs shutdown(), which stops whatever did start)
         for i in range(cfg.transfer.bulk_threads):
@@ -101,14 +103,15 @@ class Agent:
             bl.start()
             self.bulk_loops.append(bl)
         self.wan_address = self.inbound.listen(*parse_hostport(cfg.listen.wan, "listen.wan"),
-                                               ssl_server=self._ssl_server)
+                                               ssl_server=self._ssl_server, bulk_tls=self._bulk_tls)
         uids = {os.getuid()} | ({cfg.listen.engine_uid} if cfg.listen.engine_uid is not None else set())
         gids = {cfg.listen.engine_gid} if cfg.listen.engine_gid is not None else set()
         self.engine_server = EngineServer(cfg.listen.engine_socket, cfg.listen.engine_socket_mode,
                                           handler=self.requests.handle, on_gone=self.requests.engine_gone,
                                           max_engines=cfg.limits.max_engines, max_message=16 << 20,
                                           allowed_uids=uids, allowed_gids=gids, on_error=self.metrics.error,
-                                          max_out=cfg.limits.engine_queue_bytes)
+                                          max_out=cfg.limits.engine_queue_bytes, read_deadline_s=cfg.timeouts.engine_read_s,
+                                          max_per_uid=min(cfg.limits.max_engines_per_uid, cfg.limits.max_engines))
         self.requests.engines = self.engine_server
         await self.engine_server.start()
         if cfg.listen.admin:
@@ -183,8 +186,8 @@ class Agent:
     def bulk_loop(self, stream: int) -> BulkLoop:
         return self.bulk_loops[stream % len(self.bulk_loops)]
 
-    def ssl_client(self):
-        return self._ssl_client
+    def ssl_client(self, bulk: bool = False):
+        return self._ssl_client if self._bulk_tls or not bulk else None
 
     def incoming_begin(self, session: PeerSession, tid: int, begin: m.KvBegin) -> None:
         if is_probe(begin.request_id):

@@ -294,6 +294,9 @@ class Estimator:
     byte counts and times, so a few small chunks do not swing them. ``decide`` answers False until
     ``min_samples`` chunks were fed. While compression is off the caller should still encode a
     sample chunk now and then (e.g. 1 in 64) to keep the estimates live.
+
+    Thread-safe: every bulk thread feeds it while the main loop reads it; one lock makes each
+    update and each read whole (a torn average would feed a wrong ratio into ``decide``).
     """
 
     def __init__(self, *, alpha: float = 0.2, margin: float = DEFAULT_MARGIN, cpu_budget: float = 1.0,
@@ -309,6 +312,7 @@ class Estimator:
         self.decompress_samples = 0
         self._in = self._out = self._sec = 0.0
         self._din = self._dsec = 0.0
+        self._lock = threading.Lock()
 
     def _ewma(self, old: float, new: float, first: bool) -> float:
         return new if first else old + self.alpha * (new - old)
@@ -317,45 +321,58 @@ class Estimator:
         """One compressed chunk: its size, its payload's size, and the time encoding took."""
         if nbytes_in <= 0 or nbytes_out <= 0 or seconds < 0:
             raise ValueError(f"bad sample: in={nbytes_in} out={nbytes_out} seconds={seconds}")
-        first = self.samples == 0
-        self._in = self._ewma(self._in, float(nbytes_in), first)
-        self._out = self._ewma(self._out, float(nbytes_out), first)
-        self._sec = self._ewma(self._sec, max(seconds, 1e-9), first)
-        self.samples += 1
+        with self._lock:
+            first = self.samples == 0
+            self._in = self._ewma(self._in, float(nbytes_in), first)
+            self._out = self._ewma(self._out, float(nbytes_out), first)
+            self._sec = self._ewma(self._sec, max(seconds, 1e-9), first)
+            self.samples += 1
 
     def feed_decompress(self, nbytes: int, seconds: float) -> None:
         """One decoded chunk: its uncompressed size and the time decoding took."""
         if nbytes <= 0 or seconds < 0:
             raise ValueError(f"bad sample: nbytes={nbytes} seconds={seconds}")
-        first = self.decompress_samples == 0
-        self._din = self._ewma(self._din, float(nbytes), first)
-        self._dsec = self._ewma(self._dsec, max(seconds, 1e-9), first)
-        self.decompress_samples += 1
+        with self._lock:
+            first = self.decompress_samples == 0
+            self._din = self._ewma(self._din, float(nbytes), first)
+            self._dsec = self._ewma(self._dsec, max(seconds, 1e-9), first)
+            self.decompress_samples += 1
+
+    def snapshot(self) -> tuple[int, float | None, float | None, float | None]:
+        """``(samples, ratio, compress_Bps, decompress_Bps)``, all from one consistent state."""
+        with self._lock:
+            if not self.samples:
+                comp = ratio = None
+            else:
+                ratio, comp = self._in / self._out, self._in / self._sec
+            if self.decompress_samples:
+                dec = self._din / self._dsec
+            else:
+                dec = self.decompress_prior if self.decompress_prior is not None else comp
+            return self.samples, ratio, comp, dec
 
     @property
     def ratio(self) -> float | None:
-        return self._in / self._out if self.samples else None
+        return self.snapshot()[1]
 
     @property
     def compress_Bps(self) -> float | None:
-        return self._in / self._sec if self.samples else None
+        return self.snapshot()[2]
 
     @property
     def decompress_Bps(self) -> float | None:
-        if self.decompress_samples:
-            return self._din / self._dsec
-        return self.decompress_prior if self.decompress_prior is not None else self.compress_Bps
+        return self.snapshot()[3]
 
     def goodput(self, link_Bps: float) -> float:
         """Expected goodput with compression on (uncompressed B/s); ``link_Bps`` before any sample."""
-        if not self.samples:
+        samples, ratio, comp, dec = self.snapshot()
+        if not samples:
             return link_Bps
-        return goodput_with_compression(link_Bps, self.ratio, self.compress_Bps, self.decompress_Bps,
-                                        self.cpu_budget)
+        return goodput_with_compression(link_Bps, ratio, comp, dec, self.cpu_budget)
 
     def decide(self, link_Bps: float) -> bool:
         """Whether to compress on a link whose current bandwidth is ``link_Bps`` bytes/s."""
-        if self.samples < self.min_samples:
+        samples, ratio, comp, dec = self.snapshot()
+        if samples < self.min_samples:
             return False
-        return worth_compressing(link_Bps, self.ratio, self.compress_Bps, self.decompress_Bps,
-                                 self.cpu_budget, margin=self.margin)
+        return worth_compressing(link_Bps, ratio, comp, dec, self.cpu_budget, margin=self.margin)

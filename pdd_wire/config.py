@@ -62,6 +62,7 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
 class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     max_body: int = 1 * MiB  # largest control frame body accepted from a peer or engine
     max_engines: int = 64
+    max_engines_per_uid: int = 32  # engine connections of one uid: others keep the rest of max_engines
     max_regions: int = 4096  # per engine
     max_tokens_per_frame: int = 8192
     max_peer_connections: int = 64  # inbound WAN connections at once
@@ -70,6 +71,7 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     connect_s: float = 5.0
+    engine_read_s: float = 5.0  # an engine's message, once begun (and a new connection's first), completes by then
     handshake_s: float = 5.0
     heartbeat_s: float = 1.0
     dead_after_s: float = 5.0  # silence on the control connection before it is dropped
@@ -82,14 +84,26 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
 
 
 class Tls(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Peers always authenticate: configured certificates (``cert``/``key``/``ca``), else, on
+    loopback, a deployment PKI generated in ``auto_dir`` (pdd_wire.pki); plaintext without any
+    authentication only with ``allow_plaintext = true`` (logged as a warning at every start)."""
+
     cert: str = ""
     key: str = ""
     ca: str = ""
-    allow_plaintext: bool = False  # required for plaintext on non-loopback addresses
+    auto_dir: str = ""  # generated CA and node certificates; "" = pdd-wire-pki-<uid> beside the engine socket
+    allow_plaintext: bool = False  # plaintext and unauthenticated: any process that reaches listen.wan can pose as a peer
 
     @property
     def enabled(self) -> bool:
         return bool(self.cert)
+
+    @property
+    def mode(self) -> str:
+        """"files" (configured certificates), "auto" (generated PKI) or "plaintext"."""
+        if self.cert:
+            return "files"
+        return "plaintext" if self.allow_plaintext else "auto"
 
 
 class Policy(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -179,8 +193,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("transfer.streams", f"must be 1..64, got {t.streams}")
     if not 64 * 1024 <= t.ucx_chunk_bytes <= 64 * MiB:
         raise ConfigError("transfer.ucx_chunk_bytes", f"must be 64 KiB..64 MiB, got {t.ucx_chunk_bytes}")
-    if t.credit_bytes < t.chunk_bytes:
-        raise ConfigError("transfer.credit_bytes", "must be at least transfer.chunk_bytes")
+    if not t.chunk_bytes <= t.credit_bytes <= 1 << 48:  # proto/messages.md: credit_bytes on the wire
+        raise ConfigError("transfer.credit_bytes", "must be at least transfer.chunk_bytes and at most 2^48")
     if not 1 <= t.bulk_threads <= 64:
         raise ConfigError("transfer.bulk_threads", f"must be 1..64, got {t.bulk_threads}")
     for key in ("max_transfers",):
@@ -188,6 +202,7 @@ def validate(cfg: Config) -> Config:
     for key in ("unposted_wait_s", "default_deadline_s", "post_ttl_s", "prefix_lease_s", "prefix_query_s"):
         _positive(f"transfer.{key}", getattr(t, key))
     for key, value in (("transfer.default_deadline_s", t.default_deadline_s), ("transfer.post_ttl_s", t.post_ttl_s),
+                       ("transfer.prefix_lease_s", t.prefix_lease_s),  # sent as PREFIX_QUERY lease_ms
                        ("timeouts.handoff_s", cfg.timeouts.handoff_s)):
         if value > MAX_DURATION_S:  # what an engine could not ask for either
             raise ConfigError(key, f"must be at most {MAX_DURATION_S} s, got {value}")
@@ -212,7 +227,8 @@ def validate(cfg: Config) -> Config:
                                                    for i, p in enumerate(cfg.peers)]
         for key, addr in addrs:
             if not is_loopback(parse_hostport(addr, key)[0]):
-                raise ConfigError(key, f"{addr!r} is not loopback: set tls.cert/key/ca, "
+                raise ConfigError(key, f"{addr!r} is not loopback: set tls.cert/key/ca (the generated PKI "
+                                       "of tls.auto_dir is for agents on one machine), "
                                        "or tls.allow_plaintext = true to accept plaintext on purpose")
     return cfg
 
@@ -261,7 +277,8 @@ def load(path: str | Path, **kw) -> Config:
 DEFAULT_SITES = {"A": ("a1", 7601, 7701), "B": ("b1", 7602, 7702)}
 
 DEFAULT_TEMPLATE = """\
-# pdd-wire embedded default: sites A and B on one machine, over loopback, plaintext.
+# pdd-wire embedded default: sites A and B on one machine, over loopback, mutual TLS with a
+# deployment CA and node certificates generated on first start (tls.auto_dir).
 site = "{site}"
 node = "{node}"
 

@@ -19,7 +19,7 @@ from .desk.handoff import HandoffDesk
 from .desk.kv import KvDesk
 from .engine import protocol as p
 from .errors import EngineRequestError, ErrorCode
-from .memory import HOST_FD, HostRegion
+from .memory import HOST_FD, HostRegion, register_async
 from .metrics import Metrics
 
 if TYPE_CHECKING:
@@ -54,7 +54,7 @@ class EngineRequests:
                 return {"site": self.config.site, "node": self.config.node, "protocol": p.ENGINE_PROTOCOL_VERSION,
                         "peers": sorted(self.peers.by_key), "chunk_bytes": self.config.transfer.chunk_bytes}
             case p.Register():
-                return self._register(ec, msg, fd)
+                return await self._register(ec, msg, fd)
             case p.Deregister():
                 await self._deregister(ec, msg.region)
                 return None
@@ -112,7 +112,7 @@ class EngineRequests:
         self.metrics.engines.set(len(self.engines.engines) if self.engines is not None else 0)
 
     # ------------------------------------------------------------------ memory
-    def _register(self, ec: "EngineConn", msg: p.Register, fd: int | None) -> dict:
+    async def _register(self, ec: "EngineConn", msg: p.Register, fd: int | None) -> dict:
         try:
             self.gate.check()
             if fd is None:
@@ -130,7 +130,8 @@ class EngineRequests:
                 os.close(fd)
             raise
         rid = next(self._region_ids)
-        region = HostRegion(rid, fd, msg.size, msg.block_bytes, owner=ec)  # closes fd
+        region = await register_async(HostRegion(rid, fd, msg.size, msg.block_bytes, owner=ec),  # closes fd
+                                      lambda: ec.closed or self.gate.closed)  # paged in off the loop
         ec.regions[rid] = region
         self.regions[rid] = region
         self.metrics.regions.set(len(self.regions))
@@ -177,6 +178,7 @@ class EngineRequests:
         hit = msg.prefix_hit_tokens
         source = "engine"
         if msg.block_hashes:
+            check_request_id(msg.request_id)  # it goes to the peer in PREFIX_QUERY
             if msg.block_tokens <= 0:
                 raise EngineRequestError("block_tokens must be > 0 with block_hashes", ErrorCode.BAD_REQUEST)
             k = await session.prefix_lookup(msg.request_id, list(msg.block_hashes))

@@ -53,6 +53,10 @@ class EngineConn:
         self._reading = True  # paused while MAX_QUEUED requests wait: the kernel buffer holds the rest
         self._worker = asyncio.create_task(self._serve(), name=f"{self.name}:serve")
         self.loop.add_reader(sock.fileno(), self._readable)
+        # The first message, and then every message begun, must be complete within the read
+        # deadline: a length prefix followed by silence, or a connection that never speaks,
+        # does not hold a slot (and up to 16 MiB of buffer) forever.
+        self._deadline: asyncio.TimerHandle | None = self.loop.call_later(server.read_deadline_s, self._too_slow)
 
     def _readable(self) -> None:
         try:
@@ -77,11 +81,13 @@ class EngineConn:
             self.close("engine closed the socket")
             return
         try:
-            for msg in self._decoder.feed(data):
+            msgs = self._decoder.feed(data)
+            for msg in msgs:
                 self._queue.put_nowait(msg)
             if self._queue.qsize() >= MAX_QUEUED and self._reading:
                 self.loop.remove_reader(self.sock.fileno())
                 self._reading = False
+            self._rearm(restart=bool(msgs))
         except ProtocolError as exc:
             self.send(p.Err(code=int(exc.code), message=str(exc)))
             self.close(f"protocol error: {exc}")
@@ -93,6 +99,7 @@ class EngineConn:
             if not self._reading and self._queue.qsize() < MAX_QUEUED // 2 and not self.closed:
                 self.loop.add_reader(self.sock.fileno(), self._readable)
                 self._reading = True
+                self._rearm(restart=True)
             fd = None
             if isinstance(msg, p.Register):
                 if not self._fds:
@@ -110,6 +117,23 @@ class EngineConn:
                 self.send(p.Err(id=msg.id, code=int(ErrorCode.INTERNAL), message=f"internal error: {exc}"))
             else:
                 self.send(p.Ok(id=msg.id, result=result or {}))
+
+    def _rearm(self, *, restart: bool) -> None:
+        """A deadline runs while a message is begun (and the agent is reading): from its first
+        byte, or from the last message completed when messages follow each other in one stream."""
+        if self._deadline is not None and (restart or not self._decoder.pending or not self._reading):
+            self._deadline.cancel()
+            self._deadline = None
+        if self._deadline is None and self._decoder.pending and self._reading and not self.closed:
+            self._deadline = self.loop.call_later(self.server.read_deadline_s, self._too_slow)
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        what = (f"{self._decoder.pending} bytes of a message" if self._decoder.pending else "no message")
+        self.server.on_error(ErrorCode.BAD_REQUEST)
+        self.send(p.Err(code=int(ErrorCode.BAD_REQUEST),
+                        message=f"{what} after {self.server.read_deadline_s} s: closing (timeouts.engine_read_s)"))
+        self.close(f"read deadline: {what} within {self.server.read_deadline_s} s")
 
     def send(self, msg: p.Msg) -> None:
         if self.closed:
@@ -147,6 +171,9 @@ class EngineConn:
         self.closed = True
         self.closed_at = time.monotonic()
         self.log.info("engine disconnected", reason=why)
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
         try:
             self.loop.remove_reader(self.sock.fileno())
             if self._writing:
@@ -168,13 +195,16 @@ class EngineServer:
     def __init__(self, path: str, mode: int, *, handler: Callable[..., Awaitable[dict | None]],
                  on_gone: Callable[[EngineConn], Awaitable[None]], max_engines: int, max_message: int,
                  allowed_uids: set[int], allowed_gids: set[int] = frozenset(), on_error=lambda code: None,
-                 max_out: int = 64 << 20) -> None:
+                 max_out: int = 64 << 20, max_per_uid: int | None = None, read_deadline_s: float = 5.0) -> None:
         self.path = path
         self.mode = mode
         self.handler = handler
         self.on_gone = on_gone
         self.on_error = on_error
         self.max_engines = max_engines
+        # Slots per uid: one uid's (idle) connections cannot take every slot from the others.
+        self.max_per_uid = max_engines if max_per_uid is None else max_per_uid
+        self.read_deadline_s = read_deadline_s
         self.max_message = max_message
         self.max_out = max_out  # bytes of unread events before an engine is cut off
         self.allowed_uids = allowed_uids
@@ -223,10 +253,16 @@ class EngineServer:
                 self.on_error(ErrorCode.BAD_REQUEST)
                 conn.close()
                 continue
-            if len(self.engines) >= self.max_engines:
-                log.warning("engine refused: limits.max_engines reached", limit=self.max_engines)
+            mine = sum(1 for e in self.engines.values() if e.uid == uid)
+            if len(self.engines) >= self.max_engines or mine >= self.max_per_uid:
+                full = len(self.engines) >= self.max_engines
+                log.warning("engine refused: limits.max_engines reached" if full else
+                            "engine refused: limits.max_engines_per_uid reached", uid=uid,
+                            limit=self.max_engines if full else self.max_per_uid)
                 msg = p.encode(p.Err(code=int(ErrorCode.LIMIT_EXCEEDED),
-                                     message=f"agent already serves {self.max_engines} engines"))
+                                     message=f"agent already serves {self.max_engines} engines" if full else
+                                     f"agent already serves {mine} engines of uid {uid} "
+                                     f"(limits.max_engines_per_uid)"))
                 try:
                     conn.send(msg)
                 except OSError:

@@ -22,6 +22,7 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_FRAME_TYPE = 104
     MALFORMED_BODY = 105
     UNEXPECTED_FRAME = 106
+    OUT_OF_RANGE = 107  # a body field outside its range in proto/messages.md, or inconsistent
     # 2xx: handshake
     UNSUPPORTED_PROTOCOL_VERSION = 200
     UNKNOWN_PEER = 201
@@ -41,6 +42,7 @@ class ErrorCode(enum.IntEnum):
     TOO_MANY_TRANSFERS = 308
     CHUNK_BUSY = 309
     PREFIX_LOST = 310
+    PEER_ERROR = 311  # the peer sent a code this agent does not know
     # 4xx: engine socket
     BAD_REQUEST = 400
     UNKNOWN_REGION = 401
@@ -50,9 +52,18 @@ class ErrorCode(enum.IntEnum):
     LIMIT_EXCEEDED = 405
     UNKNOWN_REQUEST = 406
     UNSUPPORTED_BY_PEER = 407
+    MEMORY_NOT_SEALED = 408  # register: the memfd is not sealed against shrinking (F_SEAL_SHRINK)
     # 5xx: agent lifecycle
     SHUTTING_DOWN = 500
     INTERNAL = 501
+
+
+def peer_code(code: int) -> ErrorCode:
+    """A code from a peer as this agent's ErrorCode; an unassigned one is PEER_ERROR."""
+    try:
+        return ErrorCode(code)
+    except ValueError:
+        return ErrorCode.PEER_ERROR
 
 
 class PddWireError(Exception):

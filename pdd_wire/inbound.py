@@ -38,6 +38,7 @@ class Inbound:
         self.peers = peers
         self.bulk_loop = bulk_loop
         self.ssl_server = None  # the TLS server context, given to listen()
+        self.bulk_tls = False  # bulk connections run TLS too (configured certificates only)
         self.refusing = refusing
         self.log = log
         self.address: tuple[str, int] | None = None
@@ -51,10 +52,12 @@ class Inbound:
         """WAN connections held open (the count ``limits.max_peer_connections`` caps)."""
         return self._open
 
-    def listen(self, host: str, port: int, *, ssl_server=None) -> tuple[str, int]:
+    def listen(self, host: str, port: int, *, ssl_server=None, bulk_tls: bool = True) -> tuple[str, int]:
         """Bind and start accepting (TLS with ``ssl_server``, else plaintext); returns the bound
-        address."""
+        address. ``bulk_tls`` false: bulk connections stay plaintext even with ``ssl_server``
+        (the generated PKI: a bulk connection is bound to its TLS session by the secret token)."""
         self.ssl_server = ssl_server
+        self.bulk_tls = bulk_tls and ssl_server is not None
         sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         sock.setblocking(False)
         self._sock = sock
@@ -158,7 +161,7 @@ class Inbound:
             s = self.peers.by_token.get(msg.session)
             if s is None or (s.peer.site, s.peer.node) != (msg.site, msg.node):
                 return None
-            if self.ssl_server is not None and (s.peer.server_name or s.peer.node) not in handler.conn.peer_names:
+            if self.bulk_tls and (s.peer.server_name or s.peer.node) not in handler.conn.peer_names:
                 return None
             return s
 
@@ -167,7 +170,7 @@ class Inbound:
 
         handler = BulkHandler(None, -1, main, resolve=resolve, on_attach=on_attach)
         timeout = self.config.timeouts.handshake_s
-        await adopt(sock, handler.conn, ssl_ctx=self.ssl_server, timeout=timeout)
+        await adopt(sock, handler.conn, ssl_ctx=self.ssl_server if self.bulk_tls else None, timeout=timeout)
 
         def no_hello() -> None:
             if handler.session is None and not handler.conn.closed:

@@ -58,12 +58,9 @@ def tmp_sock_dir(tmp_path_factory):
 
     d = Path(tempfile.mkdtemp(prefix="pdw-"))
     yield d
-    for p in d.iterdir():
-        try:
-            p.unlink()
-        except OSError:
-            pass
-    d.rmdir()
+    import shutil
+
+    shutil.rmtree(d, ignore_errors=True)  # sockets, and the agents' generated PKI (pdd-wire-pki-<uid>/)
 
 
 class Engines:

@@ -45,7 +45,10 @@ BULK = preamble(KIND_BULK)
 
 
 def _tomls(tmp, **kw) -> dict:
-    """Both sites, with a short handshake timeout and a 64 KiB control body limit."""
+    """Both sites, with a short handshake timeout and a 64 KiB control body limit; plaintext
+    (tls.allow_plaintext), so the frames below reach the frame decoder as a peer's would (with
+    TLS, the default, they never get past the TLS handshake: tests/test_auth_default.py)."""
+    kw.setdefault("plaintext", True)
     t = two_site_toml(tmp, extra=f"[limits]\nmax_body = {MAX_BODY}\n", **kw)
     for s in "AB":
         t[s] = t[s].replace("[timeouts]\n", f"[timeouts]\nhandshake_s = {HANDSHAKE_S}\n")
@@ -200,7 +203,9 @@ WAN_CASES = {
     "bulk_hello_with_the_token_but_another_node": Case(lambda ag: BULK + bulk_hello(_token(ag), node="a9"),
                                                        ErrorCode.UNKNOWN_SESSION),
     "bulk_hello_with_stream_out_of_range": Case(lambda ag: BULK + bulk_hello(_token(ag), stream=99),
-                                                ErrorCode.UNEXPECTED_FRAME),
+                                                ErrorCode.OUT_OF_RANGE),
+    "bulk_hello_with_stream_beyond_the_configured": Case(lambda ag: BULK + bulk_hello(_token(ag), stream=10),
+                                                         ErrorCode.UNEXPECTED_FRAME),
     "kv_chunk_before_bulk_hello": Case(lambda ag: BULK + encode_bytes(FrameType.KV_CHUNK, lane=Lane.BULK,
                                                                       transfer_id=1, payload=[b"k" * 1000]),
                                        ErrorCode.UNEXPECTED_FRAME),

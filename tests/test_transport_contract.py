@@ -11,6 +11,7 @@ of a transfer the receiver forgot are not written either; ``close`` ends every l
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import socket
 
@@ -62,8 +63,9 @@ class Owner:
 
 
 def blocks(nbytes: int, fill: int | None = None) -> BlockMap:
-    fd = os.memfd_create("contract")
+    fd = os.memfd_create("contract", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, nbytes)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # HostRegion refuses a shrinkable fd
     if fill is not None:
         os.pwrite(fd, bytes((fill + i) % 251 for i in range(nbytes)), 0)
     region = HostRegion(1, fd, nbytes, BLOCK, owner=None)

@@ -10,10 +10,13 @@ one file descriptor as SCM_RIGHTS ancillary data on the same ``sendmsg``. The fu
 from __future__ import annotations
 
 import struct
+from typing import Annotated
 
 import msgspec
 
 from ..errors import ErrorCode, ProtocolError
+
+Epoch = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # sent to the peer in HANDOFF_* (proto/messages.md)
 
 LENGTH = struct.Struct(">I")
 MAX_MESSAGE = 16 << 20
@@ -143,7 +146,7 @@ class HandoffRld(Msg, tag="handoff_rld"):
 
     request_id: str
     to: str
-    epoch: int = 0
+    epoch: Epoch = 0
     deadline_s: float | None = None  # commit by then or keep the output (timeouts.handoff_s)
 
 
@@ -154,7 +157,7 @@ class HandoffMd(Msg, tag="handoff_md"):
 
     request_id: str
     from_site: str
-    epoch: int = 0
+    epoch: Epoch = 0
     deadline_s: float | None = None  # start by then or release (handoff_s + handoff_md_margin_s)
 
 
@@ -307,6 +310,11 @@ class Decoder:
         self._dec = _dec_request if to_agent else _dec_to_engine
         self._buf = bytearray()
         self.max_message = max_message
+
+    @property
+    def pending(self) -> int:
+        """Bytes of a message begun but not complete."""
+        return len(self._buf)
 
     def feed(self, data: bytes) -> list[Msg]:
         self._buf += data

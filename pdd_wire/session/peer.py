@@ -15,7 +15,7 @@ import asyncio
 import collections
 import contextlib
 import itertools
-import random
+import secrets
 import time
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -61,7 +61,7 @@ class PeerSession:
         self.control: FrameProtocol | None = None
         self.remote_incarnation: int | None = None
         self.remote_caps: frozenset[str] | None = None  # what the peer advertised (None: not met yet)
-        self.token = random.getrandbits(63)  # bulk connections present it (listener side)
+        self.token = secrets.randbits(63) or 1  # bulk connections present it (listener side): a secret
         self.remote_token = 0
         self.chunk_bytes = self.cfg.transfer.chunk_bytes
         self.peer_max_chunk = MAX_CHUNK
@@ -93,7 +93,7 @@ class PeerSession:
             name=self.key, host=host_, port=port, server_name=server_name, site=self.cfg.site, node=self.cfg.node,
             dialer=self.dialer, connect_s=to.connect_s, handshake_s=to.handshake_s,
             backoff_max_s=to.reconnect_max_backoff_s, ucx_chunk_bytes=self.cfg.transfer.ucx_chunk_bytes,
-            ssl_client=host.ssl_client, bulk_loop=lambda n: host.bulk_loop(self.index * self.configured_streams + n),
+            ssl_client=lambda: host.ssl_client(bulk=True), bulk_loop=lambda n: host.bulk_loop(self.index * self.configured_streams + n),
             remote_token=lambda: self.remote_token,
             on_streams=lambda n: self.metrics.bulk_streams.labels(peer=self.key).set(n), log=self.log))
         self.metrics.peer_up.labels(peer=self.key).set(0)

@@ -225,7 +225,7 @@ class SendWindow(Generic[T]):
         for a checksum failure, a little later while the receiver is busy with it)."""
         self.uninflight(tid, k)
         t = self.out.get(tid)
-        if t is None or k in t.acked:
+        if t is None or k in t.acked or k >= t.n_chunks:  # the peer's index names no chunk: ignored
             return False
         t.retransmits += 1
         return True

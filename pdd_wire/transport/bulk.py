@@ -9,6 +9,7 @@ know goes there by ``call_soon_threadsafe``.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import TYPE_CHECKING
 
@@ -33,7 +34,8 @@ log = structlog.get_logger("pdd_wire.bulk")
 class Compression:
     """One link's lz4 state, shared by the main loop (which decides) and the bulk threads (which
     compress and feed the estimates). ``on``: compress every chunk; otherwise every
-    ``sample_every``-th chunk is compressed only to keep the estimates live (and sent as is)."""
+    ``sample_every``-th chunk is compressed only to keep the estimates live (and sent as is).
+    The counters are updated under a lock (several bulk threads); ``est`` has its own."""
 
     def __init__(self, *, shuffle: bool, sample_every: int = 64) -> None:
         self.shuffle = shuffle
@@ -43,10 +45,18 @@ class Compression:
         self.chunks = 0  # compressed and sent
         self.saved = 0  # bytes not sent thanks to it
         self._n = 0
+        self._lock = threading.Lock()
 
     def wants(self) -> bool:
-        self._n += 1
-        return self.on or self.est.samples < self.est.min_samples or self._n % self.sample_every == 0
+        with self._lock:
+            self._n += 1
+            n = self._n
+        return self.on or self.est.samples < self.est.min_samples or n % self.sample_every == 0
+
+    def sent_compressed(self, saved: int) -> None:
+        with self._lock:
+            self.chunks += 1
+            self.saved += saved
 
 
 def bulk_send(conn: FrameProtocol, tid: int, k: int, views, lz: Compression | None = None) -> None:
@@ -61,8 +71,7 @@ def bulk_send(conn: FrameProtocol, tid: int, k: int, views, lz: Compression | No
         lz.est.feed(len(data), len(payload), time.perf_counter() - t0)
         if lz.on and len(payload) < len(data):
             flags = Flags.LZ4 | (Flags.SHUFFLE16 if lz.shuffle else 0)
-            lz.chunks += 1
-            lz.saved += len(data) - len(payload)
+            lz.sent_compressed(len(data) - len(payload))
             conn.send(encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=tid, seq=k, payload=[payload],
                              flags=flags, xxh3=payload_checksum([data])))
             return
@@ -98,6 +107,10 @@ class BulkHandler:
         if header.type != FrameType.KV_CHUNK:
             self._claim = None
             return None
+        if not header.flags & Flags.PAYLOAD_CHECKSUM:
+            # Bytes nobody can verify must not be acknowledged into an engine's memory; there is
+            # no setting that drops checksums on TCP, so this is a broken (or hostile) sender.
+            raise ProtocolError("KV_CHUNK without its payload checksum (flag bit 0)", ErrorCode.MALFORMED_BODY)
         route = self.session.routes.get(header.transfer_id)
         self._invalid = False
         self._lz = None

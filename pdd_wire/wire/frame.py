@@ -135,6 +135,13 @@ def encode_bytes(type: int, body: bytes = b"", **kw) -> bytes:
     return b"".join(bytes(b) for b in encode(type, body, **kw))
 
 
+#: The lane every assigned frame type travels on (proto/frames.md §5); another lane is MALFORMED_BODY.
+TOKEN_LANE_TYPES = {FrameType.TOKENS, FrameType.TOKENS_ACK, FrameType.HANDOFF_PROGRESS, FrameType.HANDOFF_COMMIT,
+                    FrameType.HANDOFF_TAKEN, FrameType.HANDOFF_RELEASE, FrameType.HANDOFF_ABORT,
+                    FrameType.REQUEST_ABORT}
+LANE_OF: dict[int, int] = {int(t): Lane.BULK if t == FrameType.KV_CHUNK else
+                           Lane.TOKEN if t in TOKEN_LANE_TYPES else Lane.CONTROL for t in FrameType}
+
 KNOWN_FLAGS = int(Flags.PAYLOAD_CHECKSUM | Flags.LZ4 | Flags.SHUFFLE16)  # LZ4 only to peers with lz4.v1
 
 #: ``sink(header, body) -> buffers`` gives where a frame's payload must land, or None to
@@ -249,6 +256,9 @@ class FrameReader:
             raise ProtocolError(f"unknown or unsupported flags 0x{flags:02x}", ErrorCode.MALFORMED_BODY)
         if lane > Lane.BULK:
             raise ProtocolError(f"unknown lane {lane}", ErrorCode.MALFORMED_BODY)
+        if LANE_OF.get(typ, lane) != lane:
+            raise ProtocolError(f"frame type {typ} on lane {lane}: it travels on lane {LANE_OF[typ]}",
+                                ErrorCode.MALFORMED_BODY)
         self._body = bytearray(blen)
         self._bview = memoryview(self._body)
         if blen:

@@ -268,6 +268,56 @@ def build(v: Vectors) -> None:
     v.bad_body("malformed_trailing_bytes", "PING body followed by one stray byte inside body_len",
                encode_bytes(FrameType.PING, ping_body + b"\xc0"), ErrorCode.MALFORMED_BODY)
 
+    # -- out-of-range values (proto/messages.md "Ranges"): the body decodes by type, a value does not fit
+    enc = msgspec.msgpack.encode
+    hello_min = {"versions": [1], "site": "A", "node": "a1", "incarnation": INCARNATION_A}
+    for name, desc, raw in (
+        ("range_kv_ack_negative", "KV_ACK [-1, 1]: a negative chunk index",
+         encode_bytes(FrameType.KV_ACK, enc([-1, 1]), transfer_id=tid)),
+        ("range_kv_ack_count_0", "KV_ACK [0, 0]: count must be at least 1",
+         encode_bytes(FrameType.KV_ACK, enc([0, 0]), transfer_id=tid)),
+        ("range_kv_nack_negative", "KV_NACK [-1]: a negative chunk index (must not wrap to the last one)",
+         encode_bytes(FrameType.KV_NACK, enc([-1]), transfer_id=tid)),
+        ("range_kv_nack_2_32", "KV_NACK [2^32]: above the largest chunk index 2^32-1",
+         encode_bytes(FrameType.KV_NACK, enc([1 << 32]), transfer_id=tid)),
+        ("range_hello_max_chunk_1", "HELLO max_chunk 1: below the minimum of 4096",
+         encode_bytes(FrameType.HELLO, enc({**hello_min, "max_chunk": 1}))),
+        ("range_hello_max_body_0", "HELLO max_body 0: below the minimum of 4096",
+         encode_bytes(FrameType.HELLO, enc({**hello_min, "max_body": 0}))),
+        ("range_hello_credit_0", "HELLO credit_bytes 0: below the minimum of 4096",
+         encode_bytes(FrameType.HELLO, enc({**hello_min, "credit_bytes": 0}))),
+        ("range_hello_incarnation_0", "HELLO incarnation 0: incarnations are non-zero",
+         encode_bytes(FrameType.HELLO, enc({**hello_min, "incarnation": 0}))),
+        ("range_hello_bad_site_name", "HELLO site 'A/../x': not a site name",
+         encode_bytes(FrameType.HELLO, enc({**hello_min, "site": "A/../x"}))),
+        ("range_kv_begin_chunk_bytes_0", "KV_BEGIN chunk_bytes 0",
+         encode_bytes(FrameType.KV_BEGIN, enc(["req-42", 8 << 20, 0, 2, 4 << 20, 2]), transfer_id=tid)),
+        ("range_kv_begin_n_chunks_wrong", "KV_BEGIN n_chunks 3 where ceil(total_bytes / chunk_bytes) = 2",
+         encode_bytes(FrameType.KV_BEGIN, enc(["req-42", 8 << 20, 4 << 20, 3, 4 << 20, 2]), transfer_id=tid)),
+        ("range_kv_begin_total_not_blocks", "KV_BEGIN total_bytes 8 MiB + 1 with 2 blocks of 4 MiB",
+         encode_bytes(FrameType.KV_BEGIN, enc(["req-42", (8 << 20) + 1, 4 << 20, 3, 4 << 20, 2]), transfer_id=tid)),
+        ("range_kv_begin_deadline", "KV_BEGIN deadline_ms above 7 days",
+         encode_bytes(FrameType.KV_BEGIN, enc(["req-42", 8 << 20, 4 << 20, 2, 4 << 20, 2, 604_800_001]),
+                      transfer_id=tid)),
+        ("range_tokens_negative_id", "TOKENS with token id -1",
+         encode_bytes(FrameType.TOKENS, enc(["req-42", 0, [101, -1]]), lane=Lane.TOKEN)),
+        ("range_tokens_id_2_64", "TOKENS with token id 2^64-1 (ids are 0..2^32-1)",
+         encode_bytes(FrameType.TOKENS, enc(["req-42", 0, [(1 << 64) - 1]]), lane=Lane.TOKEN)),
+        ("range_request_id_257", "KV_ACCEPT with a request id of 257 characters (at most 256)",
+         encode_bytes(FrameType.KV_ACCEPT, enc(["r" * 257]), transfer_id=tid)),
+        ("range_request_id_empty", "KV_RESUME with an empty request id",
+         encode_bytes(FrameType.KV_RESUME, enc([""]), transfer_id=tid)),
+        ("range_bulk_stream_64", "BULK_HELLO stream 64 (streams are 0..63)",
+         encode_bytes(FrameType.BULK_HELLO, enc({"session": SESSION_TOKEN, "stream": 64, "site": "A", "node": "a1"}))),
+    ):
+        v.bad_body(name, desc + ": OUT_OF_RANGE, the connection is closed", raw, ErrorCode.OUT_OF_RANGE)
+    tokens_on_control = HEADER.pack(MAGIC, 1, FrameType.TOKENS, 0, Lane.CONTROL, 0, 0, 0, 0, 0, 0, 0)
+    v.bad_frame("lane_mismatch", "TOKENS (a lane-1 type) on lane 0: rejected after the header (MALFORMED_BODY)",
+                reseal(tokens_on_control), ErrorCode.MALFORMED_BODY, HEADER_SIZE)
+    v.ok("kv_reject_unknown_code", "KV_REJECT with code 999, which no version assigns: decoded as PEER_ERROR (311), "
+                                   "the peer's code appended to the message",
+         encode_bytes(FrameType.KV_REJECT, enc(["req-42", 999, "from the future"]), transfer_id=tid))
+
     # -- the engine socket (4-byte big-endian length + msgpack map tagged by "op")
     v.engine("engine_hello", "hello request", p.Hello(id=1, engine="prefill-0", pid=4242), to_agent=True)
     v.engine("engine_register", "register request; one fd rides with it as SCM_RIGHTS (not in the file)",

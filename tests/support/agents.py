@@ -13,14 +13,16 @@ from pdd_wire.agent import Agent
 
 def two_site_toml(tmp: Path, *, streams: int = 4, chunk: int = 4 << 20, extra: str = "",
                   wan_override: dict | None = None, tls: dict | None = None,
-                  ports: dict | None = None) -> dict[str, str]:
+                  ports: dict | None = None, plaintext: bool = False) -> dict[str, str]:
     """TOML texts for sites A (node a1) and B (node b1) on loopback, free ports.
-    ``wan_override[site]`` replaces the address the *other* site dials (e.g. a relay)."""
+    ``wan_override[site]`` replaces the address the *other* site dials (e.g. a relay).
+    Peers authenticate: ``tls`` certificates, else the PKI the agents generate in the shared
+    directory; ``plaintext``: neither (tls.allow_plaintext)."""
     ports = ports or {"A": free_port(), "B": free_port()}
     out = {}
     for site, node, other, onode in (("A", "a1", "B", "b1"), ("B", "b1", "A", "a1")):
         addr = (wan_override or {}).get(other, f"127.0.0.1:{ports[other]}")
-        tls_txt = ""
+        tls_txt = "[tls]\nallow_plaintext = true\n" if plaintext else ""
         if tls:
             cert, key = tls[node]
             tls_txt = f'[tls]\ncert = "{cert}"\nkey = "{key}"\nca = "{tls["ca"]}"\n'

@@ -1,0 +1,208 @@
+"""The deployment PKI an agent generates for itself when no certificates are configured.
+
+Without ``tls.cert`` (and without the explicit ``tls.allow_plaintext``), an agent runs mutual
+TLS with a CA and node certificates it creates on first start in a private directory
+(``tls.auto_dir``; default ``pdd-wire-pki-<uid>`` beside the engine socket): every agent of one
+deployment on one machine (same uid, same directory) shares the CA, so they authenticate each
+other, and a process of another uid, which cannot read the directory, cannot pose as a peer.
+See ``proto/handshake.md`` §5.
+
+Rules that make it safe:
+
+* the directory is created 0700 and must be a real directory owned by this uid with no group or
+  other permission bits (a directory an attacker created first is refused, not used);
+* every key file is created 0600 under an exclusive ``flock`` on ``lock`` in that directory and
+  renamed into place, so two agents starting at once neither race nor read a half-written file;
+* a node certificate that no longer verifies against the CA, does not name its node, or expires
+  within 30 days is replaced.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .errors import ConfigError
+
+CA_DAYS = 3650
+LEAF_DAYS = 825
+RENEW_BEFORE = dt.timedelta(days=30)
+
+
+@dataclass(frozen=True)
+class Pki:
+    cert: str
+    key: str
+    ca: str
+    created: tuple[str, ...] = ()  # what this call generated (for the start-up log)
+
+
+def default_dir(engine_socket: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(engine_socket)), f"pdd-wire-pki-{os.geteuid()}")
+
+
+def private_dir(path: str) -> Path:
+    """``path`` as a directory only this uid can enter; created 0700 when missing."""
+    p = Path(path)
+    try:
+        # The parent too is created 0700 (it is the engine socket's directory by default, which
+        # the engine server would otherwise create so).
+        os.makedirs(p.parent, mode=0o700, exist_ok=True)
+        p.mkdir(mode=0o700, exist_ok=True)
+        st = os.lstat(p)
+    except OSError as exc:
+        raise ConfigError("tls.auto_dir", f"cannot create {path!r}: {exc.strerror}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError("tls.auto_dir", f"{path!r} is not a directory (a symlink is refused)")
+    if st.st_uid != os.geteuid():
+        raise ConfigError("tls.auto_dir", f"{path!r} belongs to uid {st.st_uid}, not this agent's "
+                                          f"uid {os.geteuid()}: refusing keys someone else can replace")
+    if st.st_mode & 0o077:
+        raise ConfigError("tls.auto_dir", f"{path!r} has mode {stat.S_IMODE(st.st_mode):o}: must be 0700")
+    return p
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _new_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _key_pem(key) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def _make_ca(d: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = _new_key()
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"pdd-wire deployment CA ({d})"[:64])])
+    now = _now()
+    cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=CA_DAYS))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=False, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=True,
+                                         crl_sign=True, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    _write_private(d / "ca.key", _key_pem(key))
+    _write_private(d / "ca.pem", cert.public_bytes(serialization.Encoding.PEM))
+    return cert, key
+
+
+def _make_leaf(d: Path, stem: str, name: str, ca: x509.Certificate, ca_key) -> None:
+    key = _new_key()
+    now = _now()
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5))
+            .not_valid_after(min(now + dt.timedelta(days=LEAF_DAYS), ca.not_valid_after_utc))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False, key_cert_sign=False,
+                                         crl_sign=False, encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                           critical=False)
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    _write_private(d / f"{stem}.key", _key_pem(key))
+    _write_private(d / f"{stem}.pem", cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _load_ca(d: Path):
+    try:
+        cert = x509.load_pem_x509_certificate((d / "ca.pem").read_bytes())
+        key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), None)
+    except (OSError, ValueError, TypeError):
+        return None
+    if cert.public_key().public_numbers() != key.public_key().public_numbers():
+        return None
+    if cert.not_valid_after_utc - _now() < RENEW_BEFORE:
+        return None
+    return cert, key
+
+
+def _leaf_ok(d: Path, stem: str, name: str, ca: x509.Certificate) -> bool:
+    try:
+        cert = x509.load_pem_x509_certificate((d / f"{stem}.pem").read_bytes())
+        key = serialization.load_pem_private_key((d / f"{stem}.key").read_bytes(), None)
+        cert.verify_directly_issued_by(ca)
+        names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+            x509.DNSName)
+    except (OSError, ValueError, TypeError, x509.ExtensionNotFound, InvalidSignature):
+        return False
+    return (name in names and cert.public_key().public_numbers() == key.public_key().public_numbers()
+            and cert.not_valid_after_utc - _now() >= RENEW_BEFORE)
+
+
+def ensure(dirpath: str, site: str, node: str) -> Pki:
+    """The CA and this node's certificate in ``dirpath``, generated where missing or unusable.
+    Safe to call from several agents at once (one ``flock`` serialises them)."""
+    d = private_dir(dirpath)
+    stem = f"{site}.{node}"
+    created: list[str] = []
+    fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        loaded = _load_ca(d)
+        if loaded is None:
+            loaded = _make_ca(d)
+            created.append("ca")
+        ca, ca_key = loaded
+        if not _leaf_ok(d, stem, node, ca):
+            _make_leaf(d, stem, node, ca, ca_key)
+            created.append(stem)
+    finally:
+        os.close(fd)  # releases the lock
+    return Pki(cert=str(d / f"{stem}.pem"), key=str(d / f"{stem}.key"), ca=str(d / "ca.pem"), created=tuple(created))
+
+
+def tls_files(config) -> Pki | None:
+    """The certificate, key and CA an agent runs TLS with: configured, or generated in
+    ``tls.auto_dir``; None only with ``tls.allow_plaintext``."""
+    tls = config.tls
+    if tls.mode == "files":
+        return Pki(cert=tls.cert, key=tls.key, ca=tls.ca)
+    if tls.mode == "plaintext":
+        return None
+    return ensure(tls.auto_dir or default_dir(config.listen.engine_socket), config.site, config.node)
+
+
+def log_tls_mode(log, config, pki: Pki | None) -> None:
+    if pki is None:
+        log.warning("PLAINTEXT WAN: peers are NOT authenticated and traffic is NOT encrypted; any process "
+                    "that can reach listen.wan can pose as a peer and take over its session "
+                    "(tls.allow_plaintext = true)", wan=config.listen.wan)
+    elif config.tls.mode == "auto":
+        log.info("mutual TLS with the generated deployment PKI", dir=os.path.dirname(pki.ca),
+                 generated=list(pki.created))
+    else:
+        log.info("mutual TLS with the configured certificates", ca=pki.ca)

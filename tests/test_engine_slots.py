@@ -1,0 +1,134 @@
+"""The engine socket under local abuse: a read deadline for begun messages (and for a connection
+that never speaks), and connection slots per uid, against a real EngineServer on a real socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import struct
+
+from support.other_uid import NOBODY, run_as
+
+from pdd_wire.engine import protocol as p
+from pdd_wire.engine_server import EngineServer
+from pdd_wire.errors import ErrorCode
+
+
+
+@contextlib.asynccontextmanager
+async def server(tmp, *, read_deadline_s: float = 0.3, max_engines: int = 8, max_per_uid: int | None = None):
+    async def handler(conn, msg, fd):
+        return {"engine": conn.name}
+
+    async def gone(conn):
+        pass
+
+    srv = EngineServer(str(tmp / "e.sock"), 0o666, handler=handler, on_gone=gone, max_engines=max_engines,
+                       max_message=16 << 20, allowed_uids={os.getuid(), NOBODY}, max_per_uid=max_per_uid,
+                       read_deadline_s=read_deadline_s)
+    await srv.start()
+    try:
+        yield srv
+    finally:
+        await srv.close()
+
+
+async def until_closed(reader: asyncio.StreamReader) -> list:
+    """Every message the server sent before it closed the connection."""
+    dec = p.Decoder(to_agent=False)
+    out = []
+    async with asyncio.timeout(20):
+        while data := await reader.read(65536):
+            out += dec.feed(data)
+    return out
+
+
+async def ask(reader, writer, i: int) -> p.Msg:
+    writer.write(p.encode(p.Status(id=i)))
+    dec = p.Decoder(to_agent=False)
+    async with asyncio.timeout(10):
+        while True:
+            got = dec.feed(await reader.read(65536))
+            if got:
+                return got[0]
+
+
+async def test_a_length_prefix_then_silence_is_closed_and_others_are_served(tmp_sock_dir):
+    async with server(tmp_sock_dir) as srv:
+        good_r, good_w = await asyncio.open_unix_connection(str(tmp_sock_dir / "e.sock"))
+        assert isinstance(await ask(good_r, good_w, 1), p.Ok)
+        bad_r, bad_w = await asyncio.open_unix_connection(str(tmp_sock_dir / "e.sock"))
+        bad_w.write(struct.pack(">I", 16 << 20) + b"\x81")  # 16 MiB announced, one byte sent
+        msgs = await until_closed(bad_r)
+        assert len(msgs) == 1 and isinstance(msgs[0], p.Err) and msgs[0].code == ErrorCode.BAD_REQUEST
+        assert "5 bytes of a message" in msgs[0].message
+        # The well-behaved engine, idle far longer than the deadline between its requests, stays.
+        await asyncio.sleep(3 * srv.read_deadline_s)
+        assert isinstance(await ask(good_r, good_w, 2), p.Ok)
+        assert len(srv.engines) == 1
+        good_w.close()
+        bad_w.close()
+
+
+async def test_a_connection_that_never_speaks_is_closed(tmp_sock_dir):
+    async with server(tmp_sock_dir):
+        r, w = await asyncio.open_unix_connection(str(tmp_sock_dir / "e.sock"))
+        msgs = await until_closed(r)
+        assert len(msgs) == 1 and msgs[0].code == ErrorCode.BAD_REQUEST and "no message" in msgs[0].message
+        w.close()
+
+
+async def test_a_stream_of_messages_split_across_reads_is_not_cut(tmp_sock_dir):
+    """Many requests in one write, each crossing read boundaries: messages keep completing, so
+    the deadline, counted from the last completed message, never fires."""
+    async with server(tmp_sock_dir, read_deadline_s=0.5) as srv:
+        r, w = await asyncio.open_unix_connection(str(tmp_sock_dir / "e.sock"))
+        n = 2000
+        w.write(b"".join(p.encode(p.SendTokens(id=i + 1, request_id="r", to="B", tokens=list(range(300))))
+                         for i in range(n)))
+        dec = p.Decoder(to_agent=False)
+        ids: list[int] = []
+        async with asyncio.timeout(60):
+            while len(ids) < n:
+                data = await r.read(1 << 16)
+                assert data, "closed"
+                ids += [m.id for m in dec.feed(data)]
+        assert ids == list(range(1, n + 1)) and len(srv.engines) == 1
+        w.close()
+
+
+def _hello_as(path: str, uid: int) -> bytes:
+    """From a child process of ``uid``: connect, say hello, return the reply bytes (b"" if closed)."""
+
+    def hello() -> bytes:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(p.encode(p.Hello(id=1, engine="other-uid")))
+        return s.recv(4096)
+
+    return run_as(uid, hello)
+
+
+async def test_one_uid_cannot_take_every_engine_slot(tmp_sock_dir):
+    os.chmod(tmp_sock_dir, 0o755)
+    async with server(tmp_sock_dir, read_deadline_s=60, max_engines=4, max_per_uid=2) as srv:
+        path = str(tmp_sock_dir / "e.sock")
+        held = []
+        for i in range(2):
+            r, w = await asyncio.open_unix_connection(path)
+            assert isinstance(await ask(r, w, i + 1), p.Ok)
+            held.append(w)
+        # A third connection of the same uid is refused with a named reason...
+        r, w = await asyncio.open_unix_connection(path)
+        msgs = await until_closed(r)
+        assert len(msgs) == 1 and msgs[0].code == ErrorCode.LIMIT_EXCEEDED and "max_engines_per_uid" in msgs[0].message
+        w.close()
+        # ...while another uid still gets in.
+        got = p.Decoder(to_agent=False).feed(await asyncio.to_thread(_hello_as, path, NOBODY))
+        assert len(got) == 1 and isinstance(got[0], p.Ok), got
+        assert len(srv.engines) <= 3
+        for w in held:
+            w.close()
