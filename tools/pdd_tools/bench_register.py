@@ -31,7 +31,7 @@ from pdd_wire.memory import SharedMemory
 try:  # the harness moves to pdd_tools with the tools split
     from pdd_tools.harness import AgentPair, metric_value
 except ImportError:  # pragma: no cover - before the split
-    from pdd_wire.harness import AgentPair, metric_value
+    from pdd_tools.harness import AgentPair, metric_value
 
 GiB = 1 << 30
 PROBE_EVERY_S = 0.005
