@@ -72,6 +72,9 @@ class Agent:
         self.regions: dict[int, HostRegion] = {}
         self.posts: dict[str, Post] = {}
         self.pending_begins: dict[str, tuple[PeerSession, int, m.KvBegin, asyncio.TimerHandle]] = {}
+        # Requests whose sender gave up before their receive was posted (request_id -> (code,
+        # reason, until)): a post for one fails at once instead of waiting out its ttl.
+        self.gave_up: collections.OrderedDict[str, tuple[int, str, float]] = collections.OrderedDict()
         self.owners: collections.OrderedDict[str, EngineConn] = collections.OrderedDict()
         self.bulk_loops: list[BulkLoop] = []
         self.engine_server: EngineServer | None = None
@@ -327,6 +330,7 @@ class Agent:
         if begin.request_id.startswith(PROBE_PREFIX):
             self._accept_probe(session, tid, begin)
             return
+        self.gave_up.pop(begin.request_id, None)  # sent (again): a post for it may match
         post = self.posts.get(begin.request_id)
         if post is not None:
             self._match(session, tid, begin, post)
@@ -341,17 +345,32 @@ class Agent:
         if len(self.pending_begins) >= self.config.transfer.max_transfers:
             session.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS, "cannot hold another unposted transfer")
             return
-        wait = self.config.transfer.unposted_wait_s
+        wait = self._unposted_wait(begin)
         timer = asyncio.get_running_loop().call_later(wait, self._unposted_expired, begin.request_id)
         self.pending_begins[begin.request_id] = (session, tid, begin, timer)
+
+    def _unposted_wait(self, begin: m.KvBegin) -> float:
+        """How long an unposted KV_BEGIN waits: the sender's lease (post_wait_ms) up to
+        transfer.post_ttl_s, else transfer.unposted_wait_s."""
+        t = self.config.transfer
+        return min(begin.post_wait_ms / 1000, t.post_ttl_s) if begin.post_wait_ms > 0 else t.unposted_wait_s
 
     def _unposted_expired(self, request_id: str) -> None:
         entry = self.pending_begins.pop(request_id, None)
         if entry is not None:
             session, tid, begin, _ = entry
-            session.reject_in(tid, begin, ErrorCode.NOT_POSTED,
-                              f"no receive posted for request {request_id!r} within "
-                              f"{self.config.transfer.unposted_wait_s}s")
+            reason = f"no receive posted for request {request_id!r} within {self._unposted_wait(begin):g}s"
+            self._gave_up(request_id, ErrorCode.NOT_POSTED, f"the sender's KV waited for this receive and was "
+                                                            f"dropped ({reason})")
+            session.reject_in(tid, begin, ErrorCode.NOT_POSTED, reason)
+
+    def _gave_up(self, request_id: str, code: int, reason: str) -> None:
+        """Remember (bounded, for transfer.post_ttl_s) that nothing will be sent for ``request_id``."""
+        until = asyncio.get_running_loop().time() + self.config.transfer.post_ttl_s
+        self.gave_up[request_id] = (int(code), reason, until)
+        self.gave_up.move_to_end(request_id)
+        while len(self.gave_up) > self.config.transfer.max_transfers * 4:
+            self.gave_up.popitem(last=False)
 
     def _match(self, session: PeerSession, tid: int, begin: m.KvBegin, post: Post) -> None:
         if post.from_site is not None and post.from_site != session.peer.site:
@@ -382,6 +401,8 @@ class Agent:
         if entry is not None and entry[0] is session and entry[1] == tid:
             entry[3].cancel()
             del self.pending_begins[msg.request_id]
+            self._gave_up(msg.request_id, ErrorCode.TRANSFER_CANCELLED,
+                          f"the sender cancelled its KV before this receive was posted: {msg.message}")
 
     # ------------------------------------------------------------------ probes
     def _probe_blocks(self, nbytes: int, *, sending: bool = False) -> BlockMap:
@@ -530,6 +551,8 @@ class Agent:
         if entry is not None and entry[0] is session:
             entry[3].cancel()
             del self.pending_begins[rid]
+        if rid not in self.posts:  # a receive posted later for it fails at once
+            self._gave_up(rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: {reason}")
         ec = self.handoffs.request_aborted(session, rid, reason)
         if ec is not None:
             told.add(ec)
@@ -720,6 +743,9 @@ class Agent:
         if len(self.posts) >= self.config.transfer.max_transfers * 4:
             raise EngineRequestError("too many posted receives", ErrorCode.LIMIT_EXCEEDED)
         ttl = check_duration("ttl_s", self.config.transfer.post_ttl_s if msg.ttl_s is None else msg.ttl_s)
+        gone = self.gave_up.pop(msg.request_id, None)
+        if gone is not None and gone[2] > asyncio.get_running_loop().time():
+            raise EngineRequestError(gone[1], ErrorCode(gone[0]))
         post = self._add_post(Post(msg.request_id, ec, self._blockmap(ec, msg.blocks), msg.from_site, ttl))
         self._own(msg.request_id, ec)
         waiting = self.pending_begins.pop(msg.request_id, None)
@@ -784,6 +810,7 @@ class Agent:
         self._check_request_id(msg.request_id)
         deadline = check_duration("deadline_s", msg.deadline_s if msg.deadline_s is not None
                                   else self.config.transfer.default_deadline_s)
+        lease = 0.0 if msg.lease_s is None else check_duration("lease_s", msg.lease_s)
         for s in sessions:
             if len(s.out) >= self.config.transfer.max_transfers:
                 raise EngineRequestError(f"{len(s.out)} transfers open to {s.key} (limit transfer.max_transfers)",
@@ -793,7 +820,7 @@ class Agent:
         started = []
         try:
             for s in sessions:
-                t = s.start_send(ec, msg.request_id, blocks, deadline, hashes=msg.block_hashes)
+                t = s.start_send(ec, msg.request_id, blocks, deadline, hashes=msg.block_hashes, post_wait_s=lease)
                 started.append((s, t))
                 out.append({"to": s.key, "transfer_id": t.tid})
         except BaseException:

