@@ -19,7 +19,7 @@ prefill returns, unchanged, to decode.
 - prefill (producer): ``{"do_remote_decode": true}``, optionally ``"send_to": [...]``,
   ``"pdd_request_id"`` (the transfer's name; default ``vllm-<vLLM request id>``),
   ``"deadline_s"``. Once the prompt's prefill has run, the worker calls ``send_kv`` with the blocks
-  that hold it, under the lease; the blocks stay allocated (delayed free) until every destination
+  that hold it, under the lease (``lease_s`` in the request, else the config's); the blocks stay allocated (delayed free) until every destination
   confirmed (``kv_sent``) or failed. Returned: ``{"do_remote_prefill": true, "do_remote_decode":
   false, "pdd_request_id", "num_tokens", "remote_site", "remote_node", "remote_engine_id",
   "lease_s", "lease_started"}``; when nothing was sent ``"do_remote_prefill": false`` and
@@ -129,6 +129,7 @@ class _Producer:
     deadline_s: float | None
     prompt_len: int
     stock: bool  # asked with do_remote_decode: answer with vLLM's P/D params
+    lease_s: float
     sent: bool = False
     error: str | None = None  # why nothing was sent
     started: float = 0.0  # wall time the send (and its lease) started
@@ -342,7 +343,7 @@ class PddWireConnector(KVConnectorBase_V1):
             rid = str(params.get("pdd_request_id") or f"vllm-{request.request_id}")
             to = list(params.get("send_to") or self.default_to)
             pr = _Producer(rid, to, params.get("deadline_s", self.default_deadline), request.num_prompt_tokens,
-                           stock)
+                           stock, float(params.get("lease_s") or self.lease_s))
             if not to:
                 pr.error = "no destinations (send_to in the request or the connector config)"
                 log.error("pdd-wire: request %s: %s: its KV is not sent", rid, pr.error)
@@ -430,7 +431,7 @@ class PddWireConnector(KVConnectorBase_V1):
                     assert self._kv_cache_manager is not None
                     ids = self._kv_cache_manager.get_block_ids(req_id)[0]
                     self._meta.sends.append(SendSpec(req_id, pr.rid, pr.to, list(ids[:nb]), self._deadline(pr),
-                                                     self.lease_s))
+                                                     pr.lease_s))
                     self._pinned[req_id] = nb
                     pr.sent, pr.started = True, time.time()
         meta, self._meta = self._meta, PddWireMetadata()
@@ -438,7 +439,7 @@ class PddWireConnector(KVConnectorBase_V1):
 
     def _deadline(self, pr: _Producer) -> float:
         """The send's deadline covers the lease and then the transfer itself."""
-        return self.lease_s + float(pr.deadline_s if pr.deadline_s is not None else 60.0)
+        return pr.lease_s + float(pr.deadline_s if pr.deadline_s is not None else 60.0)
 
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_recving or ():
@@ -459,7 +460,7 @@ class PddWireConnector(KVConnectorBase_V1):
             elif pr.sent:
                 out = {"do_remote_prefill": True, "do_remote_decode": False, "pdd_request_id": pr.rid,
                        "num_tokens": pr.prompt_len, "remote_site": self.site, "remote_node": self.node,
-                       "remote_engine_id": self.engine_id, "lease_s": self.lease_s,
+                       "remote_engine_id": self.engine_id, "lease_s": pr.lease_s,
                        "lease_started": round(pr.started, 3)}
             else:
                 out = {"do_remote_prefill": False, "do_remote_decode": False, "pdd_request_id": pr.rid,
