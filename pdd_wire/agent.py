@@ -45,10 +45,11 @@ MAX_REQUEST_ID = 256  # bytes; every control frame about a request carries it
 
 
 class Post:
-    __slots__ = ("request_id", "engine", "blocks", "from_site", "ttl", "timer", "expires")
+    __slots__ = ("request_id", "engine", "blocks", "from_site", "ttl", "timer", "expires", "max_skip")
 
     def __init__(self, request_id: str, engine: EngineConn, blocks: BlockMap, from_site: str | None,
-                 ttl: float) -> None:
+                 ttl: float, max_skip: int | None = None) -> None:
+        self.max_skip = max_skip  # post_recv.max_skip_blocks: leading blocks a matched prefix may cover
         self.request_id = request_id
         self.engine = engine
         self.blocks = blocks
@@ -381,7 +382,8 @@ class Agent:
         skip = begin.skip_blocks
         if skip:
             lease = self.inventory.get(begin.request_id)
-            if lease is None or lease.broken or len(lease.hashes) < skip or skip >= post.blocks.n_blocks:
+            if (lease is None or lease.broken or len(lease.hashes) < skip or skip >= post.blocks.n_blocks
+                    or (post.max_skip is not None and skip > post.max_skip)):
                 # The prefix this sender was promised is gone: it sends every block instead;
                 # the post stays for that transfer.
                 session.reject_in(tid, begin, ErrorCode.PREFIX_LOST,
@@ -489,7 +491,7 @@ class Agent:
             # post the whole receive again for it. The engine sees only the outcome of that.
             post = t.post
             if not self.stopping and not post.engine.closed and t.request_id not in self.posts:
-                self._add_post(Post(t.request_id, post.engine, post.blocks, post.from_site, post.ttl))
+                self._add_post(Post(t.request_id, post.engine, post.blocks, post.from_site, post.ttl, post.max_skip))
                 return
         self.log.warning("transfer failed", request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
                          direction=direction, code=ErrorCode(code).name, reason=message)
@@ -743,10 +745,13 @@ class Agent:
         if len(self.posts) >= self.config.transfer.max_transfers * 4:
             raise EngineRequestError("too many posted receives", ErrorCode.LIMIT_EXCEEDED)
         ttl = check_duration("ttl_s", self.config.transfer.post_ttl_s if msg.ttl_s is None else msg.ttl_s)
+        if msg.max_skip_blocks is not None and msg.max_skip_blocks < 0:
+            raise EngineRequestError(f"max_skip_blocks must be >= 0, got {msg.max_skip_blocks}", ErrorCode.BAD_REQUEST)
         gone = self.gave_up.pop(msg.request_id, None)
         if gone is not None and gone[2] > asyncio.get_running_loop().time():
             raise EngineRequestError(gone[1], ErrorCode(gone[0]))
-        post = self._add_post(Post(msg.request_id, ec, self._blockmap(ec, msg.blocks), msg.from_site, ttl))
+        post = self._add_post(Post(msg.request_id, ec, self._blockmap(ec, msg.blocks), msg.from_site, ttl,
+                                   msg.max_skip_blocks))
         self._own(msg.request_id, ec)
         waiting = self.pending_begins.pop(msg.request_id, None)
         if waiting is not None:

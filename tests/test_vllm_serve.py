@@ -239,3 +239,31 @@ async def test_client_disconnecting_mid_stream_frees_everything(cluster):
     out = await cluster.via_proxy(prompt)
     assert tokens(out) == await cluster.baseline(prompt)
     await cluster.settled()
+
+
+async def test_second_turn_of_a_conversation_ships_only_the_new_blocks(cluster):
+    """Decode's prefix cache feeds its agent's inventory: turn 2 (turn 1's prompt and answer,
+    then a new message) crosses without the blocks decode already holds; its output is still
+    the single server's."""
+    A, B = cluster.agents["A"], cluster.agents["B"]
+    turn1 = prompt_for(7, 70)
+    out1 = await cluster.via_proxy(turn1)
+    assert tokens(out1) == await cluster.baseline(turn1)
+    await cluster.settled()
+    turn2 = turn1 + tokens(out1) + prompt_for(8, 40)
+    base2 = await cluster.baseline(turn2)
+    rx0 = metric(B, "pddwire_bytes_total", peer="A/a1", lane="bulk", direction="rx")
+    saved0 = metric(A, "pddwire_prefix_bytes_saved_total", peer="B/b1")
+    wire0 = await cluster.D.wire_tokens(cluster.http)
+    out2 = await cluster.via_proxy(turn2)
+    assert tokens(out2) == base2
+    # Decode computed KV for turn 1's prompt and all but the last answer token: those full
+    # blocks are in its prefix cache, and only turn 2's other blocks cross.
+    held = (len(turn1) + N - 1) // BLOCK
+    whole = cluster.kv_bytes(turn2)
+    rx = metric(B, "pddwire_bytes_total", peer="A/a1", lane="bulk", direction="rx") - rx0
+    assert rx == whole - held * cluster.kv_bytes([0] * BLOCK)
+    assert metric(A, "pddwire_prefix_bytes_saved_total", peer="B/b1") - saved0 == whole - rx
+    assert await cluster.D.wire_tokens(cluster.http) - wire0 == len(turn2) - held * BLOCK
+    print(f"turn 2: {rx} of {whole} KV bytes crossed ({whole / rx:.2f}x less)")
+    await cluster.settled()

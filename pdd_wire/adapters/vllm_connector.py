@@ -64,6 +64,7 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -73,6 +74,7 @@ from vllm.v1.request import RequestStatus
 
 from ..engine import protocol as p
 from ..engine.client import EngineClient, RegionHandle
+from ..inventory import chain_hashes
 from ..memory import SharedMemory
 from .loop_thread import LoopThread
 
@@ -112,6 +114,7 @@ class SendSpec:
     block_ids: list[int]
     deadline_s: float | None
     lease_s: float | None = None
+    hashes: list[int] | None = None  # one chained hash per vLLM block (prefix inventory)
 
 
 @dataclasses.dataclass
@@ -120,6 +123,10 @@ class PddWireMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = dataclasses.field(default_factory=list)
     aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (req_id, rid): receives
     send_aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (req_id, rid): sends
+    # Decode's prefix cache, for the agent's inventory: (vLLM block, chained hash) now cached,
+    # then those evicted. Applied in this order.
+    stored: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    evicted: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -130,6 +137,7 @@ class _Producer:
     prompt_len: int
     stock: bool  # asked with do_remote_decode: answer with vLLM's P/D params
     lease_s: float
+    hashes: list[int] | None = None
     sent: bool = False
     error: str | None = None  # why nothing was sent
     started: float = 0.0  # wall time the send (and its lease) started
@@ -171,6 +179,13 @@ class WorkerStats:
     zero_copy: bool = False
     block_bytes: int = 0  # one layer's block
     layers: int = 0
+
+
+def layer_hashes(chain: list[int], layers: int) -> list[int]:
+    """One hash per agent block, in the byte stream's order (block by block, each block's
+    layers): vLLM block ``i``'s layer ``l`` gets a hash of (``chain[i]``, ``l``)."""
+    return [xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + l.to_bytes(4, "little"))
+            for h in chain for l in range(layers)]
 
 
 def _agent_identity(socket_path: str, name: str) -> dict:
@@ -248,18 +263,6 @@ class _Layout:
         if not self.layers:
             raise RuntimeError("pdd-wire: vLLM registered no KV cache")
 
-    def extents(self, region: int, block_ids: list[int]) -> list[tuple[int, int, int]]:
-        """Layer by layer, in the order both ends agree on (sorted layer names), runs of blocks."""
-        out: list[tuple[int, int, int]] = []
-        for _, first, step in self.layers:
-            for b in block_ids:
-                rb = first + b * step
-                if out and out[-1][0] == region and out[-1][1] + out[-1][2] == rb:
-                    out[-1] = (region, out[-1][1], out[-1][2] + 1)
-                else:
-                    out.append((region, rb, 1))
-        return out
-
 
 class PddWireConnector(KVConnectorBase_V1):
     """KV through pdd-wire. See the module docstring for the config and per-request params."""
@@ -286,6 +289,16 @@ class PddWireConnector(KVConnectorBase_V1):
         self.max_pinned_blocks = int(ktc.get_from_extra_config("max_pinned_blocks", max(n_blocks // 2, 1)))
         self.engine_name = ktc.get_from_extra_config("engine_name", f"vllm-{os.getpid()}")
         self.engine_id = ktc.engine_id
+        # Prefix inventory (DRC): prefill sends chained block hashes so that the blocks decode's
+        # node holds are not sent; decode reports what its prefix cache holds. Both ends must
+        # use the same salt (default: the model directory's name and the dtype).
+        mc = vllm_config.model_config
+        self.prefix = bool(ktc.get_from_extra_config("prefix_inventory", True))
+        self.prefix_salt = str(ktc.get_from_extra_config(
+            "prefix_salt", f"{os.path.basename(str(mc.model).rstrip('/'))}/{mc.dtype}"))
+        self.reports_prefix = self.prefix and ktc.is_kv_consumer and bool(vllm_config.cache_config.enable_prefix_caching)
+        self._stored: dict[int, int] = {}  # scheduler: vLLM block -> chained hash the agent was told
+        self._evicted: list[int] = []  # scheduler: cached vLLM blocks vLLM evicted (the hook below)
         self.producer = ktc.is_kv_producer
         self.consumer = ktc.is_kv_consumer
         # scheduler side
@@ -344,6 +357,8 @@ class PddWireConnector(KVConnectorBase_V1):
             to = list(params.get("send_to") or self.default_to)
             pr = _Producer(rid, to, params.get("deadline_s", self.default_deadline), request.num_prompt_tokens,
                            stock, float(params.get("lease_s") or self.lease_s))
+            if self.prefix:
+                pr.hashes = self._chain(list(request.prompt_token_ids or []), rid)
             if not to:
                 pr.error = "no destinations (send_to in the request or the connector config)"
                 log.error("pdd-wire: request %s: %s: its KV is not sent", rid, pr.error)
@@ -368,10 +383,59 @@ class PddWireConnector(KVConnectorBase_V1):
                 ttl = max(left, 0.0) + self.recv_slack_s
             self._consumers[request.request_id] = _Consumer(rid, from_site, n, ttl)
 
+    def _chain(self, tokens: list[int], rid: str) -> list[int]:
+        """Chained hashes of the prompt's blocks; the trailing partial block gets one unique to
+        this transfer (it is never shared)."""
+        chain = chain_hashes(tokens, self.block_size, model=self.prefix_salt)
+        nb = math.ceil(len(tokens) / self.block_size)
+        return chain + [xxhash.xxh3_64_intdigest(f"{rid}/{i}".encode()) for i in range(len(chain), nb)]
+
     # ------------------------------------------------------------------ scheduler side
     def bind_kv_cache_manager(self, kv_cache_manager: "KVCacheManager") -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         self._kv_cache_manager = kv_cache_manager
+        if self.reports_prefix:
+            self._hook_evictions(kv_cache_manager)
+
+    def _hook_evictions(self, kv_cache_manager: "KVCacheManager") -> None:
+        """Learn which cached blocks vLLM evicts (vllm 0.32: ``BlockPool._maybe_evict_cached_block``
+        and ``reset_prefix_cache``); without them the inventory is not fed."""
+        bp = getattr(kv_cache_manager, "block_pool", None)
+        evict, reset = getattr(bp, "_maybe_evict_cached_block", None), getattr(bp, "reset_prefix_cache", None)
+        if evict is None or reset is None:
+            log.warning("pdd-wire: this vLLM's block pool has no eviction hook: decode's prefix cache is not "
+                        "reported to the agent (prefix inventory off)")
+            self.reports_prefix = False
+            return
+
+        def maybe_evict(block):
+            gone = evict(block)
+            if gone and block.block_id in self._stored:
+                self._evicted.append(block.block_id)
+            return gone
+
+        def reset_cache(*a, **kw):
+            ok = reset(*a, **kw)
+            if ok:
+                self._evicted.extend(self._stored)
+            return ok
+
+        bp._maybe_evict_cached_block = maybe_evict
+        bp.reset_prefix_cache = reset_cache
+
+    def _report_cached(self, request: "Request", block_ids) -> None:
+        """A finished request's computed full blocks stay in vLLM's prefix cache: tell the agent."""
+        if block_ids and isinstance(block_ids[0], (list, tuple)):
+            block_ids = block_ids[0]
+        k = min(request.num_computed_tokens // self.block_size, len(block_ids))
+        if k <= 0:
+            return
+        chain = chain_hashes(list(request.all_token_ids[:k * self.block_size]), self.block_size,
+                             model=self.prefix_salt)
+        for bid, h in zip(block_ids[:k], chain):
+            if self._stored.get(bid) != h:
+                self._stored[bid] = h
+                self._meta.stored.append((bid, h))
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         c = self._consumers.get(request.request_id)
@@ -431,9 +495,14 @@ class PddWireConnector(KVConnectorBase_V1):
                     assert self._kv_cache_manager is not None
                     ids = self._kv_cache_manager.get_block_ids(req_id)[0]
                     self._meta.sends.append(SendSpec(req_id, pr.rid, pr.to, list(ids[:nb]), self._deadline(pr),
-                                                     pr.lease_s))
+                                                     pr.lease_s, pr.hashes))
                     self._pinned[req_id] = nb
                     pr.sent, pr.started = True, time.time()
+        for bid in self._evicted:
+            h = self._stored.pop(bid, None)
+            if h is not None:
+                self._meta.evicted.append((bid, h))
+        self._evicted.clear()
         meta, self._meta = self._meta, PddWireMetadata()
         return meta
 
@@ -476,7 +545,11 @@ class PddWireConnector(KVConnectorBase_V1):
                 # Finished (aborted) while its KV is still coming: cancel the receive first.
                 self._meta.aborts.append((request.request_id, c.rid))
                 return True, out
+            if self.reports_prefix:
+                self._report_cached(request, block_ids)
             return False, out
+        if self.reports_prefix:
+            self._report_cached(request, block_ids)
         return False, None
 
     # ------------------------------------------------------------------ worker side
@@ -502,12 +575,14 @@ class PddWireConnector(KVConnectorBase_V1):
                  self.socket, len(self._layout.layers), pool.mem.size >> 20, bb, self._eng.agent.get("node"))
 
     def _extents(self, block_ids: list[int], first: int) -> list[tuple[int, int, int]]:
-        """The byte stream of ``block_ids`` on every layer; blocks before ``first`` in the sink."""
+        """The byte stream of ``block_ids``: block by block, each block's layers in the order both
+        ends agree on (sorted layer names), so that a leading run of agent blocks is a leading run
+        of vLLM blocks (prefix inventory); blocks before ``first`` go to the sink."""
         assert self._layout is not None and self._region is not None and self._sink_region is not None
         out: list[tuple[int, int, int]] = []
         n_sink = 0
-        for _, lfirst, step in self._layout.layers:
-            for i, b in enumerate(block_ids):
+        for i, b in enumerate(block_ids):
+            for _, lfirst, step in self._layout.layers:
                 if i < first:
                     ext = (self._sink_region.region, n_sink % self._sink_region.n_blocks, 1)
                     n_sink += 1
@@ -535,6 +610,8 @@ class PddWireConnector(KVConnectorBase_V1):
             if pend is not None and pend.req_id == req_id and pend.transfers:
                 # kv_sent / transfer_failed (cancelled) follow; get_finished frees on them.
                 self._abort(rid, "request aborted in vLLM (client gone)")
+        if meta.stored or meta.evicted:
+            self._report_inventory(meta)
         for ld in meta.loads:
             if ld.rid in self._loads:  # never two receives for one name (the scheduler prevents it)
                 log.error("pdd-wire: a receive for %s is already posted: request %s computes its prompt",
@@ -544,10 +621,24 @@ class PddWireConnector(KVConnectorBase_V1):
             extents = self._extents(ld.block_ids, ld.first)
             self._loads[ld.rid] = _PendingLoad(ld.req_id, ld.block_ids[ld.first:])
             try:
-                self._lt.run(self._eng.post_recv(ld.rid, extents, from_site=ld.from_site, ttl_s=ld.ttl_s))
+                # A matched prefix may cover only blocks vLLM itself holds for the request (its
+                # local hit, received into the sink), never blocks it expects KV in.
+                self._lt.run(self._eng.post_recv(ld.rid, extents, from_site=ld.from_site, ttl_s=ld.ttl_s,
+                                                 max_skip_blocks=ld.first * len(self._layout.layers)))
             except Exception as exc:
                 log.warning("pdd-wire: post_recv %s failed: %s", ld.rid, exc)
                 self._load_failed(ld.rid, f"post_recv: {exc}")
+
+    def _report_inventory(self, meta: PddWireMetadata) -> None:
+        layers = len(self._layout.layers)
+        try:
+            if meta.stored:
+                bids, chain = [b for b, _ in meta.stored], [h for _, h in meta.stored]
+                self._lt.run(self._eng.kv_stored(self._extents(bids, 0), layer_hashes(chain, layers)))
+            if meta.evicted:
+                self._lt.run(self._eng.kv_evict(layer_hashes([h for _, h in meta.evicted], layers), force=True))
+        except Exception as exc:
+            log.warning("pdd-wire: reporting the prefix cache to the agent failed: %s", exc)
 
     def _abort(self, rid: str, reason: str) -> None:
         try:
@@ -571,8 +662,9 @@ class PddWireConnector(KVConnectorBase_V1):
             pend = _PendingSend(s.req_id, {})
             self._sends[s.rid] = pend
             try:
+                hashes = layer_hashes(s.hashes, len(self._layout.layers)) if s.hashes else None
                 res = self._lt.run(self._eng.send_kv(s.rid, self._extents(s.block_ids, 0), to=s.to,
-                                                     deadline_s=s.deadline_s, lease_s=s.lease_s))
+                                                     deadline_s=s.deadline_s, lease_s=s.lease_s, block_hashes=hashes))
                 pend.transfers = {t["transfer_id"]: t["to"] for t in res}
                 self.stats.sends += 1
             except Exception as exc:
@@ -603,6 +695,11 @@ class PddWireConnector(KVConnectorBase_V1):
         for ev in self._lt.run(take()):
             if isinstance(ev, p.KvReceived):
                 ld = self._loads.pop(ev.request_id, None)
+                if ev.reused_blocks:  # the matched prefix was vLLM's own local hit: lease done
+                    try:
+                        self._lt.run(self._eng.prefix_release(ev.request_id))
+                    except Exception as exc:  # it expires anyway
+                        log.warning("pdd-wire: prefix_release %s failed: %s", ev.request_id, exc)
                 if ld is not None:
                     self.stats.loads += 1
                     self.stats.bytes_received += ev.bytes

@@ -127,11 +127,14 @@ class EngineClient:
         await self._call(p.Deregister(region=region.region))
 
     async def post_recv(self, request_id: str, blocks: Iterable[tuple[int, int, int]], *,
-                        from_site: str | None = None, ttl_s: float | None = None) -> None:
+                        from_site: str | None = None, ttl_s: float | None = None,
+                        max_skip_blocks: int | None = None) -> None:
         """Allow KV for ``request_id`` to land in ``blocks``; the agent writes nowhere else. If no
         transfer claims them within ``ttl_s`` (default ``transfer.post_ttl_s``) they are handed
-        back with a ``transfer_failed`` event."""
-        await self._call(p.PostRecv(request_id=request_id, blocks=list(blocks), from_site=from_site, ttl_s=ttl_s))
+        back with a ``transfer_failed`` event. ``max_skip_blocks``: at most this many leading blocks
+        may be left out because this node holds them (prefix inventory); None: no limit."""
+        await self._call(p.PostRecv(request_id=request_id, blocks=list(blocks), from_site=from_site, ttl_s=ttl_s,
+                                    max_skip_blocks=max_skip_blocks))
 
     async def send_kv(self, request_id: str, blocks: Iterable[tuple[int, int, int]], *, to: list[str],
                       deadline_s: float | None = None, block_hashes: list[int] | None = None,

@@ -53,6 +53,10 @@ class PostRecv(Msg, tag="post_recv"):
     blocks: list[tuple[int, int, int]]
     from_site: str | None = None  # only this site may fill them; None = any peer site
     ttl_s: float | None = None  # dropped (transfer_failed) if no transfer claims it by then; None = post_ttl_s
+    # At most this many leading blocks may be covered by a matched prefix (KV_BEGIN skip_blocks:
+    # blocks this node holds, not sent); a transfer that would skip more is refused PREFIX_LOST
+    # and comes again whole. None = no limit.
+    max_skip_blocks: int | None = None
 
 
 class SendKv(Msg, tag="send_kv"):
