@@ -382,8 +382,13 @@ class Agent:
         skip = begin.skip_blocks
         if skip:
             lease = self.inventory.get(begin.request_id)
-            if (lease is None or lease.broken or len(lease.hashes) < skip or skip >= post.blocks.n_blocks
-                    or (post.max_skip is not None and skip > post.max_skip)):
+            if post.max_skip is not None and skip > post.max_skip:
+                # The receiving engine counts fewer of them as its own (post_recv.max_skip_blocks).
+                session.reject_in(tid, begin, ErrorCode.PREFIX_LOST,
+                                  f"{skip} prefix blocks matched for {begin.request_id!r}, but its receive allows "
+                                  f"at most {post.max_skip}")
+                return
+            if lease is None or lease.broken or len(lease.hashes) < skip or skip >= post.blocks.n_blocks:
                 # The prefix this sender was promised is gone: it sends every block instead;
                 # the post stays for that transfer.
                 session.reject_in(tid, begin, ErrorCode.PREFIX_LOST,
