@@ -558,7 +558,7 @@ class Agent:
         if entry is not None and entry[0] is session:
             entry[3].cancel()
             del self.pending_begins[rid]
-        if rid not in self.posts:  # a receive posted later for it fails at once
+            # Its KV waited unposted and is gone: a receive posted later for it fails at once.
             self._gave_up(rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: {reason}")
         ec = self.handoffs.request_aborted(session, rid, reason)
         if ec is not None:
