@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import os
 import random
 import tempfile
 import time
@@ -267,3 +268,19 @@ async def test_second_turn_of_a_conversation_ships_only_the_new_blocks(cluster):
     assert await cluster.D.wire_tokens(cluster.http) - wire0 == len(turn2) - held * BLOCK
     print(f"turn 2: {rx} of {whole} KV bytes crossed ({whole / rx:.2f}x less)")
     await cluster.settled()
+
+
+async def test_gpu_check_byte_path_on_cpu_tensors():
+    """scripts/gpu-check's staging path (the connector's KV-on-CUDA path) run on CPU tensors:
+    blocks cross agent to agent byte-identical. (The CUDA run itself needs a GPU.)"""
+    import json
+    import subprocess
+
+    from support.vllm.serve import ROOT, venv
+
+    res = await asyncio.to_thread(subprocess.run, [str(ROOT / "scripts" / "gpu-check"), "--device", "cpu", "--layers", "3", "--blocks", "16",
+                          "--block-kib", "16", "--rounds", "2"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHON": str(venv() / "bin" / "python")})
+    assert res.returncode == 0, res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["identical"] is True and out["bytes_per_transfer"] == 3 * 16 * 16384
