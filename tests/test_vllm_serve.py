@@ -278,9 +278,10 @@ async def test_gpu_check_byte_path_on_cpu_tensors():
 
     from support.vllm.serve import ROOT, venv
 
-    res = await asyncio.to_thread(subprocess.run, [str(ROOT / "scripts" / "gpu-check"), "--device", "cpu", "--layers", "3", "--blocks", "16",
-                          "--block-kib", "16", "--rounds", "2"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHON": str(venv() / "bin" / "python")})
+    cmd = [str(ROOT / "scripts" / "gpu-check"), "--device", "cpu", "--layers", "3", "--blocks", "16",
+           "--block-kib", "16", "--rounds", "2"]
+    res = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True, timeout=120,
+                                  env={**os.environ, "PYTHON": str(venv() / "bin" / "python")})
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["identical"] is True and out["bytes_per_transfer"] == 3 * 16 * 16384

@@ -19,8 +19,8 @@ prefill returns, unchanged, to decode.
 - prefill (producer): ``{"do_remote_decode": true}``, optionally ``"send_to": [...]``,
   ``"pdd_request_id"`` (the transfer's name; default ``vllm-<vLLM request id>``),
   ``"deadline_s"``. Once the prompt's prefill has run, the worker calls ``send_kv`` with the blocks
-  that hold it, under the lease (``lease_s`` in the request, else the config's); the blocks stay allocated (delayed free) until every destination
-  confirmed (``kv_sent``) or failed. Returned: ``{"do_remote_prefill": true, "do_remote_decode":
+  that hold it, under the lease (``lease_s`` in the request, else the config's); the blocks
+  stay allocated (delayed free) until every destination confirmed (``kv_sent``) or failed. Returned: ``{"do_remote_prefill": true, "do_remote_decode":
   false, "pdd_request_id", "num_tokens", "remote_site", "remote_node", "remote_engine_id",
   "lease_s", "lease_started"}``; when nothing was sent ``"do_remote_prefill": false`` and
   ``"pdd_error"`` says why (decode then computes the prompt itself).
@@ -300,7 +300,8 @@ class PddWireConnector(KVConnectorBase_V1):
         self.prefix = bool(ktc.get_from_extra_config("prefix_inventory", True))
         self.prefix_salt = str(ktc.get_from_extra_config(
             "prefix_salt", f"{os.path.basename(str(mc.model).rstrip('/'))}/{mc.dtype}"))
-        self.reports_prefix = self.prefix and ktc.is_kv_consumer and bool(vllm_config.cache_config.enable_prefix_caching)
+        self.reports_prefix = (self.prefix and ktc.is_kv_consumer
+                               and bool(vllm_config.cache_config.enable_prefix_caching))
         self._stored: dict[int, int] = {}  # scheduler: vLLM block -> chained hash the agent was told
         self._evicted: list[int] = []  # scheduler: cached vLLM blocks vLLM evicted (the hook below)
         self.producer = ktc.is_kv_producer
@@ -331,6 +332,8 @@ class PddWireConnector(KVConnectorBase_V1):
         self._staging = None
         self._staging_region: RegionHandle | None = None
         self._dev_layers: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}  # vLLM layer name -> index in _dev_layers
+        self._staged: dict[str, tuple[Any, set[int], torch.Tensor]] = {}  # rid -> (slot, layers copied, ids)
         self.staging_mb = int(ktc.get_from_extra_config("staging_mb", 1024))
         self._loads: dict[str, _PendingLoad] = {}
         self._sends: dict[str, _PendingSend] = {}
@@ -592,12 +595,13 @@ class PddWireConnector(KVConnectorBase_V1):
         (UNTESTED on a GPU; see vllm_cuda and scripts/gpu-check)."""
         from .vllm_cuda import Staging
 
-        seen: set[int] = set()
+        seen: dict[int, int] = {}
         for name in sorted(kv_caches):
             t = kv_caches[name]
             if t.data_ptr() in seen:
+                self._layer_index[name] = seen[t.data_ptr()]
                 continue
-            seen.add(t.data_ptr())
+            seen[t.data_ptr()] = self._layer_index[name] = len(self._dev_layers)
             if not t[0].is_contiguous():
                 raise RuntimeError(f"pdd-wire: KV cache block of {name} is not contiguous ({tuple(t.stride())})")
             self._dev_layers.append(t)
@@ -700,7 +704,26 @@ class PddWireConnector(KVConnectorBase_V1):
         return  # loads are asynchronous: a request runs only once its whole KV is in
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs: Any) -> None:
-        return  # whole blocks are sent after the forward (wait_for_save), straight from the cache
+        # CPU: whole blocks are sent after the forward (wait_for_save), straight from the cache.
+        # CUDA (staging): this layer's blocks are copied to the staging now, on the staging
+        # stream, while the forward computes the next layers.
+        meta = self._connector_metadata
+        if self._staging is None or not isinstance(meta, PddWireMetadata) or not meta.sends:
+            return
+        idx = self._layer_index.get(layer_name)
+        if idx is None:
+            return
+        for s in meta.sends:
+            st = self._staged.get(s.rid)
+            if st is None:
+                slot = self._staging.take(len(s.block_ids), self._n_layers)
+                if slot is None:
+                    continue  # wait_for_save reports it
+                ids = torch.tensor(s.block_ids, dtype=torch.long, device=self._staging.device)
+                st = self._staged[s.rid] = (slot, set(), ids)
+            if idx not in st[1]:
+                self._staging.layer(st[0], idx, self._dev_layers[idx], st[2])
+                st[1].add(idx)
 
     def wait_for_save(self):
         meta = self._connector_metadata
@@ -713,10 +736,15 @@ class PddWireConnector(KVConnectorBase_V1):
             self._sends[s.rid] = pend
             try:
                 if self._staging is not None:
-                    pend.slot = self._staging.take(len(s.block_ids), self._n_layers)
+                    slot, copied, ids = self._staged.pop(s.rid, (None, set(), None))
+                    pend.slot = slot or self._staging.take(len(s.block_ids), self._n_layers)
                     if pend.slot is None:
                         raise RuntimeError("no staging room (staging_mb)")
-                    self._staging.stage_out(pend.slot, self._dev_layers, s.block_ids)
+                    if ids is None:
+                        ids = torch.tensor(s.block_ids, dtype=torch.long, device=self._staging.device)
+                    for i in range(self._n_layers):  # layers save_kv_layer did not see
+                        if i not in copied:
+                            self._staging.layer(pend.slot, i, self._dev_layers[i], ids)
                     self._staging.ready()
                     extents = self._staging.extents(self._staging_region.region, pend.slot)
                 else:
