@@ -54,6 +54,7 @@ worker what to post, send or abort through the per-step metadata.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -657,6 +658,7 @@ class PddWireConnector(KVConnectorBase_V1):
                 self._abort(rid, "request aborted in vLLM (client gone)")
         if meta.stored or meta.evicted:
             self._report_inventory(meta)
+        posts = []
         for ld in meta.loads:
             if ld.rid in self._loads:  # never two receives for one name (the scheduler prevents it)
                 log.error("pdd-wire: a receive for %s is already posted: request %s computes its prompt",
@@ -674,14 +676,14 @@ class PddWireConnector(KVConnectorBase_V1):
             else:
                 extents = self._extents(ld.block_ids, ld.first)
             self._loads[ld.rid] = pend
-            try:
-                # A matched prefix may cover only blocks vLLM itself holds for the request (its
-                # local hit, received into the sink), never blocks it expects KV in.
-                self._lt.run(self._eng.post_recv(ld.rid, extents, from_site=ld.from_site, ttl_s=ld.ttl_s,
-                                                 max_skip_blocks=ld.first * self._n_layers))
-            except Exception as exc:
-                log.warning("pdd-wire: post_recv %s failed: %s", ld.rid, exc)
-                self._load_failed(ld.rid, f"post_recv: {exc}")
+            # A matched prefix may cover only blocks vLLM itself holds for the request (its
+            # local hit, received into the sink), never blocks it expects KV in.
+            posts.append((ld.rid, self._eng.post_recv(ld.rid, extents, from_site=ld.from_site, ttl_s=ld.ttl_s,
+                                                      max_skip_blocks=ld.first * self._n_layers)))
+        for (rid, _), res in zip(posts, self._many([c for _, c in posts])):
+            if isinstance(res, BaseException):
+                log.warning("pdd-wire: post_recv %s failed: %s", rid, res)
+                self._load_failed(rid, f"post_recv: {res}")
 
     def _report_inventory(self, meta: PddWireMetadata) -> None:
         layers = self._n_layers
@@ -730,7 +732,9 @@ class PddWireConnector(KVConnectorBase_V1):
         if not isinstance(meta, PddWireMetadata) or self._eng is None or not meta.sends:
             return
         # The forward has run (CPU: synchronously), so the prompt's KV is in these blocks; the
-        # blocks stay allocated until get_finished reports the request (delayed free).
+        # blocks stay allocated until get_finished reports the request (delayed free). The step's
+        # sends go to the agent together (one hop to the loop thread, requests pipelined).
+        calls = []
         for s in meta.sends:
             pend = _PendingSend(s.req_id, {})
             self._sends[s.rid] = pend
@@ -750,14 +754,30 @@ class PddWireConnector(KVConnectorBase_V1):
                 else:
                     extents = self._extents(s.block_ids, 0)
                 hashes = layer_hashes(s.hashes, self._n_layers) if s.hashes else None
-                res = self._lt.run(self._eng.send_kv(s.rid, extents, to=s.to,
-                                                     deadline_s=s.deadline_s, lease_s=s.lease_s, block_hashes=hashes))
-                pend.transfers = {t["transfer_id"]: t["to"] for t in res}
-                self.stats.sends += 1
+                calls.append((s, pend, self._eng.send_kv(s.rid, extents, to=s.to, deadline_s=s.deadline_s,
+                                                         lease_s=s.lease_s, block_hashes=hashes)))
             except Exception as exc:
                 log.error("pdd-wire: send_kv %s to %s failed: %s", s.rid, s.to, exc)
                 pend.failed.append(str(exc))
                 self.stats.send_failures += 1
+        for (s, pend, _), res in zip(calls, self._many([c for _, _, c in calls])):
+            if isinstance(res, BaseException):
+                log.error("pdd-wire: send_kv %s to %s failed: %s", s.rid, s.to, res)
+                pend.failed.append(str(res))
+                self.stats.send_failures += 1
+            else:
+                pend.transfers = {t["transfer_id"]: t["to"] for t in res}
+                self.stats.sends += 1
+
+    def _many(self, coros: list) -> list:
+        """Run engine-socket calls together on the loop thread; results or exceptions, in order."""
+        if not coros:
+            return []
+
+        async def all_of():
+            return await asyncio.gather(*coros, return_exceptions=True)
+
+        return self._lt.run(all_of())
 
     def _give(self, slot) -> None:
         if slot is not None and self._staging is not None:
