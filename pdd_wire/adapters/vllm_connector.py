@@ -20,14 +20,15 @@ prefill returns, unchanged, to decode.
   ``"pdd_request_id"`` (the transfer's name; default ``vllm-<vLLM request id>``),
   ``"deadline_s"``. Once the prompt's prefill has run, the worker calls ``send_kv`` with the blocks
   that hold it, under the lease (``lease_s`` in the request, else the config's); the blocks
-  stay allocated (delayed free) until every destination confirmed (``kv_sent``) or failed. Returned: ``{"do_remote_prefill": true, "do_remote_decode":
-  false, "pdd_request_id", "num_tokens", "remote_site", "remote_node", "remote_engine_id",
-  "lease_s", "lease_started"}``; when nothing was sent ``"do_remote_prefill": false`` and
-  ``"pdd_error"`` says why (decode then computes the prompt itself).
+  stay allocated (delayed free) until every destination confirmed (``kv_sent``) or failed.
+  Returned: ``{"do_remote_prefill": true, "do_remote_decode": false, "pdd_request_id",
+  "num_tokens", "remote_site", "remote_node", "remote_engine_id", "lease_s", "lease_started"}``;
+  when nothing was sent ``"do_remote_prefill": false`` and ``"pdd_error"`` says why (decode then
+  computes the prompt itself).
 - decode (consumer): ``{"do_remote_prefill": true, "pdd_request_id": ..., ...}`` as prefill
   returned it. The first ``num_tokens`` prompt tokens come from the agent. The load is
   asynchronous: the request waits in ``WAITING_FOR_REMOTE_KVS`` while the worker has the blocks
-  posted (``post_recv``, for what is left of prefill's lease plus ``recv_slack_s``); ``kv_received``
+  posted (``post_recv``, for what is left of prefill's lease at admission plus ``recv_slack_s``); ``kv_received``
   releases it. A failure (``transfer_failed``, or a post refused because the sender gave up) is
   reported through ``get_block_ids_with_load_errors``, so vLLM fails the request or recomputes those
   tokens (``kv_load_failure_policy``), never decodes from them. Producer-only fields
@@ -149,7 +150,7 @@ class _Consumer:
     rid: str
     from_site: str | None
     num_tokens: int
-    ttl_s: float | None  # the post's wait for the sender; None: the agent's post_ttl_s
+    lease_end: float | None  # wall time the sender's lease ends; None: the post waits the agent's post_ttl_s
     local_hit: int = 0
     posted: bool = False
     loaded: bool = False  # the load is done (or there was nothing to wait for)
@@ -388,14 +389,11 @@ class PddWireConnector(KVConnectorBase_V1):
                 log.error("pdd-wire: request %s: num_tokens %d outside 1..%d: no KV loaded", rid, n, request.num_tokens)
                 return
             from_site = params.get("remote_site") or params.get("from_site") or self.default_from
-            ttl = None
+            lease_end = None
             if params.get("lease_s") is not None:
-                # The sender holds its KV for lease_s from lease_started: wait for what is left
-                # of it (the KV_BEGIN is usually here already) plus the slack.
-                started = float(params.get("lease_started") or request.arrival_time)
-                left = float(params["lease_s"]) - max(0.0, time.time() - started)
-                ttl = max(left, 0.0) + self.recv_slack_s
-            self._consumers[request.request_id] = _Consumer(rid, from_site, n, ttl)
+                # The sender holds its KV for lease_s from lease_started (its wall clock).
+                lease_end = float(params.get("lease_started") or request.arrival_time) + float(params["lease_s"])
+            self._consumers[request.request_id] = _Consumer(rid, from_site, n, lease_end)
 
     def _chain(self, tokens: list[int], rid: str) -> list[int]:
         """Chained hashes of the prompt's blocks; the trailing partial block gets one unique to
@@ -474,13 +472,16 @@ class PddWireConnector(KVConnectorBase_V1):
         nb = math.ceil(c.num_tokens / self.block_size)
         first = c.local_hit // self.block_size
         self._loader[c.rid] = request.request_id
+        # The receive waits for what is left of the sender's lease (its KV_BEGIN is usually here
+        # already), plus the slack; a sender that gave up makes the post fail at once.
+        ttl = None if c.lease_end is None else max(c.lease_end - time.time(), 0.0) + self.recv_slack_s
         if num_external_tokens > 0:
             ids = blocks.get_block_ids()[0][:nb]
-            self._meta.loads.append(LoadSpec(request.request_id, c.rid, c.from_site, list(ids), first, c.ttl_s))
+            self._meta.loads.append(LoadSpec(request.request_id, c.rid, c.from_site, list(ids), first, ttl))
         else:
             # Everything was a local prefix hit: still take the sender's bytes (into the sink), so
             # that its transfer (and a handoff waiting for this KV) completes.
-            self._meta.loads.append(LoadSpec(None, c.rid, c.from_site, [0] * nb, nb, c.ttl_s))
+            self._meta.loads.append(LoadSpec(None, c.rid, c.from_site, [0] * nb, nb, ttl))
             c.loaded = True
         c.posted = True
 
