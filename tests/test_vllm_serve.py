@@ -35,6 +35,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 N = 32  # tokens generated per request
 LEASE_S = 30.0  # prefill's lease (connector config)
+MAX_PINNED = 200  # prefill's max_pinned_blocks: above what the other tests hold at once
 SLACK_S = 2.0  # decode's receive waits this beyond what is left of the lease
 
 
@@ -99,7 +100,8 @@ async def cluster():
         try:
             # P as users type it (vllm serve); D through the module entry point.
             P = VllmServer("P", tmp / "P.log", cpu="0", cli=True,
-                           kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"], lease_s=LEASE_S))
+                           kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"], lease_s=LEASE_S,
+                                                 max_pinned_blocks=MAX_PINNED))
             # D: 40 blocks of KV cache and 2 sequences at a time: requests queue for admission.
             D = VllmServer("D", tmp / "D.log", cpu="1", cli=False, max_num_seqs=2, kv_cache_bytes=40 * BLOCK * 1024,
                            prefix_caching=True, failure_policy="recompute",
@@ -210,6 +212,22 @@ async def test_decode_under_kv_pressure_every_request_completes_from_the_wire_or
     assert done + not_posted == 16
     assert await cluster.D.wire_tokens(cluster.http) - wire0 == done * 70  # each delivered prompt was used
 
+
+
+async def test_prefill_holds_at_most_max_pinned_blocks_for_decode(cluster):
+    """60 prefills of 5 blocks each whose decode never comes: prefill holds at most
+    max_pinned_blocks for them; the others answer do_remote_prefill false with the reason (their
+    decode computes the prompt). When the leases run out, nothing is held."""
+    prompts = [prompt_for(300 + i, 130) for i in range(60)]
+    outs = await asyncio.gather(*(complete(cluster.http, cluster.P.url, completion_body(
+        pr, 1, kv_transfer_params={"do_remote_decode": True, "lease_s": 5.0})) for pr in prompts))
+    params = [o["kv_transfer_params"] for o in outs]
+    sent = [q for q in params if q["do_remote_prefill"]]
+    refused = [q for q in params if not q["do_remote_prefill"]]
+    assert len(sent) * 5 <= MAX_PINNED and refused
+    assert all("max_pinned_blocks" in q["pdd_error"] for q in refused)
+    print(f"max_pinned_blocks {MAX_PINNED}: {len(sent)} sends held, {len(refused)} refused")
+    await cluster.settled()
 
 async def test_parallel_sampling_n2_on_decode(cluster):
     """n = 2 (seeded sampling; greedy allows n = 1 only): the two children share prefill's
