@@ -302,7 +302,10 @@ class PddWireConnector(KVConnectorBase_V1):
         self.prefix = bool(ktc.get_from_extra_config("prefix_inventory", True))
         self.prefix_salt = str(ktc.get_from_extra_config(
             "prefix_salt", f"{os.path.basename(str(mc.model).rstrip('/'))}/{mc.dtype}"))
-        self.reports_prefix = (self.prefix and ktc.is_kv_consumer
+        # Reported only where the KV cache is the registered host memory (CPU backend): with a
+        # CUDA KV cache (staging) the agent's inventory would name places it cannot hold.
+        device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu")
+        self.reports_prefix = (self.prefix and ktc.is_kv_consumer and device == "cpu"
                                and bool(vllm_config.cache_config.enable_prefix_caching))
         self._stored: dict[int, int] = {}  # scheduler: vLLM block -> chained hash the agent was told
         self._evicted: list[int] = []  # scheduler: cached vLLM blocks vLLM evicted (the hook below)
