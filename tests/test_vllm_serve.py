@@ -15,6 +15,7 @@ no KV block allocated in either vLLM.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import os
 import random
@@ -260,6 +261,31 @@ async def test_client_disconnecting_mid_stream_frees_everything(cluster):
     assert tokens(out) == await cluster.baseline(prompt)
     await cluster.settled()
 
+
+
+async def test_client_gone_while_decode_waits_for_its_kv_frees_everything(cluster):
+    """A decode request whose KV is still to come (posted, the sender not there yet) and whose
+    client goes away: vLLM aborts it, the receive is cancelled, its blocks are freed."""
+    prompt = prompt_for(9)
+    B = cluster.agents["B"]
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "pdd_request_id": "late-kv-1",
+              "num_tokens": len(prompt), "remote_site": "A", "lease_s": 60.0, "lease_started": time.time()}
+    body = completion_body(prompt, N, stream=True, kv_transfer_params=params)
+
+    async def client():
+        async with cluster.http.post(f"{cluster.D.url}/v1/completions", json=body) as r:
+            async for _ in r.content.iter_any():
+                pass
+
+    task = asyncio.create_task(client())
+    async with asyncio.timeout(30):
+        while "late-kv-1" not in B.posts:  # decode admitted it and posted its receive
+            await asyncio.sleep(0.02)
+    task.cancel()  # the client goes away
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await cluster.settled()
+    assert "late-kv-1" not in B.posts
 
 async def test_second_turn_of_a_conversation_ships_only_the_new_blocks(cluster):
     """Decode's prefix cache feeds its agent's inventory: turn 2 (turn 1's prompt and answer,
