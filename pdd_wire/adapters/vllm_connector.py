@@ -125,6 +125,8 @@ class PddWireMetadata(KVConnectorMetadata):
     sends: list[SendSpec] = dataclasses.field(default_factory=list)
     aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (req_id, rid): receives
     send_aborts: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (req_id, rid): sends
+    # (req_id, rid): sends of preempted requests: cancelled and forgotten (vLLM freed the blocks)
+    send_drops: list[tuple[str, str]] = dataclasses.field(default_factory=list)
     # Decode's prefix cache, for the agent's inventory: (vLLM block, chained hash) now cached,
     # then those evicted. Applied in this order.
     stored: list[tuple[int, int]] = dataclasses.field(default_factory=list)
@@ -490,6 +492,14 @@ class PddWireConnector(KVConnectorBase_V1):
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
         so = scheduler_output
+        for req_id in getattr(so, "preempted_req_ids", None) or ():
+            pr = self._producers.get(req_id)
+            if pr is not None and pr.sent:
+                # vLLM freed its blocks: the send must stop reading them, and vLLM must never hear
+                # of it (finished_sending) for blocks it no longer lets us hold.
+                self._meta.send_drops.append((req_id, pr.rid))
+                self._pinned.pop(req_id, None)
+                pr.sent, pr.error = False, "preempted in prefill before its KV was delivered"
         if self._producers:
             progress: dict[str, int] = {}
             for new in so.scheduled_new_reqs:
@@ -644,6 +654,22 @@ class PddWireConnector(KVConnectorBase_V1):
                     out.append(ext)
         return out
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before the forward may overwrite a preempted request's blocks: stop reading them."""
+        meta = kv_connector_metadata
+        if isinstance(meta, PddWireMetadata) and self._eng is not None:
+            self._drop_sends(meta)
+
+    def _drop_sends(self, meta: PddWireMetadata) -> None:
+        for req_id, rid in meta.send_drops:
+            pend = self._sends.get(rid)
+            if pend is not None and pend.req_id == req_id:
+                del self._sends[rid]
+                self._finished_seen.discard(req_id)
+                if pend.transfers:
+                    self._abort(rid, "request preempted in prefill")
+                self._give(pend.slot)
+
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
         if not isinstance(meta, PddWireMetadata) or self._eng is None:
@@ -655,6 +681,7 @@ class PddWireConnector(KVConnectorBase_V1):
                 self._give(self._loads.pop(rid).slot)
                 self._recv_done.add(req_id)  # vLLM holds its blocks until it hears this
             # else: its outcome (kv_received or a failure) was already reported as finished_recving
+        self._drop_sends(meta)  # done already if vLLM called handle_preemptions
         for req_id, rid in meta.send_aborts:
             pend = self._sends.get(rid)
             if pend is not None and pend.req_id == req_id and pend.transfers:
