@@ -263,7 +263,11 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         bp.reset_prefix_cache = reset_cache
 
     def _report_cached(self, request: "Request", block_ids) -> None:
-        """A finished request's computed full blocks stay in vLLM's prefix cache: tell the agent."""
+        """A finished request's computed full blocks stay in vLLM's prefix cache: tell the agent.
+        (A claim vLLM does not back -- its cache dropped a block we were not told of -- costs one
+        PREFIX_LOST round trip at most: a receive never lets more than vLLM's own hit be skipped.)"""
+        if request.status == RequestStatus.FINISHED_ERROR:  # e.g. its KV failed to load: not cached
+            return
         if block_ids and isinstance(block_ids[0], (list, tuple)):
             block_ids = block_ids[0]
         k = min(request.num_computed_tokens // self.block_size, len(block_ids))
