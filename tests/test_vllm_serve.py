@@ -140,6 +140,25 @@ async def test_stock_proxy_pd_gives_the_single_server_output(cluster):
     await cluster.settled()
 
 
+
+async def test_producer_fields_never_make_decode_send(cluster):
+    """The older parameter form forwarded unchanged, ``send_to`` included: the consumer-only
+    decode loads the KV and sends nothing."""
+    prompt = prompt_for(2)
+    base = await cluster.baseline(prompt)
+    B = cluster.agents["B"]
+    tx0 = metric(B, "pddwire_bytes_total", peer="A/a1", lane="bulk", direction="tx")
+    wire0 = await cluster.D.wire_tokens(cluster.http)
+    pre = await complete(cluster.http, cluster.P.url, completion_body(
+        prompt, 1, kv_transfer_params={"pdd_request_id": "legacy-1", "send_to": ["B"]}))
+    params = pre["kv_transfer_params"]
+    assert params == {"pdd_request_id": "legacy-1", "num_tokens": len(prompt), "send_to": ["B"]}
+    out = await complete(cluster.http, cluster.D.url, completion_body(prompt, N, kv_transfer_params=params))
+    assert tokens(out) == base
+    assert await cluster.D.wire_tokens(cluster.http) - wire0 == len(prompt)
+    assert metric(B, "pddwire_bytes_total", peer="A/a1", lane="bulk", direction="tx") == tx0
+    await cluster.settled()
+
 async def test_32_concurrent_requests_through_the_proxy(cluster):
     prompts = [prompt_for(100 + i, 40 + 3 * i) for i in range(32)]
     bases = [await cluster.baseline(pr) for pr in prompts]
