@@ -1,7 +1,7 @@
 """vLLM as it is deployed: ``vllm serve`` prefill and decode OpenAI servers with PddWireConnector,
 two real agents, and a stock P/D proxy that forwards prefill's ``kv_transfer_params`` unchanged.
 
-    client -> Proxy -> P  (vllm serve, kv_producer)  -> agent A
+    client -> Proxy -> P  (vllm serve, kv_producer, KV staged as for a CUDA KV cache)  -> agent A
                     -> D  (python -m vllm...api_server, kv_consumer,  -> agent B
                            --max-num-seqs 2, a small KV cache, prefix caching, recompute on failure)
 
@@ -99,10 +99,12 @@ async def cluster():
     servers: list[VllmServer] = []
     async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
         try:
-            # P as users type it (vllm serve); D through the module entry point.
+            # P as users type it (vllm serve); D through the module entry point. P stages its KV
+            # (staging: the KV-on-CUDA path's code, here on CPU tensors; the zero-copy send is
+            # tests/test_vllm_adapter.py's), D receives zero-copy.
             P = VllmServer("P", tmp / "P.log", cpu="0", cli=True,
                            kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"], lease_s=LEASE_S,
-                                                 max_pinned_blocks=MAX_PINNED))
+                                                 max_pinned_blocks=MAX_PINNED, staging=True, staging_mb=16))
             # D: 40 blocks of KV cache and 2 sequences at a time: requests queue for admission.
             D = VllmServer("D", tmp / "D.log", cpu="1", cli=False, max_num_seqs=2, kv_cache_bytes=40 * BLOCK * 1024,
                            prefix_caching=True, failure_policy="recompute",

@@ -130,6 +130,7 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         # CUDA KV cache (staging) the agent's inventory would name places it cannot hold.
         device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu")
         self.reports_prefix = (self.prefix and ktc.is_kv_consumer and device == "cpu"
+                               and not ktc.get_from_extra_config("staging", False)
                                and bool(vllm_config.cache_config.enable_prefix_caching))
         self._stored: dict[int, int] = {}  # scheduler: vLLM block -> chained hash the agent was told
         self._evicted: list[int] = []  # scheduler: cached vLLM blocks vLLM evicted (the hook below)
@@ -164,6 +165,8 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> index in _dev_layers
         self._staged: dict[str, tuple[Any, set[int], torch.Tensor]] = {}  # rid -> (slot, layers copied, ids)
         self.staging_mb = int(ktc.get_from_extra_config("staging_mb", 1024))
+        # Stage a host KV cache too (the CUDA path's code on CPU tensors: a check, not a speed-up).
+        self.force_staging = bool(ktc.get_from_extra_config("staging", False))
         self._loads: dict[str, _PendingLoad] = {}
         self._sends: dict[str, _PendingSend] = {}
         self._finished_seen: set[str] = set()

@@ -95,7 +95,7 @@ class WorkerSide:
         return self._pool.context()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
-        if any(t.device.type == "cuda" for t in kv_caches.values()):
+        if self.force_staging or any(t.device.type == "cuda" for t in kv_caches.values()):
             return self._register_staging(kv_caches)
         pool = self._pool
         if pool.mem is None or pool.tensor is None:
