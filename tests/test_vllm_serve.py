@@ -351,3 +351,24 @@ async def test_gpu_check_byte_path_on_cpu_tensors():
     assert res.returncode == 0, res.stderr[-2000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["identical"] is True and out["bytes_per_transfer"] == 3 * 16 * 16384
+
+
+async def test_decode_receiving_through_staging_as_for_a_cuda_kv_cache(cluster):
+    """A second decode that stages what it receives (the KV-on-CUDA path's code, on CPU tensors:
+    the agent writes the staging blocks, the worker copies them into vLLM's cache on arrival):
+    the output is still the single server's, the prompt came from the wire."""
+    D2 = VllmServer("D2", cluster.tmp / "D2.log", cpu="1", cli=True, max_num_seqs=4,
+                    kv_cache_bytes=40 * BLOCK * 1024,
+                    kv=connector_config("kv_consumer", f"{cluster.tmp}/B.sock", staging=True, staging_mb=4))
+    try:
+        await D2.start()
+        prompts = [prompt_for(400 + i, 50 + 20 * i) for i in range(3)]
+        bases = [await cluster.baseline(pr) for pr in prompts]
+        wire0 = await D2.wire_tokens(cluster.http)
+        async with Proxy(cluster.P.url, D2.url) as proxy:
+            outs = await asyncio.gather(*(complete(cluster.http, proxy.url, completion_body(pr, N)) for pr in prompts))
+        assert [tokens(o) for o in outs] == bases
+        assert await D2.wire_tokens(cluster.http) - wire0 == sum(len(pr) for pr in prompts)
+        await cluster.settled()
+    finally:
+        await D2.stop()
