@@ -19,6 +19,7 @@ import contextlib
 import math
 import os
 import random
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -119,6 +120,7 @@ async def cluster():
             await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
             for s in servers:
                 print(f"--- {s.name} log tail ---\n{s.tail(15)}")
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 async def test_stock_proxy_pd_gives_the_single_server_output(cluster):

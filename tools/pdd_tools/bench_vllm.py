@@ -24,6 +24,7 @@ import asyncio
 import json
 import math
 import random
+import shutil
 import statistics
 import sys
 import tempfile
@@ -145,6 +146,7 @@ async def run(quick: bool = False) -> dict:
         await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
         for a in agents:
             await a.shutdown(0)
+        shutil.rmtree(tmp, ignore_errors=True)
     return figures
 
 
