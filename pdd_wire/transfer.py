@@ -66,6 +66,7 @@ class OutTransfer(Transfer):
         self.full_blocks = self.blocks  # before a matched prefix was cut off
         self.hashes: list[int] | None = None
         self.skip = 0  # leading blocks the receiver holds (not sent)
+        self.post_wait_ms = 0  # KV_BEGIN.post_wait_ms: the receiver holds it this long for a post
         self.query_timer: asyncio.TimerHandle | None = None
         self.acked: set[int] = set()
         self.pending: collections.deque[int] = collections.deque()

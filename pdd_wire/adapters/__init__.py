@@ -3,7 +3,9 @@
 Each adapter talks to the agent only through the engine socket (:class:`pdd_wire.EngineClient`).
 Importing this package imports no engine; the modules do:
 
-- :mod:`pdd_wire.adapters.vllm_connector`: a vLLM ``KVConnectorBase_V1`` (needs ``vllm``).
+- :mod:`pdd_wire.adapters.vllm_connector`: a vLLM ``KVConnectorBase_V1`` (needs ``vllm``;
+  docs/vllm.md), with its worker side in ``vllm_worker``, its per-step metadata in ``vllm_meta``
+  and the staging for a KV cache on a CUDA device in ``vllm_cuda`` (untested on a GPU).
 - :mod:`pdd_wire.adapters.loop_thread`: a private asyncio loop on a thread, so that
   synchronous engine code can call the asyncio ``EngineClient``.
 

@@ -39,10 +39,11 @@ if TYPE_CHECKING:
 class Post:
     """Blocks an engine lent for one request's incoming KV."""
 
-    __slots__ = ("request_id", "engine", "blocks", "from_site", "ttl", "timer", "expires")
+    __slots__ = ("request_id", "engine", "blocks", "from_site", "ttl", "timer", "expires", "max_skip")
 
     def __init__(self, request_id: str, engine: "EngineConn", blocks: BlockMap, from_site: str | None,
-                 ttl: float) -> None:
+                 ttl: float, max_skip: int | None = None) -> None:
+        self.max_skip = max_skip  # post_recv.max_skip_blocks: leading blocks a matched prefix may cover
         self.request_id = request_id
         self.engine = engine
         self.blocks = blocks
@@ -81,6 +82,9 @@ class KvDesk:
         self.log = log
         self.posts: dict[str, Post] = {}
         self.unposted: dict[str, Unposted] = {}
+        # Requests whose sender gave up before their receive was posted (request_id -> (code,
+        # reason, until)): a post for one fails at once instead of waiting out its ttl.
+        self.gave_up: collections.OrderedDict[str, tuple[int, str, float]] = collections.OrderedDict()
         # The engine that last posted or sent for a request: it gets the request's tokens and aborts.
         self.owners: collections.OrderedDict[str, EngineConn] = collections.OrderedDict()
         # (request, peer) -> the WAN seconds its pipeline choice predicted, checked on KV_SENT.
@@ -96,7 +100,13 @@ class KvDesk:
         if len(self.posts) >= self.config.transfer.max_transfers * 4:
             raise EngineRequestError("too many posted receives", ErrorCode.LIMIT_EXCEEDED)
         ttl = check_duration("ttl_s", self.config.transfer.post_ttl_s if msg.ttl_s is None else msg.ttl_s)
-        post = self._add_post(Post(msg.request_id, ec, blockmap(ec, msg.blocks), msg.from_site, ttl))
+        if msg.max_skip_blocks is not None and msg.max_skip_blocks < 0:
+            raise EngineRequestError(f"max_skip_blocks must be >= 0, got {msg.max_skip_blocks}", ErrorCode.BAD_REQUEST)
+        gone = self.gave_up.pop(msg.request_id, None)
+        if gone is not None and gone[2] > asyncio.get_running_loop().time():
+            raise EngineRequestError(gone[1], ErrorCode(gone[0]))
+        post = self._add_post(Post(msg.request_id, ec, blockmap(ec, msg.blocks), msg.from_site, ttl,
+                                   msg.max_skip_blocks))
         self.own(msg.request_id, ec)
         waiting = self.unposted.pop(msg.request_id, None)
         if waiting is not None:
@@ -105,6 +115,7 @@ class KvDesk:
 
     def incoming_begin(self, session: "PeerSession", tid: int, begin: m.KvBegin) -> None:
         """A peer announced KV for a request: match it to its post, or let it wait for one."""
+        self.gave_up.pop(begin.request_id, None)  # sent (again): a post for it may match
         post = self.posts.get(begin.request_id)
         if post is not None:
             self._match(session, tid, begin, post)
@@ -119,7 +130,7 @@ class KvDesk:
         if len(self.unposted) >= self.config.transfer.max_transfers:
             session.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS, "cannot hold another unposted transfer")
             return
-        wait = self.config.transfer.unposted_wait_s
+        wait = self._unposted_wait(begin)
         timer = asyncio.get_running_loop().call_later(wait, self._unposted_expired, begin.request_id)
         self.unposted[begin.request_id] = Unposted(session, tid, begin, timer)
 
@@ -128,13 +139,30 @@ class KvDesk:
         if waiting is not None and waiting.session is session and waiting.tid == tid:
             waiting.timer.cancel()
             del self.unposted[msg.request_id]
+            self._gave_up(msg.request_id, ErrorCode.TRANSFER_CANCELLED,
+                          f"the sender cancelled its KV before this receive was posted: {msg.message}")
+
+    def _unposted_wait(self, begin: m.KvBegin) -> float:
+        """How long an unposted KV_BEGIN waits: the sender's lease (post_wait_ms) up to
+        transfer.post_ttl_s, else transfer.unposted_wait_s."""
+        t = self.config.transfer
+        return min(begin.post_wait_ms / 1000, t.post_ttl_s) if begin.post_wait_ms > 0 else t.unposted_wait_s
 
     def _unposted_expired(self, request_id: str) -> None:
         waiting = self.unposted.pop(request_id, None)
         if waiting is not None:
-            waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.NOT_POSTED,
-                                      f"no receive posted for request {request_id!r} within "
-                                      f"{self.config.transfer.unposted_wait_s}s")
+            reason = f"no receive posted for request {request_id!r} within {self._unposted_wait(waiting.begin):g}s"
+            self._gave_up(request_id, ErrorCode.NOT_POSTED,
+                          f"the sender's KV waited for this receive and was dropped ({reason})")
+            waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.NOT_POSTED, reason)
+
+    def _gave_up(self, request_id: str, code: int, reason: str) -> None:
+        """Remember (bounded, for transfer.post_ttl_s) that nothing will be sent for ``request_id``."""
+        until = asyncio.get_running_loop().time() + self.config.transfer.post_ttl_s
+        self.gave_up[request_id] = (int(code), reason, until)
+        self.gave_up.move_to_end(request_id)
+        while len(self.gave_up) > self.config.transfer.max_transfers * 4:
+            self.gave_up.popitem(last=False)
 
     def _match(self, session: "PeerSession", tid: int, begin: m.KvBegin, post: Post) -> None:
         if post.from_site is not None and post.from_site != session.peer.site:
@@ -145,6 +173,12 @@ class KvDesk:
         skip = begin.skip_blocks
         if skip:
             lease = self.inventory.get(begin.request_id)
+            if post.max_skip is not None and skip > post.max_skip:
+                # The receiving engine counts fewer of them as its own (post_recv.max_skip_blocks).
+                session.reject_in(tid, begin, ErrorCode.PREFIX_LOST,
+                                  f"{skip} prefix blocks matched for {begin.request_id!r}, but its receive allows "
+                                  f"at most {post.max_skip}")
+                return
             if lease is None or lease.broken or len(lease.hashes) < skip or skip >= post.blocks.n_blocks:
                 # The prefix this sender was promised is gone: it sends every block instead;
                 # the post stays for that transfer.
@@ -213,6 +247,7 @@ class KvDesk:
         check_request_id(msg.request_id)
         deadline = check_duration("deadline_s", msg.deadline_s if msg.deadline_s is not None
                                   else self.config.transfer.default_deadline_s)
+        lease = 0.0 if msg.lease_s is None else check_duration("lease_s", msg.lease_s)
         for s in sessions:
             if len(s.out) >= self.config.transfer.max_transfers:
                 raise EngineRequestError(f"{len(s.out)} transfers open to {s.key} (limit transfer.max_transfers)",
@@ -222,7 +257,7 @@ class KvDesk:
         started = []
         try:
             for s in sessions:
-                t = s.start_send(ec, msg.request_id, blocks, deadline, hashes=msg.block_hashes)
+                t = s.start_send(ec, msg.request_id, blocks, deadline, hashes=msg.block_hashes, post_wait_s=lease)
                 started.append((s, t))
                 out.append({"to": s.key, "transfer_id": t.tid})
         except BaseException:
@@ -269,7 +304,7 @@ class KvDesk:
             # post the whole receive again for it. The engine sees only the outcome of that.
             post = t.post
             if not self.gate.closed and not post.engine.closed and t.request_id not in self.posts:
-                self._add_post(Post(t.request_id, post.engine, post.blocks, post.from_site, post.ttl))
+                self._add_post(Post(t.request_id, post.engine, post.blocks, post.from_site, post.ttl, post.max_skip))
                 return
         self.log.warning("transfer failed", request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
                          direction=direction, code=ErrorCode(code).name, reason=message)
@@ -359,6 +394,8 @@ class KvDesk:
         if waiting is not None and waiting.session is session:
             waiting.timer.cancel()
             del self.unposted[rid]
+            # Its KV waited unposted and is gone: a receive posted later for it fails at once.
+            self._gave_up(rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: {reason}")
         ec = self.handoffs.request_aborted(session, rid, reason)
         if ec is not None:
             told.add(ec)

@@ -139,20 +139,26 @@ class EngineClient:
         await self._call(p.Deregister(region=region.region))
 
     async def post_recv(self, request_id: str, blocks: Iterable[tuple[int, int, int]], *,
-                        from_site: str | None = None, ttl_s: float | None = None) -> None:
+                        from_site: str | None = None, ttl_s: float | None = None,
+                        max_skip_blocks: int | None = None) -> None:
         """Allow KV for ``request_id`` to land in ``blocks``; the agent writes nowhere else. If no
         transfer claims them within ``ttl_s`` (default ``transfer.post_ttl_s``) they are handed
-        back with a ``transfer_failed`` event."""
-        await self._call(p.PostRecv(request_id=request_id, blocks=list(blocks), from_site=from_site, ttl_s=ttl_s))
+        back with a ``transfer_failed`` event. ``max_skip_blocks``: at most this many leading blocks
+        may be left out because this node holds them (prefix inventory); None: no limit."""
+        await self._call(p.PostRecv(request_id=request_id, blocks=list(blocks), from_site=from_site, ttl_s=ttl_s,
+                                    max_skip_blocks=max_skip_blocks))
 
     async def send_kv(self, request_id: str, blocks: Iterable[tuple[int, int, int]], *, to: list[str],
-                      deadline_s: float | None = None, block_hashes: list[int] | None = None) -> list[dict]:
+                      deadline_s: float | None = None, block_hashes: list[int] | None = None,
+                      lease_s: float | None = None) -> list[dict]:
         """Send ``blocks`` to every destination in ``to`` (``"B"`` or ``"B/b1"``); one transfer
         each, reading the same pages. Returns ``[{"to": peer, "transfer_id": n}, ...]``.
         ``block_hashes`` (one chained hash per block, :func:`pdd_wire.engine.hashes.chain_hashes`):
-        a destination whose node holds a leading run of them receives only the rest."""
+        a destination whose node holds a leading run of them receives only the rest.
+        ``lease_s``: how long each destination holds the KV for its receive to be posted (the
+        blocks stay pinned meanwhile); default: the receiver's ``transfer.unposted_wait_s``."""
         res = await self._call(p.SendKv(request_id=request_id, blocks=list(blocks), to=list(to),
-                                        deadline_s=deadline_s, block_hashes=block_hashes))
+                                        deadline_s=deadline_s, block_hashes=block_hashes, lease_s=lease_s))
         return res["transfers"]
 
     async def send_tokens(self, request_id: str, to: str, tokens: list[int]) -> int:

@@ -56,6 +56,10 @@ class PostRecv(Msg, tag="post_recv"):
     blocks: list[tuple[int, int, int]]
     from_site: str | None = None  # only this site may fill them; None = any peer site
     ttl_s: float | None = None  # dropped (transfer_failed) if no transfer claims it by then; None = post_ttl_s
+    # At most this many leading blocks may be covered by a matched prefix (KV_BEGIN skip_blocks:
+    # blocks this node holds, not sent); a transfer that would skip more is refused PREFIX_LOST
+    # and comes again whole. None = no limit.
+    max_skip_blocks: int | None = None
 
 
 class SendKv(Msg, tag="send_kv"):
@@ -68,6 +72,10 @@ class SendKv(Msg, tag="send_kv"):
     # Chained hashes of the blocks, in order (pdd_wire.engine.hashes.chain_hashes): a destination
     # whose node holds a leading run of them gets only the rest.
     block_hashes: list[int] | None = None
+    # The lease: how long each destination holds the transfer for its receive to be posted
+    # (KV_BEGIN.post_wait_ms; the receiver caps it at its transfer.post_ttl_s). The blocks stay
+    # pinned meanwhile. None = the receiver's transfer.unposted_wait_s.
+    lease_s: float | None = None
 
 
 class SendTokens(Msg, tag="send_tokens"):

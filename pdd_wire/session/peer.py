@@ -443,8 +443,10 @@ class PeerSession:
 
     # ------------------------------------------------------------------ transfers (the agent's API)
     def start_send(self, engine, request_id: str, blocks: BlockMap, deadline_s: float,
-                   hashes: list[int] | None = None) -> OutTransfer:
-        return self.sender.start(engine, request_id, blocks, deadline_s, hashes)
+                   hashes: list[int] | None = None, post_wait_s: float = 0.0) -> OutTransfer:
+        """``post_wait_s``: the receiver holds the KV_BEGIN this long for its receive to be posted
+        (KV_BEGIN.post_wait_ms; 0 = the receiver's default)."""
+        return self.sender.start(engine, request_id, blocks, deadline_s, hashes, post_wait_s)
 
     def drop_out(self, t: OutTransfer) -> None:
         """Withdraw a transfer its engine was told never started (tells the peer, no event)."""

@@ -37,7 +37,7 @@ class Sender:
 
     # -- starting
     def start(self, engine, request_id: str, blocks: BlockMap, deadline_s: float,
-              hashes: list[int] | None = None) -> OutTransfer:
+              hashes: list[int] | None = None, post_wait_s: float = 0.0) -> OutTransfer:
         s, cfg = self.s, self.s.cfg.transfer
         if len(self.flow.out) >= cfg.max_transfers:
             raise PddWireError(f"{len(self.flow.out)} transfers open to {s.key} (limit transfer.max_transfers)",
@@ -45,6 +45,7 @@ class Sender:
         loop = asyncio.get_running_loop()
         chunk = s.data.chunk_bytes(s.chunk_bytes, window=self.flow.window, peer_max_chunk=s.peer_max_chunk)
         t = OutTransfer(s.host.next_transfer_id(), request_id, engine, s.key, blocks, chunk, loop.time() + deadline_s)
+        t.post_wait_ms = int(post_wait_s * 1000)
         self.flow.add(t)
         t.timer = loop.call_at(t.deadline, self._deadline, t)
         s.metrics.inflight.labels(direction="out").inc()
@@ -126,7 +127,8 @@ class Sender:
     def _announce(self, t: OutTransfer) -> None:
         remaining = max(1, int((t.deadline - asyncio.get_running_loop().time()) * 1000))
         self.s.send_frame(FrameType.KV_BEGIN, m.KvBegin(t.request_id, t.total, t.chunk_bytes, t.n_chunks,
-                                                        t.blocks.block_bytes, t.blocks.n_blocks, remaining, t.skip),
+                                                        t.blocks.block_bytes, t.blocks.n_blocks, remaining, t.skip,
+                                                        t.post_wait_ms),
                           tid=t.tid)
 
     # -- moving

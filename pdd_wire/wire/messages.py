@@ -149,6 +149,9 @@ class KvBegin(msgspec.Struct, **_fast):
     n_blocks: Annotated[int, Meta(ge=1, le=MAX_TOTAL_BYTES)]
     deadline_ms: DeadlineMs = 0  # remaining budget at send time, 0 = the receiver's default
     skip_blocks: Annotated[int, Meta(ge=0, le=MAX_TOTAL_BYTES)] = 0  # the receiver holds the post's first blocks
+    # The sender's lease: how long the receiver holds this KV_BEGIN until its receive is posted
+    # (capped by the receiver's transfer.post_ttl_s); 0 = the receiver's transfer.unposted_wait_s.
+    post_wait_ms: DeadlineMs = 0
 
     def __post_init__(self) -> None:
         if self.total_bytes != self.block_bytes * self.n_blocks:

