@@ -27,6 +27,7 @@ from . import policy
 from .config import Config, Peer, parse_hostport
 from .errors import (ErrorCode, FatalHandshakeError, HandshakeError, PddWireError, ProtocolError, TransferError,
                      TransportError)
+from .log import limited
 from .memory import BlockMap, chunk_range, scatter
 from .transfer import InTransfer, OutTransfer, Route, State
 from .bulk import BulkHandler, Compression, bulk_send
@@ -232,7 +233,7 @@ class PeerSession:
                     self.m.error(exc.code)
                 backoff = to.reconnect_max_backoff_s
             except (TransportError, HandshakeError, TimeoutError, OSError) as exc:
-                self.log.info("peer not reachable", error=str(exc) or type(exc).__name__)
+                limited(self, self.log.info, "peer not reachable", error=str(exc) or type(exc).__name__)
             if self._closing:
                 return
             await asyncio.sleep(backoff * (0.5 + random.random() / 2))
@@ -325,7 +326,7 @@ class PeerSession:
         self.m.peer_up.labels(peer=self.key).set(1)
         if not first:
             self.m.reconnects.labels(peer=self.key).inc()
-        self.log.info("peer up", resumed=not restarted, streams=self.streams)
+        self.log.info("peer up", resumed=not first and not restarted, streams=self.streams)
         self._ping()  # an RTT at once
         while self.cancel_later:
             tid, cancel = self.cancel_later.popleft()
