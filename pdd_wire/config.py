@@ -317,6 +317,12 @@ def default_socket_dir() -> str:
     return os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/pdd-wire-{os.getuid()}"
 
 
+def default_engine_socket(site: str) -> str:
+    """The engine socket of ``pdd-wired --site SITE`` run without ``--config``, found the way
+    the daemon finds it (``$XDG_RUNTIME_DIR``, else ``/tmp/pdd-wire-<uid>``)."""
+    return os.path.join(default_socket_dir(), f"pdd-wire-{site}.sock")
+
+
 def default_toml(site: str) -> str:
     if site not in DEFAULT_SITES:
         raise ConfigError("site", f"{site!r} has no embedded default (known: {sorted(DEFAULT_SITES)}); "
@@ -325,8 +331,8 @@ def default_toml(site: str) -> str:
     peers = "".join(
         f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{w}"\ntransport = "tcp"\n\n'
         for s, (n, w, _) in DEFAULT_SITES.items() if s != site)
-    sock = os.path.join(default_socket_dir(), f"pdd-wire-{site}.sock")
-    return DEFAULT_TEMPLATE.format(site=site, node=node, wan=wan, admin=admin, sock=sock, peers=peers)
+    return DEFAULT_TEMPLATE.format(site=site, node=node, wan=wan, admin=admin, sock=default_engine_socket(site),
+                                   peers=peers)
 
 
 def default_config(site: str, **overrides) -> Config:
