@@ -16,6 +16,7 @@ import urllib.error
 import urllib.request
 
 from . import config as cfgmod
+from ._version import __version__
 from .errors import ConfigError
 
 
@@ -39,6 +40,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", help="TOML config file; without it, the embedded loopback default")
     ap.add_argument("--node", help="node name (overrides the config's)")
     ap.add_argument("--check", action="store_true", help="validate the config and exit")
+    ap.add_argument("--version", action="version", version=f"pdd-wired {__version__}")
     args = ap.parse_args(argv)
     try:
         cfg = _load_config(args)
@@ -284,6 +286,7 @@ def _agent_args(p: argparse.ArgumentParser, site_help: str) -> None:
 
 def tool_main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="pdd-wire", description="pdd-wire operator tool")
+    ap.add_argument("--version", action="version", version=f"pdd-wire {__version__}")
     sub = ap.add_subparsers(dest="cmd", required=True)
     c = sub.add_parser("config", help="print the embedded default config of a site")
     c.add_argument("--site", required=True)
