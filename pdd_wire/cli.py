@@ -17,6 +17,7 @@ import urllib.request
 
 from . import config as cfgmod
 from ._version import __version__
+from .progress import Progress, bar
 from .errors import ConfigError
 
 
@@ -210,41 +211,6 @@ def _status(args) -> int:
     return 0
 
 
-class _Ticker:
-    """A one-line progress display on a terminal (stderr) while a blocking call runs; silent
-    when stderr is not a terminal or ``quiet``."""
-
-    def __init__(self, what: str, expected_s: float, quiet: bool) -> None:
-        import threading
-
-        self.what, self.expected_s = what, expected_s
-        self.on = not quiet and sys.stderr.isatty()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        import time
-
-        t0 = time.monotonic()
-        while not self._stop.wait(0.2):
-            el = time.monotonic() - t0
-            n = min(30, int(30 * el / self.expected_s)) if self.expected_s else 0
-            sys.stderr.write(f"\r{self.what} [{'#' * n}{'.' * (30 - n)}] {el:4.1f} s / ~{self.expected_s:.0f} s")
-            sys.stderr.flush()
-        sys.stderr.write("\r\033[K")
-        sys.stderr.flush()
-
-    def __enter__(self):
-        if self.on:
-            self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.on:
-            self._stop.set()
-            self._thread.join()
-
-
 def _probe(args) -> int:
     site = args.local
     if not (args.admin or args.config or site):
@@ -259,7 +225,9 @@ def _probe(args) -> int:
         print(f"from {_identity(st, admin)}", file=sys.stderr)
     body = {"peer": args.site, "seconds": args.seconds, "streams": args.streams}
     # 50 PINGs 10 ms apart, then the goodput over 1 and N streams.
-    with _Ticker(f"probing {args.site}", 0.5 + args.seconds + 1, args.json):
+    expected = 0.5 + args.seconds + 1
+    with Progress(lambda el: f"probing {args.site} {bar(el / expected)} {el:4.1f} s of ~{expected:.0f} s",
+                  quiet=args.json):
         try:
             res = _http(admin, where, "/v1/probe", body, timeout=args.seconds + 60)
         except urllib.error.HTTPError as exc:

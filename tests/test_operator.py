@@ -6,7 +6,9 @@ from "peers up", the first connect not logged as resumed, and identical warnings
 
 from __future__ import annotations
 
+import io
 import json
+import threading
 
 import pytest
 from support.agents import free_port
@@ -15,6 +17,7 @@ from test_daemon import (GOOD, _good, cli, daemons, get, json_lines, pair_config
 
 from pdd_wire import config as cfgmod
 from pdd_wire.log import Repeats
+from pdd_wire.progress import Progress, bar
 
 
 # ---------------------------------------------------------------------------------- the config
@@ -134,3 +137,30 @@ def test_identical_lines_are_held_back_and_counted():
     assert out == [("peer not reachable", {"error": "refused"}),
                    ("peer not reachable", {"error": "timed out"}),
                    ("peer not reachable", {"error": "refused", "repeated": 19})]
+
+
+# ---------------------------------------------------------------------------------- progress
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_draws_on_a_terminal_and_erases_its_line():
+    term = _Terminal()
+    seen = threading.Event()
+
+    def line(elapsed_s: float) -> str:
+        seen.set()
+        return f"replay {bar(0.5, 10)}"
+
+    with Progress(line, stream=term, every_s=0.001):
+        assert seen.wait(10)
+    out = term.getvalue()
+    assert "\r\033[Kreplay [#####.....]" in out and out.endswith("\r\033[K"), out
+
+
+def test_progress_is_silent_off_a_terminal_and_when_quiet():
+    for stream, quiet in ((io.StringIO(), False), (_Terminal(), True)):
+        with Progress(lambda el: "never shown", stream=stream, quiet=quiet, every_s=0.001) as p:
+            assert not p.on
+        assert stream.getvalue() == ""
