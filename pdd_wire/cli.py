@@ -220,7 +220,7 @@ def _probe(args) -> int:
         site = others[0]
     admin, where = _admin_target(args, site)
     st = _http(admin, where, "/v1/status")
-    _check_site(st, args.local, admin)
+    _check_site(st, site, admin)
     if not args.json:
         print(f"from {_identity(st, admin)}", file=sys.stderr)
     body = {"peer": args.site, "seconds": args.seconds, "streams": args.streams}

@@ -101,10 +101,19 @@ async def test_status_names_the_agent_and_refuses_another_sites(daemons, short_d
     r = tool("status", "--site", "B", "--admin", cfg["admin"]["A"])
     assert r.returncode == 1 and "is site A" in r.stderr and "not site B" in r.stderr, r.stderr
 
+    r = tool("probe", "--site", "B", "--from", "B", "--admin", cfg["admin"]["A"])
+    assert r.returncode == 1 and "is site A" in r.stderr and "not site B" in r.stderr, r.stderr
+
     b = daemons(["--site", "B", "--config", str(cfg["B"])], name="B")
     await wait_peers_up(cfg["admin"]["A"], a)
     code, body = await get(f"http://{cfg['admin']['A']}/readyz?peers=all")
     assert code == 200 and json.loads(body)["all_peers_up"] is True
+
+    # probe names the agent it measured from (stderr), the figures go to stdout.
+    r = tool("probe", "--site", "B", "--config", str(cfg["A"]), "--seconds", "1")
+    assert r.returncode == 0, r.stderr
+    assert f"from agent A/a1 (pid {a.pid}" in r.stderr and r.stdout.startswith("probe B"), (r.stdout, r.stderr)
+    assert "goodput  1 stream:" in r.stdout, r.stdout
 
     # The first connect is not a resume.
     await wait_peers_up(cfg["admin"]["B"], b)
