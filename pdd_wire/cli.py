@@ -178,7 +178,7 @@ def _table(rows: list[list], head: list[str]) -> list[str]:
     return ["  " + "  ".join(c.ljust(w) for c, w in zip(r, width)).rstrip() for r in cells]
 
 
-def _status_text(st: dict, admin: str, ready: dict | None) -> str:
+def _status_text(st: dict, admin: str) -> str:
     lines = [_identity(st, admin)]
     if st.get("uid") is not None and st["uid"] != os.getuid():
         lines.append(f"  note: it runs as uid {st['uid']}, not as you (uid {os.getuid()})")
@@ -207,7 +207,7 @@ def _status(args) -> int:
     if args.json:
         print(json.dumps(st, indent=2))
     else:
-        print(_status_text(st, admin, None))
+        print(_status_text(st, admin))
     return 0
 
 
