@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from .errors import ErrorCode, PddWireError
     from .memory import SharedMemory
 
-__version__ = "0.1.0"
+from ._version import __version__
 
 _LAZY = {
     "EngineClient": ".engine.client",

@@ -6,12 +6,14 @@ nothing of the agent.
 
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from ._version import __version__
 from .config import parse_hostport
 from .errors import PddWireError
 
@@ -58,11 +60,14 @@ class AdminServer:
         return web.json_response({"ok": True})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """Ready: listeners bound and not stopping. Peers being down does not make us unready
-        (the engine still gets clear errors); their state is in /v1/status."""
-        ok = self.source.is_ready()
+        """Ready means listening: listeners bound and not stopping (200, else 503). Peers being
+        down does not make an agent unready (its engines still get clear errors); the body says
+        how many are up, and ``/readyz?peers=all`` answers 200 only when every peer is up too."""
+        listening = self.source.is_ready()
         up, n = self.source.peers_up()
-        body = {"ready": ok, "peers_up": up, "peers": n}
+        all_up = up == n
+        ok = listening and (all_up or request.query.get("peers") != "all")
+        body = {"ready": ok, "listening": listening, "peers_up": up, "peers": n, "all_peers_up": all_up}
         return web.json_response(body, status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -72,7 +77,13 @@ class AdminServer:
         return resp
 
     async def status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.source.describe())
+        return web.json_response(self.source.describe() | self.identity())
+
+    def identity(self) -> dict:
+        """Which process answered: what ``pdd-wire status`` prints so that an operator knows
+        whose agent it reached."""
+        return {"pid": os.getpid(), "uid": os.getuid(), "version": __version__,
+                "config": getattr(self.source, "config_path", None), "admin": self.address}
 
     async def probe(self, request: web.Request) -> web.Response:
         """``POST /v1/probe {"peer": "B", "seconds": 4, "streams": null}``: RTT, jitter, loss and

@@ -8,9 +8,12 @@ one machine find each other.
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import os
 import re
+import types
+import typing
 from pathlib import Path
 from typing import Literal
 
@@ -248,6 +251,38 @@ def _key_of(msg: str) -> str:
     return path.lstrip(".") or "(top level)"
 
 
+def _type_at(key: str):
+    """The type a dotted config key (``peers[0].transport``) has in :class:`Config`, or None."""
+    t = Config
+    for part in re.sub(r"\[\d+\]", "", key).split("."):
+        if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
+            return None
+        t = {f.name: f.type for f in msgspec.structs.fields(t)}.get(part)
+        # list[Peer] -> Peer, int | None -> int
+        args = [a for a in typing.get_args(t) if a is not type(None)]
+        if typing.get_origin(t) in (list, typing.Union, types.UnionType) and len(args) == 1:
+            t = args[0]
+    return t
+
+
+def _hint(key: str, msg: str) -> str:
+    """``; did you mean 'chunk_bytes'?`` for an unknown key, the valid values for an enum."""
+    parent, _, leaf = key.rpartition(".")
+    if "unknown field" in msg:
+        t = _type_at(parent) if parent else Config
+        if isinstance(t, type) and issubclass(t, msgspec.Struct):
+            names = [f.name for f in msgspec.structs.fields(t)]
+            close = difflib.get_close_matches(leaf, names, n=3, cutoff=0.6)
+            if close:
+                return f"; did you mean {' or '.join(repr(c) for c in close)}?"
+            return f"; valid keys here: {', '.join(names)}"
+    if "Invalid enum value" in msg:
+        t = _type_at(key)
+        if typing.get_origin(t) is Literal:
+            return f"; valid values: {', '.join(repr(v) for v in typing.get_args(t))}"
+    return ""
+
+
 def loads(text: str | bytes, *, overrides: dict | None = None) -> Config:
     """Parse TOML text; ``overrides`` (e.g. from the CLI) replace top-level keys."""
     try:
@@ -260,7 +295,8 @@ def loads(text: str | bytes, *, overrides: dict | None = None) -> Config:
         cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
         msg = str(exc)
-        raise ConfigError(_key_of(msg), msg.split(" - at ")[0]) from exc
+        key = _key_of(msg)
+        raise ConfigError(key, msg.split(" - at ")[0] + _hint(key, msg)) from exc
     return validate(cfg)
 
 
@@ -298,6 +334,12 @@ def default_socket_dir() -> str:
     return os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/pdd-wire-{os.getuid()}"
 
 
+def default_engine_socket(site: str) -> str:
+    """The engine socket of ``pdd-wired --site SITE`` run without ``--config``, found the way
+    the daemon finds it (``$XDG_RUNTIME_DIR``, else ``/tmp/pdd-wire-<uid>``)."""
+    return os.path.join(default_socket_dir(), f"pdd-wire-{site}.sock")
+
+
 def default_toml(site: str) -> str:
     if site not in DEFAULT_SITES:
         raise ConfigError("site", f"{site!r} has no embedded default (known: {sorted(DEFAULT_SITES)}); "
@@ -306,8 +348,8 @@ def default_toml(site: str) -> str:
     peers = "".join(
         f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{w}"\ntransport = "tcp"\n\n'
         for s, (n, w, _) in DEFAULT_SITES.items() if s != site)
-    sock = os.path.join(default_socket_dir(), f"pdd-wire-{site}.sock")
-    return DEFAULT_TEMPLATE.format(site=site, node=node, wan=wan, admin=admin, sock=sock, peers=peers)
+    return DEFAULT_TEMPLATE.format(site=site, node=node, wan=wan, admin=admin, sock=default_engine_socket(site),
+                                   peers=peers)
 
 
 def default_config(site: str, **overrides) -> Config:

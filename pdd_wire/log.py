@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import time
+import weakref
 
 import structlog
 
@@ -26,3 +28,44 @@ def configure(level: str = "info", fmt: str = "auto", stream=None) -> None:
         logger_factory=structlog.PrintLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
+
+
+class Repeats:
+    """Rate-limits identical log lines: the first one goes out, the same event with the same
+    fields within ``every_s`` is only counted, and the next one after that carries
+    ``repeated=N`` (how many were held back). A different event or different fields go out at
+    once. Not thread-safe: one per owner, used from its event loop."""
+
+    def __init__(self, every_s: float = 30.0, clock=time.monotonic) -> None:
+        self.every_s = every_s
+        self._clock = clock
+        self._seen: dict[tuple, list] = {}  # key -> [last emitted at, held back since]
+
+    def __call__(self, method, event: str, **fields) -> bool:
+        """Log ``event`` with ``method`` (e.g. ``logger.warning``) unless it is a repeat; True
+        when it went out."""
+        key = (getattr(method, "__name__", ""), event, tuple(sorted((k, repr(v)) for k, v in fields.items())))
+        now = self._clock()
+        seen = self._seen.get(key)
+        if seen is not None and now - seen[0] < self.every_s:
+            seen[1] += 1
+            return False
+        if seen is not None and seen[1]:
+            fields["repeated"] = seen[1]
+        if len(self._seen) >= 64:  # bounded: forget the oldest
+            self._seen.pop(next(iter(self._seen)))
+        self._seen[key] = [now, 0]
+        method(event, **fields)
+        return True
+
+
+_repeats: "weakref.WeakKeyDictionary[object, Repeats]" = weakref.WeakKeyDictionary()
+
+
+def limited(owner, method, event: str, *, every_s: float = 30.0, **fields) -> bool:
+    """``Repeats`` kept per ``owner`` (a session, a listener): one line per ``every_s`` for the
+    same event and fields from the same owner, the next one counting those held back."""
+    rep = _repeats.get(owner)
+    if rep is None:
+        rep = _repeats[owner] = Repeats(every_s)
+    return rep(method, event, **fields)

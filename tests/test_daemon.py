@@ -351,7 +351,8 @@ async def test_embedded_default_sites_find_each_other(daemons, short_dir, engine
     code, body = await get("http://127.0.0.1:7701/healthz")
     assert code == 200 and json.loads(body) == {"ok": True}
     code, body = await get("http://127.0.0.1:7701/readyz")
-    assert code == 200 and json.loads(body) == {"ready": True, "peers_up": 1, "peers": 1}
+    assert code == 200 and json.loads(body) == {"ready": True, "listening": True, "peers_up": 1, "peers": 1,
+                                                "all_peers_up": True}
     code, body = await get("http://127.0.0.1:7701/metrics")
     assert code == 200
     assert 'pddwire_peer_up{peer="B/b1"} 1.0' in body.decode().splitlines()

@@ -12,6 +12,7 @@ from typing import Any
 
 from ..config import Timeouts
 from ..errors import FatalHandshakeError, HandshakeError, TransportError
+from ..log import limited
 from ..transport.base import Connector
 from ..transport.tcp import FrameProtocol
 from ..wire import FrameType, encode, encode_body
@@ -74,7 +75,7 @@ class Dialer:
                     self.count_error(exc.code)
                 backoff = to.reconnect_max_backoff_s
             except (TransportError, HandshakeError, TimeoutError, OSError) as exc:
-                self.log.info("peer not reachable", error=str(exc) or type(exc).__name__)
+                limited(self, self.log.info, "peer not reachable", error=str(exc) or type(exc).__name__)
             if self.closing:
                 return
             await asyncio.sleep(backoff * (0.5 + random.random() / 2))

@@ -248,7 +248,7 @@ class PeerSession:
         self.metrics.peer_up.labels(peer=self.key).set(1)
         if not first:
             self.metrics.reconnects.labels(peer=self.key).inc()
-        self.log.info("peer up", resumed=not restarted, streams=self.streams)
+        self.log.info("peer up", resumed=not first and not restarted, streams=self.streams)
         self._ping()  # an RTT at once
         while self.cancel_later:
             tid, cancel = self.cancel_later.popleft()

@@ -71,6 +71,12 @@ class Figures:
     def __init__(self, as_json: bool) -> None:
         self.as_json = as_json
         self.rows: list[dict] = []
+        self.t0 = time.monotonic()
+
+    def step(self, what: str) -> None:
+        """A progress line on a terminal (stderr) as a group starts; nothing with --json or in CI."""
+        if not self.as_json and sys.stderr.isatty():
+            print(f"# [{time.monotonic() - self.t0:5.0f} s] {what} ...", file=sys.stderr, flush=True)
 
     def add(self, figure: str, value: float, unit: str, baseline: str | None = None,
             baseline_value: float | None = None, note: str = "") -> None:
@@ -471,6 +477,7 @@ async def _run(args) -> int:
     quick = args.quick
     base = None
     if "goodput" in groups:
+        figs.step("goodput baselines: iperf3 and a bare Python pipe")
         base = iperf3_goodput(2 if quick else 3)
         if base is None:
             print("# iperf3 not found: goodput ratios are left out (apt-get install iperf3)")
@@ -481,17 +488,21 @@ async def _run(args) -> int:
         figs.add("bare_pipe_cold_64MiB", pipe, "GB/s", "iperf3 -l 1M", base,
                  note="64 MiB memfd pools, as KV moves: bytes no longer come from cache")
     if "ucx" in groups:
+        figs.step("ucx: bare ucxx, then two agents of one site")
         await _ucx_figures(figs, quick)
     if "probe" in groups:
+        figs.step("probe: the delay relay, then probes over a tbf-shaped veth")
         await _shaper_figures(figs)
         await _probe_figures(figs, quick)
     if "compress" in groups:
+        figs.step("compress: lz4 on real KV, then through the agents")
         await _compress_figures(figs, quick)
     if not groups & {"goodput", "latency", "handoff", "prefix"}:
         return 0
     async with AgentPair() as pair:
         async with EngineClient(pair.sockets["A"], "bench-A") as ea, EngineClient(pair.sockets["B"], "bench-B") as eb:
             if "goodput" in groups:
+                figs.step("goodput: KV between two agents")
                 for size, count, conc in ((4 * MiB, 64 if quick else 256, 8), (64 * MiB, 8 if quick else 24, 2)):
                     gbps, lat = await _goodput(ea, eb, size, count, conc)
                     label = f"{size // MiB}MiB"
@@ -500,6 +511,7 @@ async def _run(args) -> int:
                     figs.add(f"kv_goodput_{label}_vs_bare_pipe", gbps, "GB/s", "bare python pipe", pipe,
                              note="memfd to memfd, no framing or checksums (pdd_tools.benchpipe)")
             if "latency" in groups:
+                figs.step("latency: token IDs, idle and under load")
                 idle = await _token_latency(ea, eb, 100 if quick else 300, "idle")
                 figs.add("token_latency_idle_p50", percentile(idle, 50), "ms")
                 figs.add("token_latency_idle_p99", percentile(idle, 99), "ms")
@@ -513,8 +525,10 @@ async def _run(args) -> int:
                 figs.add("token_latency_under_load_p99", percentile(loaded, 99), "ms", "idle p99", percentile(idle, 99),
                          note=f"{len(loaded)} samples during 1 GiB transfers at {gbps:.2f} GB/s")
             if "prefix" in groups:
+                figs.step("prefix: the decode-side inventory")
                 await _prefix_figures(figs, pair, ea, eb, quick)
             if "handoff" in groups:
+                figs.step("handoff: one-shot and catch-up")
                 async with EngineClient(pair.sockets["A"], "bench-RLD") as er:
                     for mode, name in (("one-shot", "oneshot"), ("catch-up", "catchup")):
                         ms, pos = await _handoff_latency(ea, er, eb, mode, 10 if quick else 30)

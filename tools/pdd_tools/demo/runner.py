@@ -102,6 +102,8 @@ async def _until(fut_or_event, rep: _Replay, timeout: float, what: str) -> None:
 
 async def _run(cfg: DemoConfig, kind: str, trace, out: Path, sites=None) -> RunResult:
     from pdd_wire.engine.client import EngineClient
+    from pdd_wire.progress import Progress
+
     from ..sim import check_stream
 
     run_dir = out / kind
@@ -116,6 +118,9 @@ async def _run(cfg: DemoConfig, kind: str, trace, out: Path, sites=None) -> RunR
     router = None
     rep = _Replay(trace, kind)
     readers = []
+    # On a terminal: how far the replay is (nothing in logs or with --quiet).
+    shown = Progress(lambda el: f"  {kind}: {len(trace) - rep.open}/{len(trace)} requests done, {el:.0f} s",
+                     quiet=cfg.quiet)
     try:
         # The WAN's latency: one shaper in site A in front of MD's agent.
         argv = [py, "-m", "pdd_tools.shaper", "--listen", f"{lay.shaper_listen[0]}:{lay.shaper_listen[1]}",
@@ -159,6 +164,7 @@ async def _run(cfg: DemoConfig, kind: str, trace, out: Path, sites=None) -> RunR
                   f"over {trace[-1].arrival_s:.0f} s ...", flush=True)
 
         t0 = time.monotonic() + 0.3
+        shown.__enter__()
         for r in trace:
             delay = t0 + r.arrival_s - time.monotonic()
             if delay > 0:
@@ -191,6 +197,7 @@ async def _run(cfg: DemoConfig, kind: str, trace, out: Path, sites=None) -> RunR
     except TimeoutError as exc:
         rep.failures.append(str(exc))
     finally:
+        shown.__exit__(None, None, None)
         rep.closing = True
         if router is not None:
             await router.close()

@@ -1,0 +1,8 @@
+"""The package's version, read from its installed metadata: pyproject.toml is the one source."""
+
+from importlib import metadata
+
+try:
+    __version__ = metadata.version("pdd-wire")
+except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
