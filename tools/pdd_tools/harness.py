@@ -267,6 +267,4 @@ class NetnsAgents:
     def cleanup(self) -> None:
         self.stop()
         self.sites.down()
-        for p in self.dir.iterdir():
-            p.unlink()
-        self.dir.rmdir()
+        shutil.rmtree(self.dir, ignore_errors=True)  # configs, logs, sockets, a generated PKI
