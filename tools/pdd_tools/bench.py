@@ -563,7 +563,8 @@ async def _register_figures(figs: Figures, quick: bool) -> None:
     sizes = [g for g in ((1,) if quick else (1, 8, 64)) if g * GiB <= 0.6 * avail]
     left = [g for g in (1, 8, 64) if g not in sizes and not quick]
     for row in await bench_register.measure(sizes):
-        figs.add(row["figure"], row["value"], row["unit"], note=row["note"])
+        figs.add(row["figure"], row["value"], row["unit"], row.get("baseline"), row.get("baseline_value"),
+                 note=row["note"])
     if left:
         print(f"# register: {', '.join(f'{g} GiB' for g in left)} left out: {avail / GiB:.1f} GiB available "
               f"(a pool must fit in 60% of it); the largest measured is {max(sizes, default=0)} GiB", flush=True)

@@ -87,6 +87,7 @@ async def measure(sizes_gib: list[int]) -> list[dict]:
             probe = StallProbe(pair).start()
             await asyncio.sleep(3.0)
             await probe.stop()
+            idle_max = probe.max_ms
             idle = f"idle max {probe.max_ms:.1f} ms, p99 {probe.p99_ms:.1f} ms"
             for gib in sizes_gib:
                 reconnects0, _ = await asyncio.to_thread(_peer_counters, pair)
@@ -103,7 +104,7 @@ async def measure(sizes_gib: list[int]) -> list[dict]:
                     mem.close()
                 missed = int(reconnects1 - reconnects0) + (0 if up == 1 else 1)
                 rows.append({"figure": f"register_{gib}GiB_max_stall_ms", "value": round(probe.max_ms, 1),
-                             "unit": "ms",
+                             "unit": "ms", "baseline": "idle max stall", "baseline_value": round(idle_max, 1),
                              "note": f"registration took {took:.2f} s ({gib / took:.1f} GiB/s paged in); "
                                      f"{len(probe.times)} /healthz probes, p99 {probe.p99_ms:.1f} ms ({idle}); "
                                      f"heartbeats missed (B lost A): {missed}; load average "
