@@ -22,7 +22,6 @@ from pdd_wire.memory import SharedMemory
 from pdd_wire.stats import percentile
 
 MiB = 1 << 20
-GiB = 1 << 30
 # Figure groups of --only, in the order they run; every one by default.
 GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "latency", "prefix", "handoff")
 
@@ -506,10 +505,14 @@ async def _run(args) -> int:
         await _compress_figures(figs, quick)
     if "register" in groups:
         figs.step("register: memory pools paged in while the agent keeps serving")
-        await _register_figures(figs, quick)
+        from . import bench_register
+
+        await bench_register.add_figures(figs, quick)
     if "vllm" in groups:
         figs.step("vllm: P -> D through the agents against one vllm serve")
-        await _vllm_figures(figs, quick)
+        from . import bench_vllm
+
+        await bench_vllm.add_figures(figs, quick)
     if not groups & {"goodput", "latency", "handoff", "prefix"}:
         return 0
     async with AgentPair() as pair:
@@ -552,51 +555,6 @@ async def _run(args) -> int:
                                       f"ready, commit at {statistics.median(pos):.0f}; RLD 20 ms/token, extends "
                                       f"free; control RTT {rtt * 1e3:.2f} ms")
     return 0
-
-
-async def _register_figures(figs: Figures, quick: bool) -> None:
-    """Registration of 1, 8 and 64 GiB pools (those that fit in memory) and the longest stall of
-    the agent's event loop meanwhile (pdd_tools.bench_register)."""
-    from . import bench_register
-
-    avail = _mem_available()
-    sizes = [g for g in ((1,) if quick else (1, 8, 64)) if g * GiB <= 0.6 * avail]
-    left = [g for g in (1, 8, 64) if g not in sizes and not quick]
-    for row in await bench_register.measure(sizes):
-        figs.add(row["figure"], row["value"], row["unit"], row.get("baseline"), row.get("baseline_value"),
-                 note=row["note"])
-    if left:
-        print(f"# register: {', '.join(f'{g} GiB' for g in left)} left out: {avail / GiB:.1f} GiB available "
-              f"(a pool must fit in 60% of it); the largest measured is {max(sizes, default=0)} GiB", flush=True)
-
-
-def _mem_available() -> int:
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-async def _vllm_figures(figs: Figures, quick: bool) -> None:
-    """vLLM P -> D through two agents against one vllm serve, in the same run (pdd_tools.bench_vllm;
-    needs the vLLM venv that scripts/vllm-env builds)."""
-    from . import bench_vllm
-    from .vllm.serve import missing
-
-    why = missing()
-    if why:
-        print(f"# vllm figures left out: {why} (run scripts/vllm-env)", flush=True)
-        return
-    f = await bench_vllm.run(quick)
-    n = f["vllm_concurrency"]
-    figs.add("vllm_pd_ttft_p50", f["vllm_pd_ttft_p50"], "s", "one vllm serve", f["vllm_single_ttft_p50"],
-             note=f"{n} concurrent streamed requests through a stock P/D proxy; both engines share 2 cores here")
-    figs.add("vllm_pd_output_tokens_per_s", f["vllm_pd_output_tokens_per_s"], "tok/s", "one vllm serve",
-             f["vllm_single_output_tokens_per_s"], note=f"{n} concurrent, the same prompts")
-    if f.get("vllm_drc_wan_bytes_reduction") is not None:
-        figs.add("vllm_drc_wan_bytes_reduction", f["vllm_drc_wan_bytes_reduction"], "x",
-                 note="second turns of two-turn conversations: whole prompts' KV bytes / KV bytes that crossed")
 
 
 async def _ucx_figures(figs: Figures, quick: bool) -> None:

@@ -146,6 +146,24 @@ async def run(quick: bool = False) -> dict:
     return figures
 
 
+async def add_figures(figs, quick: bool) -> None:
+    """``scripts/bench --only vllm``: :func:`run`'s figures with their baselines (needs the vLLM
+    venv that scripts/vllm-env builds)."""
+    why = missing()
+    if why:
+        print(f"# vllm figures left out: {why} (run scripts/vllm-env)", flush=True)
+        return
+    f = await run(quick)
+    n = f["vllm_concurrency"]
+    figs.add("vllm_pd_ttft_p50", f["vllm_pd_ttft_p50"], "s", "one vllm serve", f["vllm_single_ttft_p50"],
+             note=f"{n} concurrent streamed requests through a stock P/D proxy; both engines share 2 cores here")
+    figs.add("vllm_pd_output_tokens_per_s", f["vllm_pd_output_tokens_per_s"], "tok/s", "one vllm serve",
+             f["vllm_single_output_tokens_per_s"], note=f"{n} concurrent, the same prompts")
+    if f.get("vllm_drc_wan_bytes_reduction") is not None:
+        figs.add("vllm_drc_wan_bytes_reduction", f["vllm_drc_wan_bytes_reduction"], "x",
+                 note="second turns of two-turn conversations: whole prompts' KV bytes / KV bytes that crossed")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="8 requests, 2 conversations")
