@@ -32,8 +32,9 @@ try:  # optional: only the shuffle's speed depends on it
 except ImportError:  # pragma: no cover - depends on the environment
     _np = None
 
+HAVE_NUMPY = _np is not None
 #: Use numpy for the shuffle when it is importable. Tests set this to False for the pure path.
-USE_NUMPY = _np is not None
+USE_NUMPY = HAVE_NUMPY
 
 #: The relative goodput gain that compression must bring before it is switched on.
 DEFAULT_MARGIN = 0.10

@@ -23,8 +23,8 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from .errors import EngineRequestError, ErrorCode
 
