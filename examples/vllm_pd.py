@@ -67,7 +67,7 @@ def engine_main(role: str, model: str, sock: str) -> None:
 
 class Engine:
     def __init__(self, role: str, model: str, sock: str, log: Path) -> None:
-        self.log = open(log, "wb")
+        self.log = open(log, "wb")  # noqa: SIM115 -- stop() closes it
         self.proc = subprocess.Popen([sys.executable, str(HERE), "--role", role, "--model", model, "--socket", sock],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
 
@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         d = Path(tmp)
         cfg = agent_configs(d)
         agents = {s: subprocess.Popen([sys.executable, "-m", "pdd_wire", "--site", s, "--config", str(c["config"])],
-                                      stdout=open(d / f"agent-{s}.log", "wb"), stderr=subprocess.STDOUT)
+                                      stdout=open(d / f"agent-{s}.log", "wb"),  # noqa: SIM115
+                                      stderr=subprocess.STDOUT)
                   for s, c in cfg.items()}
         engines = {}
         try:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import ssl
 import time
 
 import structlog
@@ -40,9 +41,9 @@ from .engine_server import EngineServer
 from .inbound import Inbound
 from .metrics import Metrics
 from .peers import Peers
+from .pki import Pki, log_tls_mode, tls_files
 from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
-from .pki import log_tls_mode, tls_files
 from .transport.tcp import BulkLoop, client_tls_context, server_tls_context
 from .wire import messages as m
 
@@ -56,11 +57,13 @@ class Agent:
         self.incarnation = random.getrandbits(63) or 1
         self.log = log.bind(site=config.site, node=config.node)
         self.started = time.time()
+        self.config_path: str | None = None  # shown in /v1/status: which file this agent runs on
         self.ready = asyncio.Event()
         self._tids = 0
         self._transfer_ended = asyncio.Event()  # set by sessions whenever a transfer ends
-        self._ssl_server = self._ssl_client = None
-        self.pki = None  # the TLS files, resolved (or generated) at start
+        self._ssl_server: ssl.SSLContext | None = None
+        self._ssl_client: ssl.SSLContext | None = None
+        self.pki: Pki | None = None  # the TLS files, resolved (or generated) at start
         # Bulk connections run TLS with configured certificates; with the generated PKI (loopback
         # only) they are bound to the TLS-authenticated session by its secret token instead
         # (proto/handshake.md §5: TLS on loopback bulk cost 3x of the goodput here).
@@ -110,7 +113,8 @@ class Agent:
                                           handler=self.requests.handle, on_gone=self.requests.engine_gone,
                                           max_engines=cfg.limits.max_engines, max_message=16 << 20,
                                           allowed_uids=uids, allowed_gids=gids, on_error=self.metrics.error,
-                                          max_out=cfg.limits.engine_queue_bytes, read_deadline_s=cfg.timeouts.engine_read_s,
+                                          max_out=cfg.limits.engine_queue_bytes,
+                                          read_deadline_s=cfg.timeouts.engine_read_s,
                                           max_per_uid=min(cfg.limits.max_engines_per_uid, cfg.limits.max_engines))
         self.requests.engines = self.engine_server
         await self.engine_server.start()

@@ -18,8 +18,8 @@ import urllib.request
 
 from . import config as cfgmod
 from ._version import __version__
-from .progress import Progress, bar
 from .errors import ConfigError
+from .progress import Progress, bar
 
 
 def _load_config(args) -> cfgmod.Config:
@@ -72,7 +72,7 @@ async def _serve(cfg: cfgmod.Config, config_path: str | None = None) -> int:
     from .agent import Agent
 
     agent = Agent(cfg)
-    agent.config_path = config_path  # shown in /v1/status: which file this agent runs on
+    agent.config_path = config_path
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

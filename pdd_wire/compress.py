@@ -30,10 +30,11 @@ import lz4.block
 try:  # optional: only the shuffle's speed depends on it
     import numpy as _np
 except ImportError:  # pragma: no cover - depends on the environment
-    _np = None
+    _np = None  # type: ignore[assignment]
 
+HAVE_NUMPY = _np is not None
 #: Use numpy for the shuffle when it is importable. Tests set this to False for the pure path.
-USE_NUMPY = _np is not None
+USE_NUMPY = HAVE_NUMPY
 
 #: The relative goodput gain that compression must bring before it is switched on.
 DEFAULT_MARGIN = 0.10
@@ -151,7 +152,7 @@ def unshuffle16_into(src: Buffer, dst: memoryview) -> None:
         # memmove, unless the destination is a whole bytearray.
         obj = d.obj
         direct = isinstance(obj, bytearray) and len(obj) == n
-        tmp = obj if direct else _scratch(even, 1)
+        tmp = obj if isinstance(obj, bytearray) and direct else _scratch(even, 1)
         tmp[0:even:2] = s[:half]
         tmp[1:even:2] = s[half:even]
         if not direct:
@@ -168,9 +169,9 @@ def _lz4_args(level: int) -> dict:
     return {"mode": "high_compression", "compression": level}
 
 
-def encode_chunk(data: Buffer, *, shuffle: bool, level: int = 0) -> bytes:
+def encode_chunk(data: Buffer, *, shuffle: bool, level: int = 0) -> bytes | memoryview:
     """The payload for one chunk: an lz4 block of (shuffled, if ``shuffle``) ``data`` without size
-    header, or ``bytes(data)`` unchanged when lz4 does not make it smaller (then
+    header, or the chunk itself, uncopied, when lz4 does not make it smaller (then
     ``len(payload) == len(data)``).
 
     ``level``: 0 is lz4's default mode; ``-k`` its fast mode with acceleration k; ``k > 0`` its
@@ -340,6 +341,9 @@ class Estimator:
 
     def snapshot(self) -> tuple[int, float | None, float | None, float | None]:
         """``(samples, ratio, compress_Bps, decompress_Bps)``, all from one consistent state."""
+        ratio: float | None
+        comp: float | None
+        dec: float | None
         with self._lock:
             if not self.samples:
                 comp = ratio = None
@@ -368,6 +372,7 @@ class Estimator:
         samples, ratio, comp, dec = self.snapshot()
         if not samples:
             return link_Bps
+        assert ratio is not None and comp is not None and dec is not None  # set by the first sample
         return goodput_with_compression(link_Bps, ratio, comp, dec, self.cpu_budget)
 
     def decide(self, link_Bps: float) -> bool:
@@ -375,4 +380,5 @@ class Estimator:
         samples, ratio, comp, dec = self.snapshot()
         if samples < self.min_samples:
             return False
+        assert ratio is not None and comp is not None and dec is not None  # set by the first sample
         return worth_compressing(link_Bps, ratio, comp, dec, self.cpu_budget, margin=self.margin)

@@ -15,7 +15,7 @@ import re
 import types
 import typing
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -95,7 +95,8 @@ class Tls(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True)
     key: str = ""
     ca: str = ""
     auto_dir: str = ""  # generated CA and node certificates; "" = pdd-wire-pki-<uid> beside the engine socket
-    allow_plaintext: bool = False  # plaintext and unauthenticated: any process that reaches listen.wan can pose as a peer
+    # plaintext and unauthenticated: any process that reaches listen.wan can pose as a peer
+    allow_plaintext: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -253,7 +254,7 @@ def _key_of(msg: str) -> str:
 
 def _type_at(key: str):
     """The type a dotted config key (``peers[0].transport``) has in :class:`Config`, or None."""
-    t = Config
+    t: Any = Config
     for part in re.sub(r"\[\d+\]", "", key).split("."):
         if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
             return None

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from . import policy
 from .config import Config

@@ -14,7 +14,7 @@ import os
 import socket
 import struct
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import structlog
 
@@ -194,7 +194,8 @@ class EngineServer:
 
     def __init__(self, path: str, mode: int, *, handler: Callable[..., Awaitable[dict | None]],
                  on_gone: Callable[[EngineConn], Awaitable[None]], max_engines: int, max_message: int,
-                 allowed_uids: set[int], allowed_gids: set[int] = frozenset(), on_error=lambda code: None,
+                 allowed_uids: set[int], allowed_gids: set[int] | frozenset[int] = frozenset(),
+                 on_error=lambda code: None,
                  max_out: int = 64 << 20, max_per_uid: int | None = None, read_deadline_s: float = 5.0) -> None:
         self.path = path
         self.mode = mode
@@ -238,12 +239,12 @@ class EngineServer:
         sock.listen(128)
         sock.setblocking(False)
         self._sock = sock
-        self._accept_task = asyncio.create_task(self._accept_forever(), name="engine-accept")
+        self._accept_task = asyncio.create_task(self._accept_forever(sock), name="engine-accept")
 
-    async def _accept_forever(self) -> None:
+    async def _accept_forever(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            conn, _ = await loop.sock_accept(self._sock)
+            conn, _ = await loop.sock_accept(sock)
             conn.setblocking(False)
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             pid, uid, gid = struct.unpack("3i", creds)

@@ -11,12 +11,13 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from .transport.bulk import BulkHandler
 from .config import Config
 from .errors import ErrorCode, FatalHandshakeError, PddWireError, ProtocolError, TransportError
 from .metrics import Metrics
+from .transport.bulk import BulkHandler
 from .transport.tcp import KIND_CONTROL, BulkLoop, FrameProtocol, adopt, read_preamble
 from .wire import FrameType, decode_body
 from .wire import messages as m

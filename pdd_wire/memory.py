@@ -23,8 +23,9 @@ import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Any
 
 from .errors import EngineRequestError, ErrorCode
 
@@ -123,10 +124,11 @@ class HostRegion(Region):
                                          ErrorCode.OUT_OF_BOUNDS)
             # Mapped without MAP_POPULATE: that faults every page in inside mmap(), holding the
             # GIL (1 GiB froze the agent 1.4 s). populate() pages it in by slices instead.
-            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
-        self._view = memoryview(self._map)
+        self._map: mmap.mmap | None = mapping
+        self._view = memoryview(mapping)
 
     def view(self) -> memoryview:
         return self._view
@@ -136,9 +138,10 @@ class HostRegion(Region):
         the bulk path), by ``madvise(MADV_POPULATE_WRITE)`` over ``slice_bytes`` at a time.
         Blocking: run it on a worker thread; each call is a ctypes call, which releases the GIL.
         False if the kernel cannot (before 5.14): the pages then fault in on first use."""
-        if self.closed:
+        mapping = self._map
+        if self.closed or mapping is None:
             return False
-        anchor = ctypes.c_char.from_buffer(self._map)  # an export: the mapping cannot go meanwhile
+        anchor = ctypes.c_char.from_buffer(mapping)  # an export: the mapping cannot go meanwhile
         try:
             base = ctypes.addressof(anchor)
             for off in range(0, self.size, slice_bytes):
@@ -166,6 +169,8 @@ class HostRegion(Region):
                 fn(value)
 
         def run() -> None:
+            result: object
+            fn: Callable[[Any], None]
             try:
                 result, fn = self.populate(), done.set_result
             except BaseException as exc:
@@ -183,10 +188,11 @@ class HostRegion(Region):
             return
         super().close()
         self._view.release()
-        try:
-            self._map.close()
-        except BufferError:
-            pass  # a chunk in flight still holds a slice; unmapped when it lets go
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a chunk in flight still holds a slice; unmapped when it lets go
         self._map = None
 
 
@@ -257,6 +263,7 @@ class BlockMap:
                 segs[-1] = (r, segs[-1][1], segs[-1][2] + ln)  # merge contiguous runs
             else:
                 segs.append((r, off, ln))
+        assert block_bytes is not None  # there is at least one extent
         self.block_bytes = block_bytes
         self.n_blocks = sum(e.count for e in self.extents)
         self.regions = {id(r): r for r, _, _ in segs}

@@ -93,7 +93,7 @@ def _key_pem(key) -> bytes:
 
 
 def _now() -> dt.datetime:
-    return dt.datetime.now(dt.timezone.utc)
+    return dt.datetime.now(dt.UTC)
 
 
 def _make_ca(d: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
@@ -143,7 +143,7 @@ def _load_ca(d: Path):
         key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), None)
     except (OSError, ValueError, TypeError):
         return None
-    if cert.public_key().public_numbers() != key.public_key().public_numbers():
+    if cert.public_key() != key.public_key():
         return None
     if cert.not_valid_after_utc - _now() < RENEW_BEFORE:
         return None
@@ -159,7 +159,7 @@ def _leaf_ok(d: Path, stem: str, name: str, ca: x509.Certificate) -> bool:
             x509.DNSName)
     except (OSError, ValueError, TypeError, x509.ExtensionNotFound, InvalidSignature):
         return False
-    return (name in names and cert.public_key().public_numbers() == key.public_key().public_numbers()
+    return (name in names and cert.public_key() == key.public_key()
             and cert.not_valid_after_utc - _now() >= RENEW_BEFORE)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 def bar(fraction: float, width: int = 30) -> str:

@@ -7,8 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from pdd_wire import EngineClient, SharedMemory  # noqa: E402
-from pdd_wire import log  # noqa: E402
+from pdd_wire import EngineClient, SharedMemory, log  # noqa: E402
 
 log.configure(os.environ.get("PDD_TEST_LOG", "warning"), "console")
 

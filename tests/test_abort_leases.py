@@ -179,7 +179,8 @@ def _connect_as(path: str, uid: int, gid: int) -> bool:
 async def test_engine_socket_admits_the_configured_group_only(tmp_sock_dir, engines):
     os.chmod(tmp_sock_dir, 0o755)
     tomls = two_site_toml(tmp_sock_dir)
-    tomls["A"] = tomls["A"].replace('engine_socket = ', 'engine_socket_mode = 0o666\nengine_gid = 4242\nengine_socket = ')
+    tomls["A"] = tomls["A"].replace('engine_socket = ',
+                                    'engine_socket_mode = 0o666\nengine_gid = 4242\nengine_socket = ')
     async with run_agents(tomls, sites=("A",), wait_up=False) as agents:
         path = str(tmp_sock_dir / "A.sock")
         assert await asyncio.to_thread(_connect_as, path, 65534, 4242)

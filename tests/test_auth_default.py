@@ -11,17 +11,17 @@ import ssl
 import stat
 
 import pytest
-from conftest import fill_random, same_bytes
-from support.agents import run_agents, two_site_toml
-from support.other_uid import NOBODY, run_as
 
+from conftest import fill_random, same_bytes
 from pdd_wire import config as cfgmod
 from pdd_wire import pki
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ConfigError
 from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL, preamble
-from pdd_wire.wire import FrameType, encode_bytes, encode_body
+from pdd_wire.wire import FrameType, encode_body, encode_bytes
 from pdd_wire.wire import messages as m
+from support.agents import run_agents, two_site_toml
+from support.other_uid import NOBODY, run_as
 
 MiB = 1 << 20
 

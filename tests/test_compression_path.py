@@ -10,6 +10,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
+
 from conftest import metric
 from pdd_wire import EngineClient, SharedMemory
 from pdd_wire.engine import protocol as p

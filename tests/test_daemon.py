@@ -22,13 +22,13 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import fill_random, same_bytes
-from support.agents import free_port
 
+from conftest import fill_random, same_bytes
 from pdd_tools.shaper import Shaper
 from pdd_wire import config as cfgmod
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
+from support.agents import free_port
 
 MiB = 1 << 20
 
@@ -475,7 +475,8 @@ async def test_engine_socket_in_use_exits_1_with_an_error_line_and_spares_the_li
     """A second agent configured with a live agent's engine socket must not steal it; it fails
     to start like any other start-up failure: exit 1 and a "cannot start" log line."""
     first_admin = f"127.0.0.1:{free_port()}"
-    text = GOOD.format(wan=free_port(), peer=free_port(), dir=short_dir).replace('admin = ""', f'admin = "{first_admin}"')
+    text = GOOD.format(wan=free_port(), peer=free_port(), dir=short_dir)
+    text = text.replace('admin = ""', f'admin = "{first_admin}"')
     first = daemons(["--site", "A", "--config", str(write(short_dir, "a.toml", text))], name="A")
     await wait_ready(first_admin, first)
     text2 = GOOD.format(wan=free_port(), peer=free_port(), dir=short_dir)  # same engine socket

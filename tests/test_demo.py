@@ -30,7 +30,7 @@ def _cfg(tmp_path, **kw) -> demo.DemoConfig:
 
 def _check(figures: dict, results: dict, out) -> None:
     assert set(results) == {"pd", "pdd"}
-    for kind, res in results.items():
+    for res in results.values():
         assert res.failures == [], res.failures[:5]
         assert len(res.requests) == len(res.streams) > 0
         for row in res.requests:

@@ -4,9 +4,8 @@ the WAN get the same blocks, each completes on its own, and the sender hears abo
 import asyncio
 
 from conftest import fill_random, same_bytes
-from support.agents import cluster_toml, run_agents
-
 from pdd_wire.engine import protocol as p
+from support.agents import cluster_toml, run_agents
 
 MiB = 1 << 20
 

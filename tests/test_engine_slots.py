@@ -9,12 +9,10 @@ import os
 import socket
 import struct
 
-from support.other_uid import NOBODY, run_as
-
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine_server import EngineServer
 from pdd_wire.errors import ErrorCode
-
+from support.other_uid import NOBODY, run_as
 
 
 @contextlib.asynccontextmanager

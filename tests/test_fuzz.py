@@ -20,8 +20,7 @@ from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode, ProtocolError
 from pdd_wire.memory import BlockMap, Extent, HostRegion, SharedMemory, chunk_range, n_chunks
 from pdd_wire.wire import FrameReader, decode_body, encode_bytes
-from pdd_wire.wire.frame import (HEADER, HEADER_SIZE, LANE_OF, MAGIC, MAX_BODY, MAX_PAYLOAD, FrameType,
-                                 Lane)
+from pdd_wire.wire.frame import HEADER, HEADER_SIZE, LANE_OF, MAGIC, MAX_BODY, MAX_PAYLOAD, FrameType, Lane
 from pdd_wire.wire.messages import BODY_TYPES
 
 MAX_B = 4096

@@ -26,9 +26,27 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pdd_wire.desk.handoff_protocol import (
-    CAPABILITY, HANDOFF_MESSAGES, Done, Emit, Extend, HandoffAbort, HandoffCommit, HandoffProgress,
-    HandoffProtocolError, HandoffRelease, HandoffTaken, HandoffUsageError, MdHandoff, MdState, ModeChosen,
-    RelayTokens, RldHandoff, RldState, Send, StartGenerating, StopGenerating,
+    CAPABILITY,
+    HANDOFF_MESSAGES,
+    Done,
+    Emit,
+    Extend,
+    HandoffAbort,
+    HandoffCommit,
+    HandoffProgress,
+    HandoffProtocolError,
+    HandoffRelease,
+    HandoffTaken,
+    HandoffUsageError,
+    MdHandoff,
+    MdState,
+    ModeChosen,
+    RelayTokens,
+    RldHandoff,
+    RldState,
+    Send,
+    StartGenerating,
+    StopGenerating,
 )
 from pdd_wire.policy import HandoffPolicy, ModeDecision, choose_handoff_mode
 

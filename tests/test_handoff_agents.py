@@ -173,9 +173,9 @@ async def test_many_concurrent_handoffs_in_both_modes_keep_the_invariant(tmp_soc
             rld = RldSim(eng, rid, "B", n_tokens=150 + 10 * i, step_s=0.002, hold_at=70 + 5 * i)
             sims.append((rid, rld, md))
         tasks = [asyncio.create_task(s.run(60)) for _, r, m in sims for s in (r, m)]
-        for rid, rld, _ in sims:
+        for _, rld, _ in sims:
             await asyncio.wait_for(rld.held.wait(), 10)
-        for i, (rid, rld, md) in enumerate(sims):
+        for i, (rid, rld, _) in enumerate(sims):
             await P.send_kv(rid, [preg.blocks(i % 8, 1)], to=["B"])
             rld.release_hold()
         await asyncio.gather(*tasks)
@@ -184,7 +184,7 @@ async def test_many_concurrent_handoffs_in_both_modes_keep_the_invariant(tmp_soc
             check_stream(rid, rld.n, rld.emitted, md.emitted)
             modes.add(rld.done.mode)
         assert modes >= {"one-shot", "catch-up"}
-        for rid, rld, md in sims:  # an MD that failed gave the request back; the others took over
+        for _, rld, md in sims:  # an MD that failed gave the request back; the others took over
             assert rld.done.owner == md.done.owner == ("RLD" if md.done.reason == "simulated_failure" else "MD")
         assert any(md.done.owner == "RLD" for _, _, md in sims)
 

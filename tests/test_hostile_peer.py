@@ -8,12 +8,11 @@ import asyncio
 import contextlib
 
 from conftest import metric
-from support.agents import run_agents, two_site_toml
-
 from pdd_wire.errors import ErrorCode
 from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL, preamble
-from pdd_wire.wire import FrameReader, FrameType, Lane, decode_body, encode_bytes, encode_body
+from pdd_wire.wire import FrameReader, FrameType, Lane, decode_body, encode_body, encode_bytes
 from pdd_wire.wire import messages as m
+from support.agents import run_agents, two_site_toml
 
 
 class RawPeer:

@@ -11,8 +11,8 @@ import pytest
 
 from conftest import fill_random, metric
 from pdd_wire.engine import protocol as p
-from pdd_wire.errors import EngineRequestError, ErrorCode
 from pdd_wire.engine.hashes import chain_hashes
+from pdd_wire.errors import EngineRequestError, ErrorCode
 from support.agents import run_agents, two_site_toml
 
 MiB = 1 << 20

@@ -13,12 +13,12 @@ import os
 import tempfile
 
 import pytest
-from conftest import fill_random, same_bytes
-from support.agents import run_agents, two_site_toml
 
+from conftest import fill_random, same_bytes
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
 from pdd_wire.memory import HostRegion, SharedMemory, register_async
+from support.agents import run_agents, two_site_toml
 
 MiB = 1 << 20
 

@@ -11,13 +11,25 @@ import json
 import threading
 
 import pytest
-from support.agents import free_port
-from test_daemon import (GOOD, _good, cli, daemons, get, json_lines, pair_configs, short_dir, tool,  # noqa: F401
-                         wait_peers_up, wait_ready, write)
 
 from pdd_wire import config as cfgmod
 from pdd_wire.log import Repeats
 from pdd_wire.progress import Progress, bar
+from support.agents import free_port
+from test_daemon import (  # noqa: F401
+    GOOD,
+    _good,
+    cli,
+    daemons,
+    get,
+    json_lines,
+    pair_configs,
+    short_dir,
+    tool,
+    wait_peers_up,
+    wait_ready,
+    write,
+)
 
 
 # ---------------------------------------------------------------------------------- the config

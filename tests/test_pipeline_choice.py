@@ -2,11 +2,11 @@
 live link figures of a real session, and recorded in metrics."""
 
 import pytest
-from conftest import fill_random, metric
-from support.agents import run_agents, two_site_toml
 
+from conftest import fill_random, metric
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
+from support.agents import run_agents, two_site_toml
 
 MiB = 1 << 20
 

@@ -8,8 +8,16 @@ import msgspec
 import pytest
 
 from pdd_wire.policy import (
-    Decision, HandoffPolicy, LinkFigures, ModeDecision, PipelineConfig, RequestFigures, choose_handoff_mode,
-    choose_pipeline, missing_kv_bytes, predict_wan_s,
+    Decision,
+    HandoffPolicy,
+    LinkFigures,
+    ModeDecision,
+    PipelineConfig,
+    RequestFigures,
+    choose_handoff_mode,
+    choose_pipeline,
+    missing_kv_bytes,
+    predict_wan_s,
 )
 
 KB = 1000
@@ -30,13 +38,16 @@ def req(inp, hit, out=1000):
 
 PIPELINE_CASES = [
     # --- the anomalous-traffic filter: the only way to P-RLD
-    pytest.param(req(32768, 0, 499), WAN, KV, CFG, "P-RLD", "anomalous_long_input_short_output", id="filter-at-both-bounds"),
-    pytest.param(req(200_000, 0, 1), WAN, KV, CFG, "P-RLD", "anomalous_long_input_short_output", id="filter-ultra-long"),
+    pytest.param(req(32768, 0, 499), WAN, KV, CFG, "P-RLD", "anomalous_long_input_short_output",
+                 id="filter-at-both-bounds"),
+    pytest.param(req(200_000, 0, 1), WAN, KV, CFG, "P-RLD", "anomalous_long_input_short_output",
+                 id="filter-ultra-long"),
     pytest.param(req(32768, 32768, 10), WAN, KV, CFG, "P-RLD", "anomalous_long_input_short_output",
                  id="filter-whatever-the-hit"),
     pytest.param(req(32767, 32000, 499), WAN, KV, CFG, "P-MD", "wan_within_budget", id="filter-input-one-short"),
     pytest.param(req(32768, 32000, 500), WAN, KV, CFG, "P-MD", "wan_within_budget", id="filter-output-at-limit"),
-    pytest.param(req(32768, 0, 500), WAN10, KV, CFG, "P-RLD-MD", "wan_over_budget", id="filter-output-at-limit-low-hit"),
+    pytest.param(req(32768, 0, 500), WAN10, KV, CFG, "P-RLD-MD", "wan_over_budget",
+                 id="filter-output-at-limit-low-hit"),
     pytest.param(req(65536, 0, 100), WAN, KV, PipelineConfig(anomaly_filter=False), "P-RLD-MD", "wan_over_budget",
                  id="filter-off-never-p-rld"),
     pytest.param(req(1000, 0, 10), WAN, KV, PipelineConfig(anomaly_min_input_tokens=1000,

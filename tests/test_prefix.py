@@ -11,8 +11,8 @@ import asyncio
 import pytest
 
 from conftest import fill_random, metric
-from pdd_wire.engine import protocol as p
 from pdd_wire.desk.inventory import Inventory
+from pdd_wire.engine import protocol as p
 from pdd_wire.engine.hashes import chain_hashes
 from support.agents import run_agents, two_site_toml
 

@@ -17,15 +17,14 @@ import random
 import socket
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import aiohttp
 import pytest
-from conftest import fill_random, metric, same_bytes, until
-from support.agents import free_port, run_agents, two_site_toml
 
+from conftest import fill_random, metric, same_bytes, until
 from pdd_tools.shaper import Shaper
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
@@ -34,6 +33,7 @@ from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL, preamble
 from pdd_wire.wire import FrameReader, decode_body, encode_body, encode_bytes
 from pdd_wire.wire import messages as m
 from pdd_wire.wire.frame import HEADER, MAGIC, FrameType, Header, Lane, encode_header
+from support.agents import free_port, run_agents, two_site_toml
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -786,7 +786,8 @@ async def test_engine_that_stops_reading_is_cut_off(tmp_sock_dir):
     import socket as _socket
 
     from pdd_wire.engine import protocol as ep
-    from support.agents import run_agents as _run, two_site_toml as _toml
+    from support.agents import run_agents as _run
+    from support.agents import two_site_toml as _toml
 
     tomls = _toml(tmp_sock_dir, extra="[limits]\nengine_queue_bytes = 65536\n")
     async with _run(tomls) as ag:

@@ -239,7 +239,7 @@ class SessionCore(RuleBasedStateMachine):
     @rule(dt=st.floats(0.0, 2 * ACK_TIMEOUT))
     def tick(self, dt: float) -> None:
         self.now += dt
-        for tid, k in self.w.expire(self.now, self.ACK_TIMEOUT):
+        for tid, _ in self.w.expire(self.now, self.ACK_TIMEOUT):
             assert tid in self.w.out
         self.pump()
 

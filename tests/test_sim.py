@@ -13,12 +13,11 @@ import asyncio
 import statistics
 
 import pytest
-from support.agents import cluster_toml, run_agents
 
 from pdd_tools import trace as tracemod
-from pdd_tools.sim import (GPU_A, GPU_B, ChipProfile, DecodeSim, KvPool, PrefillSim, check_stream,
-                           token_at)
+from pdd_tools.sim import GPU_A, GPU_B, ChipProfile, DecodeSim, KvPool, PrefillSim, check_stream, token_at
 from pdd_wire.engine.client import RegionHandle
+from support.agents import cluster_toml, run_agents
 
 MiB = 1 << 20
 KVB = 1024  # bytes per token in these tests

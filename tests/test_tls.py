@@ -11,16 +11,16 @@ import asyncio
 import contextlib
 
 import pytest
-from conftest import fill_random, metric, same_bytes
 from structlog.testing import capture_logs
-from support.agents import free_port, run_agents, two_site_toml, wait_links
-from support.certs import make_pki
 
+from conftest import fill_random, metric, same_bytes
 from pdd_tools.shaper import Shaper
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ConfigError
+from support.agents import free_port, run_agents, two_site_toml, wait_links
+from support.certs import make_pki
 
 MiB = 1 << 20
 

@@ -3,11 +3,11 @@
 import asyncio
 
 import pytest
-from conftest import fill_random, metric, same_bytes, wait_rx_chunks
-from support.agents import relayed_toml, run_agents, two_site_toml
 
+from conftest import fill_random, metric, same_bytes, wait_rx_chunks
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
+from support.agents import relayed_toml, run_agents, two_site_toml
 
 MiB = 1 << 20
 

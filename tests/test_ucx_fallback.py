@@ -9,9 +9,8 @@ import sys
 import urllib.request
 
 from conftest import fill_random, same_bytes
-from support.agents import cluster_toml, free_port
-
 from pdd_wire.engine import protocol as p
+from support.agents import cluster_toml, free_port
 
 MiB = 1 << 20
 

@@ -3,11 +3,11 @@
 import asyncio
 
 import pytest
-from conftest import fill_random, same_bytes, wait_rx_chunks
-from support.agents import cluster_toml, run_agents
 
+from conftest import fill_random, same_bytes, wait_rx_chunks
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
+from support.agents import cluster_toml, run_agents
 
 pytestmark = pytest.mark.ucx
 

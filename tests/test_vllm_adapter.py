@@ -33,8 +33,8 @@ from conftest import metric
 from pdd_tools.shaper import Shaper
 from pdd_tools.vllm.roles import RoleProc, missing
 from pdd_wire import EngineClient, SharedMemory
-from pdd_wire.agent import Agent
 from pdd_wire import config as cfgmod
+from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
 from support.agents import cluster_toml, free_port

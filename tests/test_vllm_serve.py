@@ -29,9 +29,18 @@ import pytest
 import pytest_asyncio
 
 from conftest import metric
+from pdd_tools.vllm.serve import (
+    BLOCK,
+    VOCAB,
+    Proxy,
+    VllmServer,
+    complete,
+    completion_body,
+    connector_config,
+    missing,
+    tokens,
+)
 from support.agents import run_agents, two_site_toml
-from pdd_tools.vllm.serve import (BLOCK, VOCAB, Proxy, VllmServer, complete, completion_body,
-                                connector_config, missing, tokens)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 

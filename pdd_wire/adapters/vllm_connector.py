@@ -71,22 +71,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from ..engine.hashes import chain_hashes
-from .vllm_meta import LoadSpec, PddWireMetadata, SendSpec, WorkerStats, _Consumer, _Producer, agent_identity
-from .vllm_worker import WorkerSide, _MemfdPool
+from .vllm_meta import Consumer, LoadSpec, PddWireMetadata, Producer, SendSpec, WorkerStats, agent_identity
+from .vllm_worker import MemfdPool, WorkerSide
 
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
-
-    from ..engine.client import EngineClient, RegionHandle
-    from ..memory import SharedMemory
-    from .loop_thread import LoopThread
-    from .vllm_meta import _PendingLoad, _PendingSend
-    from .vllm_worker import _Layout
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
+
+    from ..engine.client import EngineClient, RegionHandle
+    from ..memory import SharedMemory
+    from .loop_thread import LoopThread
+    from .vllm_meta import PendingLoad, PendingSend
+    from .vllm_worker import Layout
 
 log = logging.getLogger("vllm.pdd_wire")
 
@@ -138,8 +138,8 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         self.consumer = ktc.is_kv_consumer
         # scheduler side
         self._kv_cache_manager: KVCacheManager | None = None
-        self._producers: dict[str, _Producer] = {}
-        self._consumers: dict[str, _Consumer] = {}
+        self._producers: dict[str, Producer] = {}
+        self._consumers: dict[str, Consumer] = {}
         self._loader: dict[str, str] = {}  # transfer name -> the vLLM request that loads it
         self._pinned: dict[str, int] = {}  # vLLM request -> blocks held for its send
         self.pinned_refusals = 0
@@ -150,13 +150,13 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
             hello = agent_identity(self.socket, f"{self.engine_name}-scheduler")
             self.site, self.node = hello.get("site"), f"{hello.get('site')}/{hello.get('node')}"
         # worker side
-        self._pool = _MemfdPool()
+        self._pool = MemfdPool()
         self._lt: LoopThread | None = None
         self._eng: EngineClient | None = None
         self._region: RegionHandle | None = None
         self._sink: SharedMemory | None = None
         self._sink_region: RegionHandle | None = None
-        self._layout: _Layout | None = None
+        self._layout: Layout | None = None
         self._n_layers = 0
         # KV on a CUDA device: staged through pinned host memory (vllm_cuda.Staging; untested)
         self._staging = None
@@ -167,8 +167,8 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         self.staging_mb = int(ktc.get_from_extra_config("staging_mb", 1024))
         # Stage a host KV cache too (the CUDA path's code on CPU tensors: a check, not a speed-up).
         self.force_staging = bool(ktc.get_from_extra_config("staging", False))
-        self._loads: dict[str, _PendingLoad] = {}
-        self._sends: dict[str, _PendingSend] = {}
+        self._loads: dict[str, PendingLoad] = {}
+        self._sends: dict[str, PendingSend] = {}
         self._finished_seen: set[str] = set()
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
@@ -200,7 +200,7 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
             stock = bool(params.get("do_remote_decode"))
             rid = str(params.get("pdd_request_id") or f"vllm-{request.request_id}")
             to = list(params.get("send_to") or self.default_to)
-            pr = _Producer(rid, to, params.get("deadline_s", self.default_deadline), request.num_prompt_tokens,
+            pr = Producer(rid, to, params.get("deadline_s", self.default_deadline), request.num_prompt_tokens,
                            stock, float(params.get("lease_s") or self.lease_s))
             if self.prefix:
                 pr.hashes = self._chain(list(request.prompt_token_ids or []), rid)
@@ -223,7 +223,7 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
             if params.get("lease_s") is not None:
                 # The sender holds its KV for lease_s from lease_started (its wall clock).
                 lease_end = float(params.get("lease_started") or request.arrival_time) + float(params["lease_s"])
-            self._consumers[request.request_id] = _Consumer(rid, from_site, n, lease_end)
+            self._consumers[request.request_id] = Consumer(rid, from_site, n, lease_end)
 
     def _chain(self, tokens: list[int], rid: str) -> list[int]:
         """Chained hashes of the prompt's blocks; the trailing partial block gets one unique to
@@ -363,7 +363,7 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         meta, self._meta = self._meta, PddWireMetadata()
         return meta
 
-    def _deadline(self, pr: _Producer) -> float:
+    def _deadline(self, pr: Producer) -> float:
         """The send's deadline covers the lease and then the transfer itself."""
         return pr.lease_s + float(pr.deadline_s if pr.deadline_s is not None else 60.0)
 

@@ -53,7 +53,7 @@ class PddWireMetadata(KVConnectorMetadata):
 
 
 @dataclasses.dataclass
-class _Producer:
+class Producer:
     rid: str
     to: list[str]
     deadline_s: float | None
@@ -67,7 +67,7 @@ class _Producer:
 
 
 @dataclasses.dataclass
-class _Consumer:
+class Consumer:
     rid: str
     from_site: str | None
     num_tokens: int
@@ -78,7 +78,7 @@ class _Consumer:
 
 
 @dataclasses.dataclass
-class _PendingLoad:
+class PendingLoad:
     req_id: str | None
     blocks: list[int]  # vLLM block ids the agent writes into (errors are reported on these)
     slot: Any = None  # staging (KV on a CUDA device): where the agent writes, copied in on arrival
@@ -87,7 +87,7 @@ class _PendingLoad:
 
 
 @dataclasses.dataclass
-class _PendingSend:
+class PendingSend:
     req_id: str
     transfers: dict[int, str]  # transfer_id -> peer, until kv_sent / transfer_failed
     failed: list[str] = dataclasses.field(default_factory=list)
@@ -111,8 +111,8 @@ class WorkerStats:
 def layer_hashes(chain: list[int], layers: int) -> list[int]:
     """One hash per agent block, in the byte stream's order (block by block, each block's
     layers): vLLM block ``i``'s layer ``l`` gets a hash of (``chain[i]``, ``l``)."""
-    return [xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + l.to_bytes(4, "little"))
-            for h in chain for l in range(layers)]
+    return [xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + layer.to_bytes(4, "little"))
+            for h in chain for layer in range(layers)]
 
 
 def agent_identity(socket_path: str, name: str) -> dict:

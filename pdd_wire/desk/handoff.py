@@ -45,9 +45,23 @@ from ..errors import EngineRequestError, ErrorCode, PddWireError, check_duration
 from ..metrics import Metrics
 from ..wire import messages as m
 from .admission import Gate, check_request_id
-from .handoff_protocol import (CAPABILITY, Done, Emit, Extend, HandoffError, HandoffMessage, HandoffProtocolError,
-                               HandoffUsageError, MdHandoff, ModeChosen, RelayTokens, RldHandoff, Send,
-                               StartGenerating, StopGenerating)
+from .handoff_protocol import (
+    CAPABILITY,
+    Done,
+    Emit,
+    Extend,
+    HandoffError,
+    HandoffMessage,
+    HandoffProtocolError,
+    HandoffUsageError,
+    MdHandoff,
+    ModeChosen,
+    RelayTokens,
+    RldHandoff,
+    Send,
+    StartGenerating,
+    StopGenerating,
+)
 
 if TYPE_CHECKING:
     from ..engine_server import EngineConn

@@ -70,8 +70,7 @@ class HandoffUsageError(HandoffError):
 # Fields are only ever appended, with defaults. ``reason`` and ``mode`` strings are informational.
 
 
-from ..wire.messages import (HandoffAbort, HandoffCommit, HandoffProgress, HandoffRelease,  # noqa: E402
-                            HandoffTaken)
+from ..wire.messages import HandoffAbort, HandoffCommit, HandoffProgress, HandoffRelease, HandoffTaken  # noqa: E402
 
 HandoffMessage = HandoffProgress | HandoffCommit | HandoffTaken | HandoffRelease | HandoffAbort
 
@@ -282,7 +281,7 @@ class RldHandoff:
         return []
 
     # -- internals
-    def _check_request(self, msg) -> None:
+    def _check_request(self, msg: object) -> None:
         if getattr(msg, "request_id", None) != self.request_id:
             raise HandoffUsageError(f"message for {getattr(msg, 'request_id', None)!r} fed to {self.request_id!r}")
 
@@ -502,6 +501,7 @@ class MdHandoff:
         if self.state is MdState.WAITING and self.kv_ready:
             return [self._progress()]
         if self.state is MdState.STARTED:
+            assert self.position is not None  # STARTED comes after the commit at a position
             return [Send(HandoffTaken(self.request_id, self.epoch, self.position))]
         if self.state is MdState.RELEASED:
             return [Send(HandoffRelease(self.request_id, self.epoch, self.release_reason))]

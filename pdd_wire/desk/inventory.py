@@ -139,7 +139,7 @@ class Inventory:
                 runs[-1][2] += 1
             else:
                 runs.append([held.region, held.block, 1])
-        return [tuple(r) for r in runs]
+        return [(r[0], r[1], r[2]) for r in runs]
 
     def release(self, request_id: str) -> bool:
         lease = self.leases.pop(request_id, None)

@@ -29,8 +29,8 @@ import array
 import asyncio
 import os
 import socket
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 from ..errors import EngineRequestError, ErrorCode, TransportError
 from ..memory import SharedMemory
@@ -57,6 +57,11 @@ class RegionHandle:
         if first < 0 or count <= 0 or first + count > self.n_blocks:
             raise ValueError(f"blocks {first}..{first + count - 1} outside 0..{self.n_blocks - 1}")
         return (self.region, first, count)
+
+
+def _wake(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class EngineClient:
@@ -101,7 +106,7 @@ class EngineClient:
             raise TransportError(f"cannot reach the agent at {self.path}: {exc.strerror or exc}") from exc
         self._sock = sock
         self._wlock = asyncio.Lock()
-        self._reader = asyncio.create_task(self._read_forever(), name="engine-client-reader")
+        self._reader = asyncio.create_task(self._read_forever(sock), name="engine-client-reader")
         self.agent = await self._call(p.Hello(engine=self.engine, pid=os.getpid()))
         return self
 
@@ -277,7 +282,8 @@ class EngineClient:
 
     # -- plumbing ----------------------------------------------------------------------------
     async def _call(self, msg: p.Msg, *, fd: int | None = None) -> dict:
-        if self._sock is None:
+        sock, wlock = self._sock, self._wlock
+        if sock is None or wlock is None:
             raise TransportError("not connected")
         if self._closed_exc is not None:
             raise self._closed_exc
@@ -286,39 +292,39 @@ class EngineClient:
         fut = asyncio.get_running_loop().create_future()
         self._pending[msg.id] = fut
         data = p.encode(msg)
-        async with self._wlock:
+        async with wlock:
             if fd is None:
-                await asyncio.get_running_loop().sock_sendall(self._sock, data)
+                await asyncio.get_running_loop().sock_sendall(sock, data)
             else:
-                await self._sendmsg_fd(data, fd)
+                await self._sendmsg_fd(sock, data, fd)
         reply = await fut
         if isinstance(reply, p.Err):
             raise EngineRequestError(reply.message, ErrorCode(reply.code))
         return reply.result
 
-    async def _sendmsg_fd(self, data: bytes, fd: int) -> None:
+    async def _sendmsg_fd(self, sock: socket.socket, data: bytes, fd: int) -> None:
         loop = asyncio.get_running_loop()
         anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
         while True:
             try:
-                n = self._sock.sendmsg([data], anc)
+                n = sock.sendmsg([data], anc)
                 break
             except (BlockingIOError, InterruptedError):
-                w = loop.create_future()
-                loop.add_writer(self._sock.fileno(), lambda: w.done() or w.set_result(None))
+                w: asyncio.Future[None] = loop.create_future()
+                loop.add_writer(sock.fileno(), _wake, w)
                 try:
                     await w
                 finally:
-                    loop.remove_writer(self._sock.fileno())
+                    loop.remove_writer(sock.fileno())
         if n < len(data):
-            await loop.sock_sendall(self._sock, data[n:])  # the fd went with the first byte
+            await loop.sock_sendall(sock, data[n:])  # the fd went with the first byte
 
-    async def _read_forever(self) -> None:
+    async def _read_forever(self, sock: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         dec = p.Decoder(to_agent=False)
         try:
             while True:
-                data = await loop.sock_recv(self._sock, 256 * 1024)
+                data = await loop.sock_recv(sock, 256 * 1024)
                 if not data:
                     raise TransportError("the agent closed the engine socket")
                 for msg in dec.feed(data):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 from ..errors import ErrorCode, PddWireError
 from . import protocol as p

@@ -22,10 +22,7 @@ LENGTH = struct.Struct(">I")
 MAX_MESSAGE = 16 << 20
 ENGINE_PROTOCOL_VERSION = 2  # 2: set_load and the handoff ops and events
 
-_tagged = dict(tag_field="op", forbid_unknown_fields=False, kw_only=True)
-
-
-class Msg(msgspec.Struct, **_tagged):
+class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=False, kw_only=True):
     id: int = 0
 
 
@@ -298,7 +295,8 @@ class HandoffDone(Msg, tag="handoff_done"):
 
 
 Request = (Hello | Register | Deregister | PostRecv | SendKv | SendTokens | Abort | Status | ChoosePipeline
-           | SetLoad | Estimate | KvStored | KvEvict | PrefixRelease | HandoffRld | HandoffMd | HandoffTokens | HandoffExtended | HandoffFail)
+           | SetLoad | Estimate | KvStored | KvEvict | PrefixRelease | HandoffRld | HandoffMd | HandoffTokens
+           | HandoffExtended | HandoffFail)
 ToEngine = (Ok | Err | KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend
             | StopGenerating | StartGenerating | HandoffDone | RequestAborted)
 _enc = msgspec.msgpack.Encoder()
@@ -326,7 +324,7 @@ class Decoder:
 
     def feed(self, data: bytes) -> list[Msg]:
         self._buf += data
-        out = []
+        out: list[Msg] = []
         while len(self._buf) >= 4:
             (n,) = LENGTH.unpack_from(self._buf)
             if n > self.max_message:

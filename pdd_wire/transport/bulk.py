@@ -143,6 +143,7 @@ class BulkHandler:
 
     def _decode_lz4(self, frame: Frame) -> bool:
         """Decode an lz4 chunk into its claimed blocks and check the chunk's xxh3."""
+        assert self._lz is not None  # claimed in sink() for this frame
         views, n = self._lz
         self._lz = None
         shuffle = bool(frame.header.flags & Flags.SHUFFLE16)

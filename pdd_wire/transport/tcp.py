@@ -24,12 +24,12 @@ import socket
 import ssl
 import struct
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import uvloop
 
 from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError
-from ..wire import FrameReader, FrameType, encode_bytes, encode_body
+from ..wire import FrameReader, FrameType, encode_body, encode_bytes
 from ..wire.frame import Frame, PayloadSink
 from ..wire.messages import Error
 from .base import Connector

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import enum
 import struct
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any
 
 import crc32c
 import xxhash
@@ -117,7 +118,7 @@ def encode_header(h: Header, body: bytes) -> bytes:
 
 def encode(type: int, body: bytes = b"", *, lane: int = Lane.CONTROL, transfer_id: int = 0,
            seq: int = 0, payload: Sequence[memoryview | bytes] = (), checksum: bool = True,
-           flags: int = 0, xxh3: int | None = None) -> list:
+           flags: int = 0, xxh3: int | None = None) -> list[bytes | memoryview]:
     """A frame as a list of buffers (header+body, then the payload segments, uncopied).
     ``flags``/``xxh3``: an lz4 chunk carries LZ4 (and SHUFFLE16) and the xxh3 of the chunk
     *before* compression, which the receiver checks after decoding it."""
@@ -131,7 +132,7 @@ def encode(type: int, body: bytes = b"", *, lane: int = Lane.CONTROL, transfer_i
     return [encode_header(h, body) + body, *payload]
 
 
-def encode_bytes(type: int, body: bytes = b"", **kw) -> bytes:
+def encode_bytes(type: int, body: bytes = b"", **kw: Any) -> bytes:
     return b"".join(bytes(b) for b in encode(type, body, **kw))
 
 
@@ -173,11 +174,11 @@ class FrameReader:
         self._header: Header | None = None
         self._check = 0
         self._body = bytearray()
-        self._bview: memoryview | None = None
+        self._bview = memoryview(self._body)
         self._segments: list[memoryview] = []
         self._seg = 0
         self._scratch: bytearray | None = None
-        self._hasher = None
+        self._hasher: xxhash.xxh3_64 | None = None
         self.frames: list[Frame] = []
 
     # -- the bulk-mode interface -------------------------------------------------------
@@ -268,6 +269,7 @@ class FrameReader:
 
     def _on_body(self) -> Frame | None:
         h = self._header
+        assert h is not None  # set by _on_header
         want = crc32c.crc32c(self._body, crc32c.crc32c(self._hbuf[:40]))
         if want != self._check:
             raise ProtocolError("header check failed (crc32c over header and body)", ErrorCode.HEADER_CHECKSUM)
@@ -276,16 +278,16 @@ class FrameReader:
             return self._finish(payload_done=False)
         if self._sink is None:
             # No sink: every frame gets its own payload buffer (one feed() may return several).
-            segs = [memoryview(bytearray(h.payload_len))]
+            got: Sequence[memoryview] | None = [memoryview(bytearray(h.payload_len))]
         else:
-            segs = self._sink(h, bytes(self._body))
-        if segs is None:
+            got = self._sink(h, bytes(self._body))
+        if got is None:
             # The sink declined: read into scratch space, reused, for the caller to drop.
             if self._scratch is None or len(self._scratch) < h.payload_len:
                 self._scratch = bytearray(h.payload_len)
             segs = [memoryview(self._scratch)[: h.payload_len]]
         else:
-            segs = [s for s in segs if len(s)]
+            segs = [s for s in got if len(s)]
             if sum(len(s) for s in segs) != h.payload_len:
                 raise ProtocolError("payload sink returned buffers of the wrong total size", ErrorCode.INTERNAL)
         self._segments = segs
@@ -297,6 +299,7 @@ class FrameReader:
 
     def _finish(self, *, payload_done: bool) -> Frame:
         h = self._header
+        assert h is not None  # set by _on_header
         payload = None
         ok = True
         if payload_done:

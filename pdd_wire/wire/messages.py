@@ -8,6 +8,7 @@ The field tables are in ``proto/messages.md``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any
 
 import msgspec
@@ -50,8 +51,11 @@ StreamIndex = Annotated[int, Meta(ge=0, le=63)]
 Incarnation = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
 DeadlineMs = Annotated[int, Meta(ge=0, le=MAX_DEADLINE_MS)]
 
+#: The codes this agent knows (proto/errors.md); a peer's other codes become PEER_ERROR.
+_KNOWN_CODES = frozenset(int(c) for c in ErrorCode)
 
-def _clip(msg, field: str, limit: int = MAX_TEXT) -> None:
+
+def _clip(msg: msgspec.Struct, field: str, limit: int = MAX_TEXT) -> None:
     """Cut a free-text field to ``limit`` characters: a long reason (an engine's, say) is not
     worth a closed connection, and only ``limit`` characters are kept or logged."""
     v = getattr(msg, field)
@@ -59,10 +63,10 @@ def _clip(msg, field: str, limit: int = MAX_TEXT) -> None:
         msgspec.structs.force_setattr(msg, field, v[:limit])
 
 
-def _known_code(msg) -> None:
+def _known_code(msg: Any) -> None:
     """A code this agent does not know becomes PEER_ERROR, the original kept in the message, so
     a handler never meets an unassigned code (proto/errors.md)."""
-    if msg.code not in ErrorCode._value2member_map_:
+    if msg.code not in _KNOWN_CODES:
         msgspec.structs.force_setattr(msg, "message", f"{msg.message} (peer code {msg.code})"[:MAX_TEXT])
         msgspec.structs.force_setattr(msg, "code", int(ErrorCode.PEER_ERROR))
 
@@ -191,7 +195,7 @@ class KvNack(msgspec.Struct, **_fast):
     code: Code = int(ErrorCode.CHUNK_CHECKSUM)
 
     def __post_init__(self) -> None:
-        if self.code not in ErrorCode._value2member_map_:
+        if self.code not in _KNOWN_CODES:
             msgspec.structs.force_setattr(self, "code", int(ErrorCode.PEER_ERROR))
 
 
@@ -359,7 +363,7 @@ BODY_TYPES: dict[int, type] = {
 TYPE_OF: dict[type, int] = {v: k for k, v in BODY_TYPES.items()}
 
 _encoder = msgspec.msgpack.Encoder()
-_decoders = {t: msgspec.msgpack.Decoder(cls) for t, cls in BODY_TYPES.items()}
+_decoders: dict[int, msgspec.msgpack.Decoder[Any]] = {t: msgspec.msgpack.Decoder(cls) for t, cls in BODY_TYPES.items()}
 
 
 def encode_body(msg: Any) -> bytes:
@@ -379,7 +383,8 @@ def decode_body(frame_type: int, body: bytes) -> Any:
         # A value of the right type outside its range (or inconsistent with another field) is
         # OUT_OF_RANGE; a wrong type or a missing field is MALFORMED_BODY.
         text = str(exc)
-        wrong_type = any(s in text for s in ("`, got `", "Object missing", " of at least length ", " of at most length "))
+        wrong_type = any(s in text for s in ("`, got `", "Object missing", " of at least length ",
+                                             " of at most length "))
         raise ProtocolError(f"{'malformed' if wrong_type else 'out-of-range value in'} "
                             f"{FrameType(frame_type).name} body: {exc}",
                             ErrorCode.MALFORMED_BODY if wrong_type else ErrorCode.OUT_OF_RANGE) from exc
@@ -388,7 +393,7 @@ def decode_body(frame_type: int, body: bytes) -> Any:
                             ErrorCode.MALFORMED_BODY) from exc
 
 
-def bitmap_from(chunks, n: int) -> bytes:
+def bitmap_from(chunks: Iterable[int], n: int) -> bytes:
     out = bytearray((n + 7) // 8)
     for i in chunks:
         out[i >> 3] |= 1 << (i & 7)

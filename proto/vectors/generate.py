@@ -23,8 +23,17 @@ import msgspec  # noqa: E402
 from pdd_wire.engine import protocol as p  # noqa: E402
 from pdd_wire.errors import ErrorCode  # noqa: E402
 from pdd_wire.wire import messages as m  # noqa: E402
-from pdd_wire.wire.frame import (HEADER, HEADER_SIZE, MAGIC, FrameReader, FrameType, Header, Lane,  # noqa: E402
-                                 encode_bytes, encode_header)
+from pdd_wire.wire.frame import (  # noqa: E402
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    FrameReader,
+    FrameType,
+    Header,
+    Lane,
+    encode_bytes,
+    encode_header,
+)
 from pdd_wire.wire.messages import decode_body, encode_body  # noqa: E402
 
 #: The limits the vectors are decoded under (the test uses the same).

@@ -4,7 +4,7 @@ what a local process of another user can and cannot do against an agent."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 NOBODY = 65534
 

@@ -17,9 +17,10 @@ import time
 
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine.client import EngineClient
-from .harness import AgentPair, free_port, metric_value
 from pdd_wire.memory import SharedMemory
 from pdd_wire.stats import percentile
+
+from .harness import AgentPair, free_port, metric_value
 
 MiB = 1 << 20
 # Figure groups of --only, in the order they run; every one by default.
@@ -321,6 +322,7 @@ def inventory_tracking(capacity_tokens: int, n_requests: int = 3000, warmup: int
 
     from pdd_wire.desk.inventory import Inventory
     from pdd_wire.engine.hashes import chain_hashes
+
     from .trace import generate
 
     reqs = generate(n_requests=n_requests)
@@ -415,7 +417,8 @@ async def _prefix_figures(figs: "Figures", pair: AgentPair, ea: EngineClient, eb
                             direction="tx") - before
         mean_hit = statistics.fmean(hits)
         above = sum(h > 0.95 for h in hits) / len(hits)
-        figs.add("wan_bytes_reduction", whole / sent, "x", note=f"{n_req} requests, whole prompts {whole / 1e9:.2f} GB, "
+        figs.add("wan_bytes_reduction", whole / sent, "x",
+                 note=f"{n_req} requests, whole prompts {whole / 1e9:.2f} GB, "
                  f"sent {sent / 1e9:.3f} GB; matched prefix mean {mean_hit:.1%}, {above:.0%} of requests above 95%")
         figs.add("prefix_effective_goodput", whole / elapsed / 1e9, "GB/s",
                  note="prompt KV made available at MD per second (reused + sent), one request at a time")
@@ -523,7 +526,8 @@ async def _run(args) -> int:
                     gbps, lat = await _goodput(ea, eb, size, count, conc)
                     label = f"{size // MiB}MiB"
                     figs.add(f"kv_goodput_{label}", gbps, "GB/s", "iperf3 -l 1M", base,
-                             note=f"{count} transfers, {conc} at a time, median {statistics.median(lat) * 1e3:.1f} ms each")
+                             note=f"{count} transfers, {conc} at a time, "
+                             f"median {statistics.median(lat) * 1e3:.1f} ms each")
                     figs.add(f"kv_goodput_{label}_vs_bare_pipe", gbps, "GB/s", "bare python pipe", pipe,
                              note="memfd to memfd, no framing or checksums (pdd_tools.benchpipe)")
             if "latency" in groups:
@@ -560,8 +564,9 @@ async def _run(args) -> int:
 async def _ucx_figures(figs: Figures, quick: bool) -> None:
     """KV between two agents of one site over UCX, next to bare ucxx tag send/recv (same sizes,
     same UCX_TLS, measured by pdd_tools.bench_ucx in this run)."""
-    from . import bench_ucx
     from pdd_wire.transport import ucx
+
+    from . import bench_ucx
 
     ok, why = ucx.available()
     if not ok:

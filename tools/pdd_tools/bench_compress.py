@@ -88,7 +88,7 @@ def run(data_dir: Path, reps: int, cpu_budget: float) -> list[dict]:
     m = meta["model"]
     what = (f"tiny Llama ({m['layers']} layers, {m['kv_heads']} KV heads x {m['head_dim']}, RANDOM weights), "
             f"{meta['tokens']} tokens of real text, {len(fp16) >> 10} KiB")
-    path = "numpy" if (cz.USE_NUMPY and cz._np is not None) else "pure-python"
+    path = "numpy" if (cz.USE_NUMPY and cz.HAVE_NUMPY) else "pure-python"
     rows: list[dict] = []
 
     def add(figure: str, value: float, unit: str, note: str) -> None:
@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="one JSON object per line")
     ap.add_argument("--pure", action="store_true", help="do not use numpy for the shuffle")
     ap.add_argument("--data", type=Path, default=None,
-                    help=f"directory with kv_llama_tiny.json (default: ${SAMPLES_ENV}, else tests/data of the checkout)")
+                    help=f"directory with kv_llama_tiny.json "
+                    f"(default: ${SAMPLES_ENV}, else tests/data of the checkout)")
     ap.add_argument("--reps", type=int, default=20, help="timed runs per figure")
     ap.add_argument("--cpu-budget", type=float, default=1.0, help="cores per side for (de)compression")
     a = ap.parse_args(argv)

@@ -35,8 +35,18 @@ import aiohttp
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
 
-from .vllm.serve import (BLOCK, VOCAB, Proxy, VllmServer, complete, completion_body, connector_config, free_port,
-                         missing, tokens)
+from .vllm.serve import (
+    BLOCK,
+    VOCAB,
+    Proxy,
+    VllmServer,
+    complete,
+    completion_body,
+    connector_config,
+    free_port,
+    missing,
+    tokens,
+)
 
 CONCURRENCY = 32
 OUT_TOKENS = 64

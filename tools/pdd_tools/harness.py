@@ -31,12 +31,13 @@ def agent_toml(site: str, node: str, wan: int, admin: int, sock: str, peers: lis
                transport: str = "tcp", local_transport: str | None = None) -> str:
     """One agent's TOML on loopback. ``local_transport``: for peers of the same site (else
     ``transport``)."""
-    peer_txt = "".join(f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{p}"\n'
-                       f'streams = {streams}\ntransport = "{local_transport if local_transport and s == site else transport}"\n\n'
+    peer_txt = "".join(f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{p}"\nstreams = {streams}\n'
+                       f'transport = "{local_transport if local_transport and s == site else transport}"\n\n'
                        for s, n, p in peers)
     return (f'site = "{site}"\nnode = "{node}"\n\n[listen]\nwan = "127.0.0.1:{wan}"\n'
             f'admin = "127.0.0.1:{admin}"\nengine_socket = "{sock}"\n\n{peer_txt}'
-            f"[transfer]\nchunk_bytes = {chunk}\nstreams = {streams}\nbulk_threads = {bulk_threads}\n\n[log]\nformat = \"json\"\n{extra}")
+            f"[transfer]\nchunk_bytes = {chunk}\nstreams = {streams}\nbulk_threads = {bulk_threads}\n\n"
+            f'[log]\nformat = "json"\n{extra}')
 
 
 def metric_value(text: str, name: str, **labels: str) -> float:
@@ -169,7 +170,7 @@ class NetnsAgents:
         self.procs: dict[str, subprocess.Popen] = {}
         self.give_up_s = give_up_s
         self.configs: dict[str, Path] = {}
-        for site, (node, ns) in NODES.items():
+        for site, (node, _) in NODES.items():
             other = "B" if site == "A" else "A"
             onode, ons = NODES[other]
             text = (f'site = "{site}"\nnode = "{node}"\n\n[listen]\nwan = "{self.addr(site)}:{PORT}"\n'

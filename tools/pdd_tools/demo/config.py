@@ -43,7 +43,8 @@ def add_demo_args(d: argparse.ArgumentParser) -> None:
     c = DemoConfig()
     d.add_argument("--engine", choices=("sim", "vllm"), default="sim",
                    help="sim: simulated engines (default); vllm: three tiny vLLM engines (pdd_tools.vllm)")
-    d.add_argument("--out", default=c.out, help="where figures.json, ttft_cdf.png and the logs go (default %(default)s)")
+    d.add_argument("--out", default=c.out,
+                   help="where figures.json, ttft_cdf.png and the logs go (default %(default)s)")
     d.add_argument("--requests", type=int, default=c.requests, help="requests in the trace (default %(default)s)")
     d.add_argument("--rate", type=float, default=c.rate, help="mean arrival rate, requests/s (default %(default)s)")
     d.add_argument("--seed", type=int, default=c.seed, help="trace seed (default %(default)s)")

@@ -149,8 +149,8 @@ async def _run(cfg: DemoConfig, kind: str, trace, out: Path, sites=None) -> RunR
                     "pool_mib": cfg.pool_mib}
             spec_path = run_dir / f"site-{site}.json"
             spec_path.write_text(json.dumps(spec, indent=1))
-            proc = await procs.spawn(f"engines-{site}",
-                                     lay.exec_argv(site, [py, "-m", "pdd_tools.demo", "--site-engines", str(spec_path)]),
+            argv = lay.exec_argv(site, [py, "-m", "pdd_tools.demo", "--site-engines", str(spec_path)])
+            proc = await procs.spawn(f"engines-{site}", argv,
                                      run_dir / f"engines-{site}.log", pipes=True)
             site_procs[site] = proc
             readers.append(asyncio.create_task(_read_site(site, proc, rep)))

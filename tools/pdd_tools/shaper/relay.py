@@ -11,8 +11,18 @@ from typing import Self
 import structlog
 
 from .conn import ShapedConn
-from .link import (QUEUE_LIMIT, CutRule, Direction, FlipRule, JitterDist, Link, check_address, directions,
-                   one_direction, reset)
+from .link import (
+    QUEUE_LIMIT,
+    CutRule,
+    Direction,
+    FlipRule,
+    JitterDist,
+    Link,
+    check_address,
+    directions,
+    one_direction,
+    reset,
+)
 
 log = structlog.get_logger("pdd_tools.shaper")
 

@@ -30,7 +30,8 @@ def _row(label: str, tokens: list[int], base: list[int], mark: int | None = None
     shown = [f"{t:>3}" for t in tokens[:width]]
     if mark is not None and mark < width:
         shown.insert(mark, "|")
-    same = "identical" if tokens == base else f"DIFFERS at {next(i for i, (a, b) in enumerate(zip(tokens, base)) if a != b)}"
+    first = next((i for i, (a, b) in enumerate(zip(tokens, base)) if a != b), min(len(tokens), len(base)))
+    same = "identical" if tokens == base else f"DIFFERS at {first}"
     return f"  {label:<9} {' '.join(shown)} ...  {same}"
 
 
@@ -38,6 +39,7 @@ async def _run(requests: int) -> int:
     from pdd_wire import config as cfgmod
     from pdd_wire import log
     from pdd_wire.agent import Agent
+
     from ..harness import agent_toml, free_port
     from .roles import RoleProc, missing
 
@@ -87,7 +89,8 @@ async def _run(requests: int) -> int:
             joined = asyncio.Event()
             rld_req = RLD.send("rld", rid=f"pdd-{i}", prompt=prompt, n=N, md="B", from_site="A", load=load,
                                step_delay_s=0.01, progress_every=1)
-            rld_task = asyncio.ensure_future(RLD.reply(rld_req, on_progress=lambda pos: pos >= 23 and joined.set()))
+            rld_task = asyncio.ensure_future(RLD.reply(rld_req,
+                                                       on_progress=lambda pos, j=joined: pos >= 23 and j.set()))
             pre = asyncio.ensure_future(P.call("prefill", rid=f"pdd-{i}", prompt=prompt, to=["A/a2", "B"]))
             await asyncio.wait_for(joined.wait(), 60)
             md = await MD.call("md", rid=f"pdd-{i}", prompt=prompt, n=N, rld="A/a2")

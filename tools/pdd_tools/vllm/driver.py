@@ -32,7 +32,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from pdd_wire.adapters.loop_thread import LoopThread
 from pdd_wire.engine import protocol as p

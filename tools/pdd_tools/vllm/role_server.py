@@ -78,7 +78,7 @@ def main() -> None:
                 every = req.get("progress_every", 1)
                 r = pdd.RelayDecode(engine, agent, req["rid"], req["prompt"], req["n"], req["md"],
                                     from_site=req.get("from_site"), step_delay_s=req.get("step_delay_s", 0.0),
-                                    on_token=lambda pos: pos % every or say({"id": rid, "progress": pos}))
+                                    on_token=lambda pos: pos % every or say({"id": rid, "progress": pos}))  # noqa: B023
                 res = dataclasses.asdict(r.run(req.get("timeout", 120)))
             elif op == "md":
                 m = pdd.MainDecode(engine, agent, req["rid"], req["prompt"], req["n"], req["rld"],
