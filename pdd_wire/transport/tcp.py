@@ -245,6 +245,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Send an ERROR frame naming ``exc`` (best effort) and abort the connection."""
         if self.closed:
             return
+        if self.transport is None:  # failed before it connected: nothing to tell, nothing to close
+            self.error = exc
+            self.closed = True
+            return
         code = getattr(exc, "code", ErrorCode.INTERNAL)
         try:
             self.transport.write(error_frame(code, str(exc)))
