@@ -1,0 +1,297 @@
+"""The receive side of one UCX worker: :class:`Inbox` matches arrived messages to receives, and
+:class:`Op` is one operation (send or receive) whose buffer UCX may hold.
+
+Receiving: "pull" matching, and what cancel guarantees
+------------------------------------------------------
+A :meth:`~.ucx.UcxPeer.recv` does **not** post a UCX receive up front. The engine probes the
+worker for arrived messages (``ucp_tag_probe_nb`` with remove); a message whose tag has a
+waiting receive is received into that buffer with its message handle
+(``ucp_tag_msg_recv_nbx``), one that has none is kept (a later ``recv`` of that tag takes it
+at once). So:
+
+* cancelling a receive whose message has not arrived (task cancel,
+  :meth:`~.ucx.UcxPeer.cancel_recv`, :meth:`~.ucx.UcxPeer.cancel_transfer`) is immediate and
+  **guarantees no write ever happens into that buffer**: UCX was never given it;
+* once the message has arrived, the receive is committed; UCX cannot cancel a matched
+  receive (``ucp_request_cancel`` only removes *unmatched* receives), so cancelling then
+  *waits until UCX has finished writing* and only then returns/raises. Either way, **when
+  ``recv`` returns or raises, UCX no longer touches the buffer**; ``send`` keeps the same
+  rule for its (read-only) buffer;
+* a message of another length than the posted buffer is never written into it: the receive
+  fails with ``SIZE_MISMATCH`` and the message is drained;
+* messages nobody will take (their receive was cancelled, or never posted) are drained
+  (received with a 1-byte buffer, which UCX completes as truncated) when
+  :meth:`~.ucx.UcxPeer.cancel_transfer` marked them, or after ``unclaimed_ttl_s``, so the
+  sender's rendezvous send completes and releases its buffer. A completed ``send`` therefore
+  does not mean the peer kept the bytes: delivery is acknowledged on the control lane.
+* :meth:`~.ucx.UcxPeer.close` fails the receives still waiting at once (UCX never had their
+  buffers), flushes and closes the endpoint, and then ends whatever UCX still holds: a
+  request UCX never finishes (the peer vanished mid-rendezvous) fails with
+  ``TransportError`` and its buffer view, with the worker, stays referenced for ever, so
+  nothing is unmapped under UCX (the worker is never progressed again, so nothing in this
+  process writes to it; over ``sm`` and ``tcp`` the writes into a receive buffer are made by
+  our own progress calls: ``sm`` rendezvous is a CMA *read* by the receiver).
+
+Everything here runs on the :class:`~.ucx_loop.UcxLoop` thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
+
+from ..errors import ErrorCode, TransferError, TransportError
+from .ucx_lib import translate
+from .ucx_tags import INDEX_BITS
+
+if TYPE_CHECKING:
+    from .ucx_loop import UcxLoop
+
+WAITING, STARTED, DONE = 0, 1, 2   # Op.state: UCX never had the buffer / holds it / let go
+DRAIN_SCRATCH = 1  # bytes: unwanted messages are drained as truncated receives
+
+
+class Op:
+    """One send or receive: the caller's byte view, the UCX request once started, the future
+    its caller awaits."""
+
+    __slots__ = ("arr", "fut", "kind", "nbytes", "req", "state", "tag", "view")
+
+    def __init__(self, kind: str, tag: int, view: memoryview, arr: Any, fut: asyncio.Future) -> None:
+        self.kind = kind
+        self.tag = tag
+        self.view = view
+        self.arr = arr
+        self.req: Any = None
+        self.fut = fut
+        self.state = WAITING
+        self.nbytes = view.nbytes
+
+    def finish(self, ucx_error: type[BaseException]) -> None:
+        """UCX completed the request: its outcome goes to the caller, the buffer is let go."""
+        self.state = DONE
+        try:
+            self.req.check_error()
+        except ucx_error as exc:
+            if not self.fut.done():
+                self.fut.set_exception(translate(exc, f"{self.kind} of tag {self.tag:#x}"))
+        else:
+            if not self.fut.done():
+                self.fut.set_result(None)
+        self.req = self.arr = None
+        self.view.release()
+
+    def fail(self, exc: BaseException) -> None:
+        """End an operation UCX does not hold (never had, or finished) with ``exc``."""
+        self.state = DONE
+        if not self.fut.done():
+            self.fut.set_exception(exc)
+        self.arr = None
+        self.view.release()
+
+
+class Inbox:
+    """Receives waiting for their message, messages waiting for their receive, and the marks
+    that say which arrivals nobody will take. ``track`` hands a started receive to the
+    peer's in-flight table; ``stats`` is the peer's counter."""
+
+    def __init__(self, worker: Any, mods: SimpleNamespace, loop: UcxLoop, stats: collections.Counter,
+                 track: Callable[[Op], None]) -> None:
+        self.worker = worker
+        self._m = mods
+        self._loop = loop
+        self._stats = stats
+        self._track = track
+        self.closed = False
+        self._waiting: dict[int, collections.deque] = {}         # tag -> ops without a message yet
+        self._arrived: dict[int, collections.deque] = {}         # tag -> (probe result, when)
+        self._discard: dict[int, float] = {}                     # transfer prefix -> until
+        self._discard_tags: dict[int, float] = {}                # tag -> until (one message)
+        self._drains: dict[int, tuple] = {}                      # id(req) -> (req, scratch)
+        self._any_tag = mods.Tag(0)
+        self._any_mask = mods.TagMask(0)
+
+    # counts --------------------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return sum(len(q) for q in self._waiting.values())
+
+    @property
+    def unclaimed(self) -> int:
+        return sum(len(q) for q in self._arrived.values())
+
+    @property
+    def has_expiring(self) -> bool:
+        return bool(self._arrived or self._discard or self._discard_tags)
+
+    # receives ------------------------------------------------------------------------------
+    def post(self, op: Op) -> None:
+        """Start ``op`` on its message if that arrived already, else wait for it."""
+        queue = self._arrived.get(op.tag)
+        if queue:
+            probe, _ = queue.popleft()
+            if not queue:
+                del self._arrived[op.tag]
+            self._start(op, probe)
+        else:
+            self._waiting.setdefault(op.tag, collections.deque()).append(op)
+            self._loop.kick()
+
+    def unwait(self, op: Op) -> None:
+        """A waiting receive's caller was cancelled: forget it (UCX never had its buffer)."""
+        q = self._waiting.get(op.tag)
+        if q is not None:
+            try:
+                q.remove(op)
+            except ValueError:
+                pass
+            if not q:
+                del self._waiting[op.tag]
+        op.state = DONE
+        op.fut.cancel()
+        op.arr = None
+        op.view.release()
+
+    def cancel_tag(self, tag: int, drain_s: float) -> bool:
+        """Fail the receives waiting on ``tag``; drain its arrived message, or the next one
+        that arrives within ``drain_s``. True when a receive was waiting."""
+        found = False
+        for op in self._waiting.pop(tag, ()):
+            found = True
+            op.fail(TransferError(f"receive of tag {tag:#x} cancelled before its data came",
+                                  ErrorCode.TRANSFER_CANCELLED))
+            self._stats["cancelled_unstarted"] += 1
+        arrived = self._arrived.pop(tag, ())
+        for probe, _ in arrived:
+            self.drain(probe)
+        if not arrived:
+            self._discard_tags[tag] = time.monotonic() + drain_s
+        return found
+
+    def cancel_prefix(self, prefix: int, transfer_id: int, drain_s: float) -> int:
+        """:meth:`cancel_tag` for every tag whose top bits are ``prefix`` (one transfer), and
+        every message of it arriving within ``drain_s``. How many receives were waiting."""
+        n = 0
+        for tag in [t for t in self._waiting if t >> INDEX_BITS == prefix]:
+            for op in self._waiting.pop(tag):
+                op.fail(TransferError(f"transfer {transfer_id} cancelled before its data came",
+                                      ErrorCode.TRANSFER_CANCELLED))
+                n += 1
+        self._stats["cancelled_unstarted"] += n
+        for tag in [t for t in self._arrived if t >> INDEX_BITS == prefix]:
+            for probe, _ in self._arrived.pop(tag):
+                self.drain(probe)
+        self._discard[prefix] = time.monotonic() + drain_s
+        return n
+
+    def _start(self, op: Op, probe: Any) -> None:
+        if probe.length != op.nbytes:
+            self.drain(probe)
+            op.fail(TransportError(
+                f"message tagged {op.tag:#x} is {probe.length} bytes, the receive buffer "
+                f"{op.nbytes}", ErrorCode.SIZE_MISMATCH))
+            return
+        try:
+            op.req = self.worker.tag_recv_with_handle(op.arr, probe)
+        except self._m.UCXError as exc:
+            op.fail(translate(exc, f"recv of tag {op.tag:#x}"))
+            return
+        op.state = STARTED
+        self._track(op)
+
+    # arrivals ------------------------------------------------------------------------------
+    def drain(self, probe: Any) -> None:
+        """Receive an unwanted message into a scratch byte: UCX completes it as truncated,
+        and a rendezvous sender gets its completion."""
+        scratch = bytearray(DRAIN_SCRATCH)
+        try:
+            req = self.worker.tag_recv_with_handle(self._m.Array(scratch), probe)
+        except self._m.UCXError:
+            return
+        self._stats["drained"] += 1
+        if not req.completed:
+            self._drains[id(req)] = (req, scratch)
+
+    def _on_message(self, probe: Any, now: float) -> None:
+        tag = probe.sender_tag.value
+        q = self._waiting.get(tag)
+        if q:
+            op = q.popleft()
+            if not q:
+                del self._waiting[tag]
+            self._start(op, probe)
+            return
+        if self.closed or self._discard_tags.pop(tag, None) is not None or (tag >> INDEX_BITS) in self._discard:
+            # (closing: nobody will claim it, and teardown does not drain the arrived table)
+            self.drain(probe)
+            return
+        self._arrived.setdefault(tag, collections.deque()).append((probe, now))
+        self._stats["unexpected"] += 1
+
+    def take_arrivals(self) -> bool:
+        """Take every message the worker holds (started, kept, or drained); True if any."""
+        w = self.worker
+        got = False
+        now = None
+        while True:
+            probe = w.tag_probe(self._any_tag, self._any_mask, True)
+            if not probe.matched:
+                return got
+            got = True
+            self._on_message(probe, now if now is not None else (now := time.monotonic()))
+
+    def drain_arrivals(self) -> None:
+        """Drain every message UCX holds unclaimed (a closing worker must not keep any: its
+        destructor would receive each one in full, reading a dead peer's memory over CMA)."""
+        w = self.worker
+        while True:
+            probe = w.tag_probe(self._any_tag, self._any_mask, True)
+            if not probe.matched:
+                return
+            self.drain(probe)
+
+    def reap_drains(self) -> None:
+        """Forget the drains UCX has completed."""
+        if self._drains:
+            for key in [k for k, (r, _) in self._drains.items() if r.completed]:
+                del self._drains[key]
+
+    def sweep(self, now: float) -> None:
+        """Expire discard marks, and drain messages unclaimed for ``unclaimed_ttl_s``."""
+        for marks in (self._discard, self._discard_tags):
+            for key in [k for k, until in marks.items() if until <= now]:
+                del marks[key]
+        ttl = self._loop.unclaimed_ttl_s
+        for tag in [t for t, q in self._arrived.items() if q[0][1] + ttl <= now]:
+            q = self._arrived[tag]
+            while q and q[0][1] + ttl <= now:
+                self.drain(q.popleft()[0])
+                self._stats["unclaimed_expired"] += 1
+            if not q:
+                del self._arrived[tag]
+
+    # closing -------------------------------------------------------------------------------
+    def close(self, err: BaseException) -> None:
+        """Fail the waiting receives with ``err`` (UCX never had their buffers), drain what
+        arrived, and drain whatever arrives from now on."""
+        self.closed = True
+        for q in self._waiting.values():
+            for op in q:
+                op.fail(err)
+        self._waiting.clear()
+        for q in self._arrived.values():
+            for probe, _ in q:
+                self.drain(probe)
+        self._arrived.clear()
+
+    def release(self) -> list[tuple[Any, bytearray]]:
+        """Let go of the worker; the drains UCX has not finished, whose scratch buffers must
+        then stay referenced for ever."""
+        unfinished = [(req, scratch) for req, scratch in self._drains.values() if not req.completed]
+        self._drains.clear()
+        self.worker = None
+        return unfinished
