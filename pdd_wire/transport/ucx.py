@@ -56,8 +56,16 @@ from ..errors import TransportError
 from .ucx_lib import UCXX_IMPORT_ENV, available, load, translate
 from .ucx_loop import SPIN_S, UcxLoop, acquire_loop, release_loop
 from .ucx_recv import STARTED, WAITING, Inbox, Op
-from .ucx_tags import (DIR_ACCEPTOR, DIR_DIALER, INDEX_BITS, MAX_INDEX, MAX_TRANSFER_ID, tag_for, tag_parts,
-                       transfer_prefix)
+from .ucx_tags import (
+    DIR_ACCEPTOR,
+    DIR_DIALER,
+    INDEX_BITS,
+    MAX_INDEX,
+    MAX_TRANSFER_ID,
+    tag_for,
+    tag_parts,
+    transfer_prefix,
+)
 
 __all__ = ["CLOSE_S", "DIR_ACCEPTOR", "DIR_DIALER", "INDEX_BITS", "MAX_INDEX", "MAX_TRANSFER_ID", "SPIN_S",
            "UCXX_IMPORT_ENV", "UcxLoop", "UcxPeer", "acquire_loop", "available", "release_loop", "tag_for",

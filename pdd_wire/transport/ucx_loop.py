@@ -34,9 +34,9 @@ import concurrent.futures
 import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from types import SimpleNamespace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import uvloop
 
@@ -48,6 +48,8 @@ SPIN_YIELD = True        # sched_yield() while polling: a spinning waiter must n
 SAFETY_WAKE_S = 0.01     # while requests are in flight, sleep at most this long (missed events)
 SWEEP_S = 1.0            # how often unclaimed messages and discard marks are expired
 UCX_NICE = 5             # like the TCP bulk threads: the control loop gets the CPU first
+
+T = TypeVar("T")
 
 
 class Driven(Protocol):
@@ -124,9 +126,9 @@ class UcxLoop:
         if self._thread is not None:
             raise RuntimeError("UcxLoop already started")
         mods = load()
-        self.loop = uvloop.new_event_loop()
-        started = concurrent.futures.Future()
-        self._thread = threading.Thread(target=self._run, args=(mods, started), name=self.name,
+        self.loop = loop = uvloop.new_event_loop()
+        started: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._run, args=(loop, mods, started), name=self.name,
                                         daemon=True)
         self._thread.start()
         try:
@@ -136,23 +138,24 @@ class UcxLoop:
             self._stopped = True
             raise
 
-    def _run(self, mods: SimpleNamespace, started: concurrent.futures.Future) -> None:
+    def _run(self, loop: asyncio.AbstractEventLoop, mods: SimpleNamespace,
+             started: concurrent.futures.Future[None]) -> None:
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), UCX_NICE)
         except (OSError, AttributeError):
             pass
         self._thread_id = threading.get_ident()
-        asyncio.set_event_loop(self.loop)
+        asyncio.set_event_loop(loop)
         try:
             self.context = mods.L.UCXContext(self.options)
         except Exception as exc:  # noqa: BLE001 - UCX raises its own types and others
             started.set_exception(translate(exc, "context creation")
                                   if isinstance(exc, mods.UCXError) else exc)
-            self.loop.close()
+            loop.close()
             return
-        self._engine = self.loop.create_task(self._progress_engine(), name=f"{self.name}-engine")
-        self.loop.call_soon(started.set_result, None)
-        self.loop.run_forever()
+        self._engine = loop.create_task(self._progress_engine(), name=f"{self.name}-engine")
+        loop.call_soon(started.set_result, None)
+        loop.run_forever()
 
     def stop(self, timeout: float = 10.0) -> None:
         """Close every peer (pending operations fail with TransportError), drop the UCX
@@ -163,6 +166,7 @@ class UcxLoop:
         if threading.get_ident() == self._thread_id:
             raise RuntimeError("UcxLoop.stop() from its own thread")
         self._stopped = True
+        loop = self._started_loop()
         if self._thread.is_alive():
             async def _shutdown() -> None:
                 peers = list(self._peers)
@@ -178,23 +182,28 @@ class UcxLoop:
                 await asyncio.gather(*rest, return_exceptions=True)
                 self.context = None  # UCX context goes once no worker refers to it
             try:
-                asyncio.run_coroutine_threadsafe(_shutdown(), self.loop).result(timeout)
+                asyncio.run_coroutine_threadsafe(_shutdown(), loop).result(timeout)
             except Exception:  # noqa: BLE001,S110 - stopping anyway
                 pass
-            self.loop.call_soon_threadsafe(self.loop.stop)
+            loop.call_soon_threadsafe(loop.stop)
             self._thread.join(timeout)
-        if not self._thread.is_alive() and not self.loop.is_closed():
-            self.loop.close()
+        if not self._thread.is_alive() and not loop.is_closed():
+            loop.close()
 
     # running things on the loop --------------------------------------------------------
-    def submit(self, coro: Awaitable) -> concurrent.futures.Future:
+    def _started_loop(self) -> asyncio.AbstractEventLoop:
+        if self.loop is None:
+            raise RuntimeError("UcxLoop not started")
+        return self.loop
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Run ``coro`` on this loop; a concurrent future of its result."""
         if self._stopped:
-            coro.close()  # type: ignore[attr-defined]
+            coro.close()
             raise TransportError("UCX loop stopped")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return asyncio.run_coroutine_threadsafe(coro, self._started_loop())
 
-    async def run(self, coro: Awaitable) -> Any:
+    async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """``await ucx_loop.run(peer.send(...))`` from another event loop. Cancelling the
         caller cancels the task on the UCX loop, but the caller resumes at once: to know that
         a buffer is free again, await :meth:`~.ucx.UcxPeer.cancel_recv` / ``cancel_transfer``."""
@@ -213,7 +222,7 @@ class UcxLoop:
                 fut.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
-        self.loop.call_soon_threadsafe(_do)
+        self._started_loop().call_soon_threadsafe(_do)
         return fut.result(timeout)
 
     def on_loop(self) -> bool:
