@@ -116,6 +116,8 @@ class UcxPeer:
         self.epoll_fd = self._worker.epoll_file_descriptor
         self._address = bytes(memoryview(self._worker.address))
         self._inbox = Inbox(self._worker, self._m, self.ucx, self.stats, self._track)
+        self._any_tag = self._m.Tag(0)
+        self._any_mask = self._m.TagMask(0)
         self.ucx.attach(self)
 
     # public ----------------------------------------------------------------------------
@@ -302,7 +304,7 @@ class UcxPeer:
             return False
         if self._closed:
             w.progress()
-            self._inbox.drain_arrivals()
+            self._drain_arrivals()
             if self._closing is None or self._closing.completed or time.monotonic() > self._close_deadline:
                 self._teardown(time.monotonic())
                 return True
@@ -312,9 +314,24 @@ class UcxPeer:
             for op in [op for op in self._inflight.values() if op.req.completed]:
                 self._finish(op)
             self._inbox.reap_drains()
-        if self._inbox.take_arrivals():
+        now = None
+        while True:
+            probe = w.tag_probe(self._any_tag, self._any_mask, True)
+            if not probe.matched:
+                break
             busy = True
+            self._inbox.on_message(probe, now if now is not None else (now := time.monotonic()))
         return busy
+
+    def _drain_arrivals(self) -> None:
+        """Drain every message UCX holds unclaimed (a closing worker must not keep any: its
+        destructor would receive each one in full, reading a dead peer's memory over CMA)."""
+        w = self._worker
+        while True:
+            probe = w.tag_probe(self._any_tag, self._any_mask, True)
+            if not probe.matched:
+                return
+            self._inbox.drain(probe)
 
     def arm(self) -> bool:
         """Arm the worker's epoll fd; False when events are pending (loop thread)."""
@@ -354,7 +371,7 @@ class UcxPeer:
         closing = self._closing
         clean = closing is None or closing.completed
         w.progress()
-        self._inbox.drain_arrivals()
+        self._drain_arrivals()
         w.progress()
         for op in list(self._inflight.values()):
             if op.req.completed:

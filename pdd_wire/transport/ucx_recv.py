@@ -112,8 +112,6 @@ class Inbox:
         self._discard: dict[int, float] = {}                     # transfer prefix -> until
         self._discard_tags: dict[int, float] = {}                # tag -> until (one message)
         self._drains: dict[int, tuple] = {}                      # id(req) -> (req, scratch)
-        self._any_tag = mods.Tag(0)
-        self._any_mask = mods.TagMask(0)
 
     # counts --------------------------------------------------------------------------------
     @property
@@ -216,7 +214,9 @@ class Inbox:
         if not req.completed:
             self._drains[id(req)] = (req, scratch)
 
-    def _on_message(self, probe: Any, now: float) -> None:
+    def on_message(self, probe: Any, now: float) -> None:
+        """A message the worker's probe took (at ``now``): start its waiting receive, drain it
+        when nobody will take it, else keep it for a later ``recv``."""
         tag = probe.sender_tag.value
         q = self._waiting.get(tag)
         if q:
@@ -231,28 +231,6 @@ class Inbox:
             return
         self._arrived.setdefault(tag, collections.deque()).append((probe, now))
         self._stats["unexpected"] += 1
-
-    def take_arrivals(self) -> bool:
-        """Take every message the worker holds (started, kept, or drained); True if any."""
-        w = self.worker
-        got = False
-        now = None
-        while True:
-            probe = w.tag_probe(self._any_tag, self._any_mask, True)
-            if not probe.matched:
-                return got
-            got = True
-            self._on_message(probe, now if now is not None else (now := time.monotonic()))
-
-    def drain_arrivals(self) -> None:
-        """Drain every message UCX holds unclaimed (a closing worker must not keep any: its
-        destructor would receive each one in full, reading a dead peer's memory over CMA)."""
-        w = self.worker
-        while True:
-            probe = w.tag_probe(self._any_tag, self._any_mask, True)
-            if not probe.matched:
-                return
-            self.drain(probe)
 
     def reap_drains(self) -> None:
         """Forget the drains UCX has completed."""
