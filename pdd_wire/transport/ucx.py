@@ -236,9 +236,10 @@ class UcxPeer:
     async def wait_closed(self) -> None:
         """After :meth:`close`: returns once every operation has ended and the worker is gone."""
         self._check_thread()
-        if not self._closed:
+        fut = self._closed_fut
+        if not self._closed or fut is None:
             raise RuntimeError("wait_closed() before close()")
-        await asyncio.shield(self._closed_fut)
+        await asyncio.shield(fut)
 
     # internals -------------------------------------------------------------------------
     def _drain_s(self, drain_s: float | None) -> float:
@@ -352,7 +353,7 @@ class UcxPeer:
             return
         self._closed = True
         self._inbox.close(TransportError("UCX peer closed"))
-        self._closed_fut = self.ucx.loop.create_future()
+        self._closed_fut = self.ucx.event_loop().create_future()
         self._close_deadline = time.monotonic() + CLOSE_S
         if self._ep is not None:
             # Not close_blocking(): it progresses only this worker, and a flush that needs the
@@ -389,7 +390,7 @@ class UcxPeer:
             clean = False
         self.ucx.detach(self)
         try:
-            self.ucx.loop.remove_reader(self.epoll_fd)
+            self.ucx.event_loop().remove_reader(self.epoll_fd)
         except (ValueError, OSError):
             pass
         if not clean:
@@ -399,8 +400,9 @@ class UcxPeer:
             self.stats["orphaned"] += 1
         self._ep = self._closing = None
         self._worker = None
-        if not self._closed_fut.done():
-            self._closed_fut.set_result(None)
+        fut = self._closed_fut
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
 
 #: Operations UCX never finished when their peer closed: kept so their buffers stay mapped.

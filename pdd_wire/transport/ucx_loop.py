@@ -166,7 +166,7 @@ class UcxLoop:
         if threading.get_ident() == self._thread_id:
             raise RuntimeError("UcxLoop.stop() from its own thread")
         self._stopped = True
-        loop = self._started_loop()
+        loop = self.event_loop()
         if self._thread.is_alive():
             async def _shutdown() -> None:
                 peers = list(self._peers)
@@ -191,7 +191,8 @@ class UcxLoop:
             loop.close()
 
     # running things on the loop --------------------------------------------------------
-    def _started_loop(self) -> asyncio.AbstractEventLoop:
+    def event_loop(self) -> asyncio.AbstractEventLoop:
+        """The thread's asyncio loop (once :meth:`start` has made it)."""
         if self.loop is None:
             raise RuntimeError("UcxLoop not started")
         return self.loop
@@ -201,7 +202,7 @@ class UcxLoop:
         if self._stopped:
             coro.close()
             raise TransportError("UCX loop stopped")
-        return asyncio.run_coroutine_threadsafe(coro, self._started_loop())
+        return asyncio.run_coroutine_threadsafe(coro, self.event_loop())
 
     async def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """``await ucx_loop.run(peer.send(...))`` from another event loop. Cancelling the
@@ -222,7 +223,7 @@ class UcxLoop:
                 fut.set_result(fn(*args))
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 fut.set_exception(exc)
-        self._started_loop().call_soon_threadsafe(_do)
+        self.event_loop().call_soon_threadsafe(_do)
         return fut.result(timeout)
 
     def on_loop(self) -> bool:
