@@ -141,6 +141,12 @@ def test_the_product_has_no_import_cycle():
     assert _cycles(graph) == []
 
 
+def test_the_tools_have_no_import_cycle():
+    graph = _import_graph(_python_files(TOOLS), TOOLS.parent)
+    assert len(graph) > 20
+    assert _cycles(graph) == []
+
+
 # ------------------------------------------------------------------------------ module size
 def test_no_module_is_over_600_lines():
     files = _python_files(PRODUCT, TOOLS)

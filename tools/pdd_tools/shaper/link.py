@@ -10,10 +10,13 @@ import random
 import socket
 import struct
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal, Protocol
 
-if TYPE_CHECKING:
-    from .conn import ShapedConn
+
+class HeldStream(Protocol):
+    """What a link needs of a live connection (a ShapedConn): letting go what a flip held back."""
+
+    def release_hold(self, rule: FlipRule) -> None: ...
 
 Direction = Literal["c2s", "s2c", "both"]
 JitterDist = Literal["uniform", "normal"]
@@ -154,7 +157,7 @@ class Link:
     forwarded: list[int] = field(default_factory=lambda: [0, 0])  # bytes, per direction
     flips_done: int = 0
     cuts_done: int = 0
-    live: set[ShapedConn] = field(default_factory=set)  # the connections not yet closed
+    live: set[HeldStream] = field(default_factory=set)  # the connections not yet closed
 
     def spend_flip(self, rule: FlipRule) -> None:
         """``rule`` was applied: disarm it and let go any stream held back for it elsewhere."""
