@@ -1,4 +1,4 @@
-"""The Extend-Decode handoff (pdd_wire/handoff.py, proto/handoff.md).
+"""The Extend-Decode handoff (pdd_wire/desk/handoff_protocol.py, proto/handoff.md).
 
 Two parts:
 
