@@ -53,7 +53,11 @@ def iperf3_goodput(seconds: int = 3, write: str = "1M") -> float | None:
 
 def bare_pipe_goodput(size: int = 64 * MiB, reps: int = 16) -> float:
     """The bare Python pipe between two processes' memfd regions (see benchpipe), GB/s."""
+    return bare_pipe(size, reps)[0]
 
+
+def bare_pipe(size: int = 64 * MiB, reps: int = 16) -> tuple[float, float]:
+    """The bare Python pipe: (GB/s, CPU seconds of sender and receiver per GB moved)."""
     port = free_port()
     rx = subprocess.Popen([sys.executable, "-m", "pdd_tools.benchpipe", "rx", str(port), str(size)],
                           stdout=subprocess.PIPE, text=True)
@@ -61,7 +65,9 @@ def bare_pipe_goodput(size: int = 64 * MiB, reps: int = 16) -> float:
         rx.stdout.readline()  # "ready"
         out = subprocess.run([sys.executable, "-m", "pdd_tools.benchpipe", "tx", str(port), str(size), str(reps)],
                              capture_output=True, text=True, check=True)
-        return float(out.stdout.strip())
+        gbps, tx_cpu = map(float, out.stdout.split())
+        rx_cpu = float(rx.stdout.readline())
+        return gbps, (tx_cpu + rx_cpu) / (size * reps / 1e9)
     finally:
         try:
             rx.wait(10)
@@ -98,7 +104,9 @@ class Figures:
 
 
 async def _goodput(ea: EngineClient, eb: EngineClient, size: int, count: int, concurrency: int,
-                   to: str = "B") -> tuple[float, list]:
+                   to: str = "B", cpu: tuple | None = None) -> tuple[float, list]:
+    """GB/s and each transfer's seconds; ``cpu`` = (a clock of the agents' CPU seconds, a list
+    that gets the CPU seconds the timed transfers took)."""
     block = MiB
     nb = size // block
     src = SharedMemory(size)
@@ -136,9 +144,11 @@ async def _goodput(ea: EngineClient, eb: EngineClient, size: int, count: int, co
             finally:
                 slots.put_nowait(s)
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), cpu[0]() if cpu else 0.0
         await asyncio.gather(*(worker(i) for i in range(count)))
         elapsed = time.perf_counter() - t0
+        if cpu:
+            cpu[1].append(cpu[0]() - cpu0)
         for rid in sent:
             ev = await ea.wait(rid, timeout=120)
             if not isinstance(ev, p.KvSent):
@@ -490,7 +500,8 @@ async def _run(args) -> int:
         base = iperf3_goodput(2 if quick else 3)
         if base is None:
             print("# iperf3 not found: goodput ratios are left out (apt-get install iperf3)")
-        pipe = bare_pipe_goodput(reps=8 if quick else 16)
+        pipe, pipe_cpu = bare_pipe(reps=8 if quick else 16)
+        _, pipe4_cpu = bare_pipe(4 * MiB, reps=64 if quick else 256)
         hot = bare_pipe_goodput(MiB, reps=1024 if quick else 4096)
         figs.add("bare_pipe_hot_1MiB", hot, "GB/s", "iperf3 -l 1M", base,
                  note="one 1 MiB buffer, in cache: the Python I/O path reaches iperf3")
@@ -523,8 +534,14 @@ async def _run(args) -> int:
             if "goodput" in groups:
                 figs.step("goodput: KV between two agents")
                 for size, count, conc in ((4 * MiB, 64 if quick else 256, 8), (64 * MiB, 8 if quick else 24, 2)):
-                    gbps, lat = await _goodput(ea, eb, size, count, conc)
+                    used: list[float] = []
+                    gbps, lat = await _goodput(ea, eb, size, count, conc, cpu=(pair.cpu_seconds, used))
+                    per_gb = used[0] / (size * count / 1e9)
                     label = f"{size // MiB}MiB"
+                    figs.add(f"cpu_per_gb_{label}", per_gb, "s/GB", "bare python pipe",
+                             pipe4_cpu if size == 4 * MiB else pipe_cpu,
+                             note=f"CPU seconds of both agents per GB moved, timed transfers only; "
+                                  f"12.5 GB/s (100 Gbit/s) would need {per_gb * 12.5:.1f} cores here")
                     figs.add(f"kv_goodput_{label}", gbps, "GB/s", "iperf3 -l 1M", base,
                              note=f"{count} transfers, {conc} at a time, "
                              f"median {statistics.median(lat) * 1e3:.1f} ms each")

@@ -2,8 +2,10 @@
 
 ``python -m pdd_tools.benchpipe rx PORT SIZE`` receives with a uvloop ``BufferedProtocol`` and
 ``recv_into`` straight into a memfd region; ``tx PORT SIZE REPS`` sends a memfd region with
-blocking ``sendall`` in 4 MiB writes and prints GB/s. No framing, no checksums, no acks: what
-pdd-wire's bulk path would cost if it did nothing but move bytes between two processes' pools.
+blocking ``sendall`` in 4 MiB writes and prints GB/s and the CPU seconds it spent sending; ``rx``
+prints the CPU seconds it spent receiving when the sender is done. No framing, no checksums, no
+acks: what pdd-wire's bulk path would cost if it did nothing but move bytes between two
+processes' pools.
 """
 
 from __future__ import annotations
@@ -46,24 +48,27 @@ def rx(port: int, size: int) -> None:
         loop = asyncio.get_running_loop()
         done = loop.create_future()
         srv = await loop.create_server(Sink, "127.0.0.1", port)
+        cpu0 = time.process_time()
         print("ready", flush=True)
         await done
+        print(f"{time.process_time() - cpu0:.4f}", flush=True)
         srv.close()
 
     uvloop.run(main())
 
 
-def tx(port: int, size: int, reps: int) -> float:
+def tx(port: int, size: int, reps: int) -> tuple[float, float]:
+    """(GB/s, CPU seconds of this process while sending)."""
     src = _region(size)
     src[:] = os.urandom(size)
     s = socket.create_connection(("127.0.0.1", port))
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(reps):
         for off in range(0, size, 4 << 20):
             s.sendall(src[off:off + (4 << 20)])
     s.shutdown(socket.SHUT_WR)
     s.recv(1)
-    return size * reps / (time.perf_counter() - t0) / 1e9
+    return size * reps / (time.perf_counter() - t0) / 1e9, time.process_time() - cpu0
 
 
 if __name__ == "__main__":
@@ -71,4 +76,5 @@ if __name__ == "__main__":
     if role == "rx":
         rx(port, size)
     else:
-        print(f"{tx(port, size, int(sys.argv[4])):.4f}")
+        gbps, cpu = tx(port, size, int(sys.argv[4]))
+        print(f"{gbps:.4f} {cpu:.4f}")

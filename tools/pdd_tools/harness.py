@@ -103,6 +103,16 @@ class AgentPair:
         with urllib.request.urlopen(f"http://{self.admin[site]}/v1/status", timeout=2) as r:
             return json.load(r)
 
+    def cpu_seconds(self) -> float:
+        """User and system CPU seconds the agents have used so far (/proc/<pid>/stat)."""
+        tick = os.sysconf("SC_CLK_TCK")
+        total = 0.0
+        for proc in self.procs.values():
+            with open(f"/proc/{proc.pid}/stat") as f:
+                fields = f.read().rpartition(")")[2].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        return total
+
     def metrics(self, site: str) -> str:
         with urllib.request.urlopen(f"http://{self.admin[site]}/metrics", timeout=2) as r:
             return r.read().decode()
