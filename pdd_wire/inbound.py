@@ -141,6 +141,9 @@ class Inbound:
             h.task = t = asyncio.create_task(self._serve(h, next(rr)))
             self._conns.add(t)
             t.add_done_callback(self._conns.discard)
+            # sock_accept does not yield while connections are queued: let the newcomer read its
+            # preamble before the next is accepted, or a flood in the backlog cuts it unread.
+            await asyncio.sleep(0)
 
     def _cut_oldest(self) -> None:
         """Close the handshake that came least far, the oldest of those."""
