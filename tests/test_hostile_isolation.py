@@ -217,28 +217,33 @@ async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_d
         opened = 0
 
         async def flood(slow: bool) -> None:
+            """One connection after another, each held until the agent closes it."""
             nonlocal opened
-            held: list[asyncio.StreamWriter] = []
             while not stop.is_set():
                 try:
-                    _, w = await asyncio.open_connection("127.0.0.1", port)
+                    r, w = await asyncio.open_connection("127.0.0.1", port)
                 except OSError:
                     await asyncio.sleep(0.01)
                     continue
                 opened += 1
-                if slow:
-                    w.write(preamble(KIND_CONTROL)[:3])  # a byte at a time, never done
-                held.append(w)
-                if len(held) > 200:
-                    held.pop(0).close()
-                await asyncio.sleep(0.002)
-            for w in held:
-                w.close()
+                try:
+                    if slow:
+                        w.write(preamble(KIND_CONTROL)[:3])  # and never the rest
+                    while not stop.is_set() and await r.read(4096):
+                        pass
+                except OSError:
+                    pass
+                finally:
+                    w.close()
 
-        floods = [asyncio.create_task(flood(slow)) for slow in (False, True, False)]
+        floods = [asyncio.create_task(flood(i % 2 == 1)) for i in range(150)]
         try:
             await until(lambda: opened > 100, what="the flood under way")
             await ag["A"].shutdown(0)
+            # A's freed slots go to the flood before A comes back.
+            await until(lambda: not b.sessions["A/a1"].is_up, what="B sees A gone")
+            mark = opened
+            await until(lambda: opened > mark + 300, what="the flood refills B's slots")
             from pdd_wire import config as cfgmod
             from pdd_wire.agent import Agent
 
@@ -264,4 +269,27 @@ async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_d
                 await a2.shutdown(0)
         finally:
             stop.set()
-            await asyncio.gather(*floods)
+            for t in floods:
+                t.cancel()
+            await asyncio.gather(*floods, return_exceptions=True)
+
+
+async def test_tokens_that_come_before_their_owner_are_held_for_it_then_dropped(tmp_sock_dir, engines):
+    """The legitimate side of holding: C's tokens may outrun B's post; they wait (per peer, for
+    transfer.unposted_wait_s) and come with the post. Those nobody takes are dropped, counted."""
+    async with attacked(tmp_sock_dir, engines) as (b, c, eb, ec, rb, rc, mb, mc, attacker):
+        await ec.send_tokens("early", "B", [1, 2])
+        await ec.send_tokens("early", "B", [3])
+        await ec.send_tokens("nobody", "B", [9])
+        attacker.send(FrameType.TOKENS, m.Tokens("early", 0, [666]))  # A's copy: A is not tied to the post
+        assert await attacker.pong(6)
+        await until(lambda: "early" in b.sessions["C/c1"].tokens.held, what="C's tokens held at B")
+        await eb.post_recv("early", [rb.blocks(0, 8)], from_site="C")
+        got = [await eb.wait_tokens("early", timeout=10) for _ in range(2)]
+        assert [(e.peer, e.seq, e.tokens) for e in got] == [("C/c1", 0, [1, 2]), ("C/c1", 2, [3])]
+        # Nobody takes the others: after unposted_wait_s (2 s here) they are dropped, and counted.
+        await until(lambda: metric(b, "pddwire_tokens_dropped_total", peer="C/c1", reason="unowned") == 1
+                    and metric(b, "pddwire_tokens_dropped_total", peer="A/a1", reason="unowned") == 1,
+                    timeout=30, what="held tokens dropped once nobody took them")
+        assert eb.take("early", kinds=(p.TokensReceived,)) == []
+        c_never_dropped(b, c)

@@ -8,6 +8,7 @@ it already delivered, and asks for a resend when it sees a gap. Rules: ``proto/t
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from typing import TYPE_CHECKING, Any, Protocol
@@ -68,6 +69,7 @@ class TokenRelay:
         # Delivered by the relay but owned by no engine yet: request id -> (first arrival, frames).
         self.held: collections.OrderedDict[str, tuple[float, list[m.Tokens]]] = collections.OrderedDict()
         self.held_tokens = 0
+        self._held_timer: asyncio.TimerHandle | None = None  # the oldest held request's expiry
         self._drops_unlogged = 0
         self._drop_logged_at = 0.0
 
@@ -76,6 +78,14 @@ class TokenRelay:
         self.tok_out.clear()
         self.tok_in.clear()
         self._release_held(list(self.held), "unowned")
+
+    def close(self) -> None:
+        """The session ends: nothing is held any more."""
+        if self._held_timer is not None:
+            self._held_timer.cancel()
+            self._held_timer = None
+        self.held.clear()
+        self.held_tokens = 0
 
     def drop(self, request_id: str) -> None:
         """The request is dead: forget its streams both ways (nothing is resent)."""
@@ -87,7 +97,7 @@ class TokenRelay:
     def hold(self, msg: m.Tokens) -> None:
         """Keep ``msg`` (delivered by the relay, owned by no engine yet) for an engine to claim
         within ``transfer.unposted_wait_s``; bounded per peer, the oldest request dropped first."""
-        now = time.monotonic()
+        now = asyncio.get_running_loop().time()
         self._expire_held(now)
         n = len(msg.tokens)
         if n > MAX_HELD_TOKENS:
@@ -100,10 +110,11 @@ class TokenRelay:
         self.held_tokens += n
         while self.held and (self.held_tokens > MAX_HELD_TOKENS or len(self.held) > MAX_HELD_REQUESTS):
             self._release_held([next(iter(self.held))], "over_bounds")
+        self._arm_held_timer()
 
     def claim(self, request_id: str) -> list[m.Tokens]:
         """An engine here took ``request_id``: the frames held for it, in order."""
-        self._expire_held(time.monotonic())
+        self._expire_held(asyncio.get_running_loop().time())
         entry = self.held.pop(request_id, None)
         if entry is None:
             return []
@@ -114,10 +125,23 @@ class TokenRelay:
         limit = self.s.cfg.transfer.unposted_wait_s
         old = []
         for rid, (since, _) in self.held.items():  # in first-arrival order
-            if now - since <= limit:
+            if now - since < limit:
                 break
             old.append(rid)
         self._release_held(old, "unowned")
+
+    def _arm_held_timer(self) -> None:
+        """One timer per peer, for the oldest held request (the rest are younger)."""
+        if self._held_timer is not None or not self.held:
+            return
+        since, _ = next(iter(self.held.values()))
+        self._held_timer = asyncio.get_running_loop().call_at(since + self.s.cfg.transfer.unposted_wait_s,
+                                                              self._held_timer_fired)
+
+    def _held_timer_fired(self) -> None:
+        self._held_timer = None
+        self._expire_held(asyncio.get_running_loop().time())
+        self._arm_held_timer()
 
     def _release_held(self, request_ids: list[str], reason: str) -> None:
         for rid in request_ids:
