@@ -293,3 +293,28 @@ async def test_tokens_that_come_before_their_owner_are_held_for_it_then_dropped(
                     timeout=30, what="held tokens dropped once nobody took them")
         assert eb.take("early", kinds=(p.TokensReceived,)) == []
         c_never_dropped(b, c)
+
+
+async def test_a_handoff_relay_squatted_first_by_another_peer_does_not_stand_in(tmp_sock_dir, engines):
+    """A relays handoff tokens for a guessable request id before C's relay decoder does; B's main
+    decoder names C, gets C's relay (the model's tokens, checked by MdSim) and takes over."""
+    from pdd_tools.sim import MdSim, RldSim, check_stream
+
+    async with attacked(tmp_sock_dir, engines) as (b, c, eb, ec, rb, rc, mb, mc, attacker):
+        attacker.send(FrameType.TOKENS, m.Tokens("h1", 0, [7] * 100, True))
+        assert await attacker.pong(7)
+        R = await engines.connect(tmp_sock_dir / "c1.sock", "rld")
+        await R.set_load(0.95)
+        rld = RldSim(R, "h1", "B", n_tokens=200, step_s=0.002, hold_at=80)
+        rt = asyncio.create_task(rld.run(30))
+        await asyncio.wait_for(rld.held.wait(), 10)  # C relayed 80 tokens before MD registers
+        await eb.post_recv("h1", [rb.blocks(0, 8)], from_site="C")
+        md = MdSim(eb, "h1", "C", n_tokens=200)
+        await md.start()
+        mt = asyncio.create_task(md.run(30))
+        await ec.send_kv("h1", [rc.blocks(0, 8)], to=["B"])
+        rld.release_hold()
+        await asyncio.gather(rt, mt)
+        check_stream("h1", 200, rld.emitted, md.emitted)
+        assert md.done.owner == "MD" and await same_bytes(mb.buf, mc.buf)
+        c_never_dropped(b, c)
