@@ -11,7 +11,8 @@ slots for at most ``timeouts.handshake_s`` in all, and when the pool is full the
 come least far (no whole preamble yet, then no TLS yet), oldest first, is closed for the
 newcomer. A flood of idle or slow connections is thus cut before any peer that has sent its
 preamble, and a peer always gets through that finishes its handshake before the flood opens
-``max_handshakes`` connections that come as far. Authenticated connections count against ``limits.max_peer_connections``.
+``max_handshakes`` connections that come as far. Authenticated connections count against
+``limits.max_peer_connections``.
 """
 
 from __future__ import annotations

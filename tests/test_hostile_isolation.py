@@ -18,15 +18,14 @@ import os
 import msgspec
 
 from conftest import fill_random, metric, same_bytes, until
-from support.agents import cluster_toml, run_agents, two_site_toml
-from support.raw_peer import hello
-
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
 from pdd_wire.session.tokens import MAX_HELD_REQUESTS, MAX_HELD_TOKENS
 from pdd_wire.transport.tcp import KIND_CONTROL, preamble
 from pdd_wire.wire import FrameType, encode_bytes
 from pdd_wire.wire import messages as m
+from support.agents import cluster_toml, run_agents, two_site_toml
+from support.raw_peer import hello
 
 MiB = 1 << 20
 MAX_TRANSFERS = 16  # B's transfer.max_transfers: small, so a table is quick to fill

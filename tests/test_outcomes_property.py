@@ -24,14 +24,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import until
-from support.agents import run_agents, two_site_toml
-from support.raw_peer import RawPeer, hello
-
 from pdd_wire import EngineClient, SharedMemory
 from pdd_wire.engine import protocol as p
 from pdd_wire.transport.tcp import KIND_BULK
 from pdd_wire.wire import FrameType, Lane, encode_bytes
 from pdd_wire.wire import messages as m
+from support.agents import run_agents, two_site_toml
+from support.raw_peer import RawPeer, hello
 
 BLOCK = 4096
 N_REQ = 4  # posts p0.., sends s0..

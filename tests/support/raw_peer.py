@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 from pdd_wire.transport.tcp import KIND_CONTROL, preamble
-from pdd_wire.wire import FrameReader, FrameType, decode_body, encode_bytes, encode_body
+from pdd_wire.wire import FrameReader, FrameType, decode_body, encode_body, encode_bytes
 from pdd_wire.wire import messages as m
 from pdd_wire.wire.frame import LANE_OF
 
