@@ -211,7 +211,7 @@ class Agent:
     def tokens_received(self, session: PeerSession, msg: m.Tokens) -> None:
         if self.handoffs.on_tokens(session, msg):
             return  # the request's MD engine gets them as extend events
-        self.kv.tokens_received(session, msg, self._broadcast)
+        self.kv.tokens_received(session, msg)
 
     def incoming_cancelled(self, session: PeerSession, tid: int, msg: m.KvCancel) -> None:
         self.kv.incoming_cancelled(session, tid, msg)
@@ -230,10 +230,6 @@ class Agent:
 
     def prefix_query(self, session: PeerSession, msg: m.PrefixQuery) -> int:
         return self.kv.prefix_query(session, msg)
-
-    def _broadcast(self, ev: p.Msg) -> None:
-        if self.engine_server is not None:
-            self.engine_server.broadcast(ev)
 
     # ------------------------------------------------------------------ AdminSource (read by the admin pages)
     def is_ready(self) -> bool:
@@ -285,7 +281,7 @@ class Agent:
             "engines": [{"name": e.name, "pid": e.pid, "regions": len(e.regions)}
                         for e in (self.engine_server.engines.values() if self.engine_server else [])],
             "regions": len(self.regions), "posted_receives": len(self.posts),
-            "unposted_waiting": len(self.kv.unposted),
+            "unposted_waiting": self.kv.unposted_count(),
             "handoffs": self.handoffs.describe(),
             "pinned_blocks": pinned, "stranded_blocks": stranded,
         }

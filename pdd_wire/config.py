@@ -68,7 +68,8 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     max_engines_per_uid: int = 32  # engine connections of one uid: others keep the rest of max_engines
     max_regions: int = 4096  # per engine
     max_tokens_per_frame: int = 8192
-    max_peer_connections: int = 64  # inbound WAN connections at once
+    max_peer_connections: int = 64  # inbound WAN connections of authenticated peers at once
+    max_handshakes: int = 64  # inbound WAN connections not yet through HELLO / BULK_HELLO (oldest cut first)
     engine_queue_bytes: int = 64 * MiB  # unread events for one engine before it is cut off as stuck
 
 

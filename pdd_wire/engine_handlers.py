@@ -65,7 +65,11 @@ class EngineRequests:
             case p.SendKv():
                 return self.kv.send_kv(ec, msg)
             case p.SendTokens():
-                return self._send_tokens(msg)
+                return self._send_tokens(ec, msg)
+            case p.ExpectTokens():
+                check_request_id(msg.request_id)
+                sites = None if msg.from_site is None else frozenset({msg.from_site})
+                return {"delivered": self.kv.own(msg.request_id, ec, sites, widen=False)}
             case p.Abort():
                 return {"cancelled": await self.kv.abort(ec, msg.request_id, msg.reason)}
             case p.Status():
@@ -158,7 +162,7 @@ class EngineRequests:
         region.close()
 
     # ------------------------------------------------------------------ tokens and estimates
-    def _send_tokens(self, msg: p.SendTokens) -> dict:
+    def _send_tokens(self, ec: "EngineConn", msg: p.SendTokens) -> dict:
         self.gate.check()
         check_request_id(msg.request_id)
         if any(not 0 <= t < 1 << 32 for t in msg.tokens):
@@ -166,7 +170,10 @@ class EngineRequests:
         if self.handoffs.owns_relay(msg.request_id):
             raise EngineRequestError(f"request {msg.request_id!r} is in a handoff: report its tokens with "
                                      f"handoff_tokens", ErrorCode.BAD_REQUEST)
-        return {"seq": self.peers.session_for(msg.to).send_tokens(msg.request_id, msg.tokens)}
+        session = self.peers.session_for(msg.to)
+        seq = session.send_tokens(msg.request_id, msg.tokens)
+        self.kv.own(msg.request_id, ec, frozenset({session.peer.site}))  # tokens back come from there
+        return {"seq": seq}
 
     def _estimate(self, msg: p.Estimate) -> dict:
         if msg.bytes < 0:

@@ -3,7 +3,16 @@
 A control connection must say HELLO within ``timeouts.handshake_s``, naming a configured peer
 (and, with TLS, presenting a certificate for it); the session then runs the handshake. A bulk
 connection is adopted on a bulk thread and must say BULK_HELLO with the token of a live session.
-Anything else is closed; ``limits.max_peer_connections`` bounds how many are open at once.
+Anything else is closed.
+
+Two pools, so that connections nobody has authenticated cannot lock a peer out: a connection
+still in its handshake (preamble, TLS, HELLO / BULK_HELLO) holds one of ``limits.max_handshakes``
+slots for at most ``timeouts.handshake_s`` in all, and when the pool is full the one that has
+come least far (no whole preamble yet, then no TLS yet), oldest first, is closed for the
+newcomer. A flood of idle or slow connections is thus cut before any peer that has sent its
+preamble, and a peer always gets through that finishes its handshake before the flood opens
+``max_handshakes`` connections that come as far. Authenticated connections count against
+``limits.max_peer_connections``.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,6 +36,35 @@ from .wire.handshake import check_peer
 if TYPE_CHECKING:
     from .peers import Peers
     from .session import PeerSession
+
+
+class Handshaking:
+    """One inbound connection before its HELLO / BULK_HELLO: what :meth:`close` must end."""
+
+    __slots__ = ("sock", "addr", "task", "conn", "bulk", "pending_bulk", "stage")
+
+    def __init__(self, sock: socket.socket, addr) -> None:
+        self.sock = sock
+        self.addr = addr
+        self.stage = 0  # 0: preamble not read yet, 1: preamble read (TLS under way), 2: adopted
+        self.task: asyncio.Task | None = None
+        self.conn: FrameProtocol | None = None  # once adopted
+        self.bulk: BulkLoop | None = None  # the loop that owns ``conn`` (bulk connections)
+        self.pending_bulk = None  # the bulk thread's adoption, while under way
+
+    def close(self) -> None:
+        """End it, whichever loop holds it now."""
+        if self.conn is not None:
+            if self.bulk is None:
+                self.conn.abort()
+            else:
+                self.bulk.call(self.conn.abort)
+        elif self.pending_bulk is not None:
+            bulk = self.bulk
+            self.pending_bulk.add_done_callback(
+                lambda f: f.cancelled() or f.exception() is not None or bulk.call(f.result().abort))
+        else:
+            self.sock.close()
 
 
 class Inbound:
@@ -46,12 +85,20 @@ class Inbound:
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
-        self._open = 0
+        self._handshaking: dict[Handshaking, None] = {}  # oldest first
+        self._established = 0
+        self.cut = 0  # handshakes closed for a newcomer (the pool was full)
+        self._cut_logged = 0.0
 
     @property
     def open_connections(self) -> int:
-        """WAN connections held open (the count ``limits.max_peer_connections`` caps)."""
-        return self._open
+        """WAN connections held open, in their handshake or authenticated."""
+        return len(self._handshaking) + self._established
+
+    @property
+    def handshaking(self) -> int:
+        """Connections still in their handshake (the count ``limits.max_handshakes`` caps)."""
+        return len(self._handshaking)
 
     def listen(self, host: str, port: int, *, ssl_server=None, bulk_tls: bool = True) -> tuple[str, int]:
         """Bind and start accepting (TLS with ``ssl_server``, else plaintext); returns the bound
@@ -84,51 +131,100 @@ class Inbound:
         rr = itertools.count()
         while True:
             sock, addr = await loop.sock_accept(self._sock)
-            if self._open >= self.config.limits.max_peer_connections or self.refusing():
-                self.log.warning("inbound connection refused: limits.max_peer_connections reached",
-                                 remote=str(addr))
+            if self.refusing():
                 sock.close()
                 continue
+            if len(self._handshaking) >= self.config.limits.max_handshakes:
+                self._cut_oldest()
             sock.setblocking(False)
-            self._open += 1
-            t = asyncio.create_task(self._serve(sock, addr, next(rr)))
+            h = Handshaking(sock, addr)
+            self._handshaking[h] = None
+            h.task = t = asyncio.create_task(self._serve(h, next(rr)))
             self._conns.add(t)
             t.add_done_callback(self._conns.discard)
+            # sock_accept does not yield while connections are queued: let the newcomer read its
+            # preamble before the next is accepted, or a flood in the backlog cuts it unread.
+            await asyncio.sleep(0)
 
-    async def _serve(self, sock: socket.socket, addr, n: int) -> None:
+    def _cut_oldest(self) -> None:
+        """Close the handshake that came least far, the oldest of those."""
+        old = min(self._handshaking, key=lambda h: h.stage)  # min keeps the first (oldest) of equals
+        del self._handshaking[old]
+        old.close()
+        if old.task is not None:
+            old.task.cancel()
+        self.cut += 1
+        self.metrics.error(ErrorCode.HANDSHAKE_TIMEOUT)
+        now = time.monotonic()
+        if now - self._cut_logged >= 1.0:  # a flood would log a line per connection
+            self._cut_logged = now
+            self.log.warning("inbound handshake cut: limits.max_handshakes connections were still in theirs",
+                             remote=str(old.addr), cut_so_far=self.cut)
+
+    def _authenticated(self, h: Handshaking) -> bool:
+        """``h`` passed its handshake: it moves to the authenticated pool, if there is room."""
+        if h not in self._handshaking:
+            return False  # cut meanwhile
+        del self._handshaking[h]
+        if self._established >= self.config.limits.max_peer_connections:
+            return False
+        self._established += 1
+        return True
+
+    async def _serve(self, h: Handshaking, n: int) -> None:
         to = self.config.timeouts
+        loop = asyncio.get_running_loop()
+        established = False
         try:
-            kind = await read_preamble(sock, to.handshake_s)
-            if kind == KIND_CONTROL:
-                conn = FrameProtocol(max_body=self.config.limits.max_body, max_payload=0)
-                first = asyncio.get_running_loop().create_future()
-                conn.on_frame = lambda c, f: first.done() or first.set_result(f)
-                conn.on_lost = lambda c, e: first.done() or first.set_exception(
-                    TransportError(f"closed before HELLO: {e}"))
-                await adopt(sock, conn, ssl_ctx=self.ssl_server, timeout=to.handshake_s)
-                try:
-                    async with asyncio.timeout(to.handshake_s):
+            try:
+                async with asyncio.timeout(to.handshake_s):  # the whole handshake, every step together
+                    kind = await read_preamble(h.sock, to.handshake_s)
+                    h.stage = 1
+                    if kind == KIND_CONTROL:
+                        conn = h.conn = FrameProtocol(max_body=self.config.limits.max_body, max_payload=0)
+                        first = loop.create_future()
+                        conn.on_frame = lambda c, f: first.done() or first.set_result(f)
+                        conn.on_lost = lambda c, e: first.done() or first.set_exception(
+                            TransportError(f"closed before HELLO: {e}"))
+                        await adopt(h.sock, conn, ssl_ctx=self.ssl_server, timeout=to.handshake_s)
+                        h.stage = 2
                         frame = await first
-                except TimeoutError:
-                    conn.fail(ProtocolError(f"no HELLO within {to.handshake_s}s", ErrorCode.HANDSHAKE_TIMEOUT))
-                    raise
+                    else:
+                        h.bulk = bulk = self.bulk_loop(n)
+                        attached = loop.create_future()
+                        h.pending_bulk = bulk.submit(self._adopt_bulk(h.sock, bulk, loop, attached))
+                        conn = await asyncio.wrap_future(h.pending_bulk)
+                        h.conn, h.pending_bulk, h.stage = conn, None, 2
+                        await attached
+            except TimeoutError:
+                if h.conn is not None and h.bulk is None:
+                    h.conn.fail(ProtocolError(f"no HELLO within {to.handshake_s}s", ErrorCode.HANDSHAKE_TIMEOUT))
+                raise
+            if kind == KIND_CONTROL:
+                if not self._authenticated(h):
+                    raise TransportError("limits.max_peer_connections authenticated connections are open")
+                established = True
                 self._on_hello(conn, frame)
                 if not conn.closed:
                     await _wait_closed(conn)
             else:
-                bulk = self.bulk_loop(n)
-                main = asyncio.get_running_loop()
-                conn = await asyncio.wrap_future(bulk.submit(self._adopt_bulk(sock, bulk, main)))
+                if not self._authenticated(h):
+                    raise TransportError("limits.max_peer_connections authenticated connections are open")
+                established = True
                 await _wait_closed(conn, bulk)
         except FatalHandshakeError as exc:
             self.metrics.error(exc.code)
-            self.log.warning("inbound connection refused", remote=str(addr), error=str(exc), code=exc.code.name)
-            sock.close()
+            self.log.warning("inbound connection refused", remote=str(h.addr), error=str(exc), code=exc.code.name)
+            h.close()
         except (TransportError, ProtocolError, TimeoutError, OSError) as exc:
-            self.log.info("inbound connection failed", remote=str(addr), error=str(exc) or repr(exc))
-            sock.close()
+            self.log.info("inbound connection failed", remote=str(h.addr), error=str(exc) or repr(exc))
+            h.close()
         finally:
-            self._open -= 1
+            if established:
+                self._established -= 1
+            elif h in self._handshaking:
+                del self._handshaking[h]
+                h.close()  # cancelled (the agent stops) while still in its handshake
 
     def _on_hello(self, conn: FrameProtocol, frame) -> None:
         try:
@@ -155,8 +251,9 @@ class Inbound:
             raise FatalHandshakeError(f"certificate names {sorted(conn.peer_names)} do not include {want!r}",
                                       ErrorCode.IDENTITY_MISMATCH)
 
-    async def _adopt_bulk(self, sock: socket.socket, bulk: BulkLoop, main) -> FrameProtocol:
-        """On a bulk loop: TLS, then wait for BULK_HELLO naming a live session."""
+    async def _adopt_bulk(self, sock: socket.socket, bulk: BulkLoop, main, attached: asyncio.Future) -> FrameProtocol:
+        """On a bulk loop: TLS, then wait for BULK_HELLO naming a live session (``attached``, a
+        future of the main loop, is set then, or fails if the connection ends first)."""
 
         def resolve(msg: m.BulkHello):
             s = self.peers.by_token.get(msg.session)
@@ -166,12 +263,24 @@ class Inbound:
                 return None
             return s
 
+        def settle(exc: BaseException | None) -> None:
+            if not attached.done():
+                attached.set_result(None) if exc is None else attached.set_exception(exc)
+
         def on_attach(h: BulkHandler) -> None:
             main.call_soon_threadsafe(h.session.adopt_bulk, h.stream, bulk, h.conn)
+            main.call_soon_threadsafe(settle, None)
 
         handler = BulkHandler(None, -1, main, resolve=resolve, on_attach=on_attach)
         timeout = self.config.timeouts.handshake_s
-        await adopt(sock, handler.conn, ssl_ctx=self.ssl_server if self.bulk_tls else None, timeout=timeout)
+        try:
+            await adopt(sock, handler.conn, ssl_ctx=self.ssl_server if self.bulk_tls else None, timeout=timeout)
+        except asyncio.CancelledError:  # cut for a newcomer, or the agent stops
+            handler.conn.abort()
+            sock.close()
+            raise
+        handler.conn.add_close_callback(lambda: main.call_soon_threadsafe(
+            settle, TransportError("closed before BULK_HELLO")))
 
         def no_hello() -> None:
             if handler.session is None and not handler.conn.closed:

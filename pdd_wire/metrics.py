@@ -50,6 +50,9 @@ class Metrics:
         self.pipelines = Counter(p + "pipeline_choices", "Pipelines chosen for requests, by reason",
                                  ["pipeline", "reason"], registry=r)
         self.tokens = Counter(p + "tokens", "Token IDs relayed", ["peer", "direction"], registry=r)
+        self.tokens_dropped = Counter(p + "tokens_dropped", "Relayed token IDs no engine took: no owner claimed "
+                                      "the request in time (unowned), a peer not tied to it (foreign_site), "
+                                      "over the per-peer bounds (over_bounds)", ["peer", "reason"], registry=r)
         self.request_aborts = Counter(p + "request_aborts", "REQUEST_ABORTs sent (an engine aborted) and received",
                                       ["direction"], registry=r)
         self.leases_expired = Counter(p + "leases_expired", "Memory handed back because its lease ran out",

@@ -83,6 +83,8 @@ async def test_an_engine_that_takes_no_events_gets_an_error_not_a_silent_drop(tm
         ra = await a.register(engines.memory(MiB), block_bytes=MiB)
         rb = await b.register(engines.memory(MiB), block_bytes=MiB)
         await b.post_recv("kv", [rb.blocks(0, 1)], from_site="A")
+        for i in range(8):
+            await b.expect_tokens(f"r{i}", "A")  # tokens reach only an engine that takes the request
         for i in range(8):  # eight requests' tokens fill the client's events ...
             await a.send_tokens(f"r{i}", "B", [i])
         await a.send_kv("kv", [ra.blocks(0, 1)], to=["B"])  # ... so this KvReceived has no room
@@ -100,6 +102,8 @@ async def test_one_task_taking_every_event_sees_them_in_arrival_order(tmp_sock_d
         a = await engines.connect(tmp_sock_dir / "A.sock", "a")
         b = await engines.connect(tmp_sock_dir / "B.sock", "b")
         sent = [("p", 0), ("q", 0), ("p", 1), ("r", 0), ("q", 1)]
+        for rid in "pqr":
+            await b.expect_tokens(rid)
         for rid, i in sent:
             await a.send_tokens(rid, "B", [i])
         got = [await b.next_event(timeout=10) for _ in sent]

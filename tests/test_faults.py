@@ -249,6 +249,7 @@ async def test_thirty_seconds_of_mixed_traffic_under_faults_loses_nothing(tmp_pa
                 counts["transfers"] += 1
 
         async def token_loop():
+            await T.expect_tokens("stream", "A")  # tokens reach only the engine that takes the request
             k = 0
             while not stop.is_set():
                 await A.send_tokens("stream", "B", [k, k + 1, k + 2])

@@ -4,54 +4,15 @@ closes that connection only; the agent goes on serving."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 
 from conftest import metric
 from pdd_wire.errors import ErrorCode
-from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL, preamble
-from pdd_wire.wire import FrameReader, FrameType, Lane, decode_body, encode_body, encode_bytes
+from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL
+from pdd_wire.wire import FrameType, Lane, encode_bytes
 from pdd_wire.wire import messages as m
 from support.agents import run_agents, two_site_toml
-
-
-class RawPeer:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.frames = FrameReader(max_body=1 << 20)
-        self.pending: list = []
-
-    @classmethod
-    async def dial(cls, port: int, kind: int) -> "RawPeer":
-        r, w = await asyncio.open_connection("127.0.0.1", port)
-        w.write(preamble(kind))
-        return cls(r, w)
-
-    def send(self, ftype: int, body, **kw) -> None:
-        self.writer.write(encode_bytes(ftype, encode_body(body) if not isinstance(body, bytes) else body, **kw))
-
-    async def next(self):
-        """The next frame's (type, decoded body); None once the agent closed the connection."""
-        async with asyncio.timeout(10):
-            while not self.pending:
-                try:
-                    data = await self.reader.read(65536)
-                except ConnectionResetError:  # aborted: what was unread may be lost with it
-                    return None
-                if not data:
-                    return None
-                self.pending += self.frames.feed(data)
-        f = self.pending.pop(0)
-        return f.header.type, decode_body(f.header.type, f.body)
-
-    async def until_closed(self) -> list:
-        out = []
-        while (f := await self.next()) is not None:
-            out.append(f)
-        return out
-
-    def close(self) -> None:
-        self.writer.close()
+from support.raw_peer import RawPeer, hello
 
 
 @contextlib.asynccontextmanager
@@ -61,11 +22,7 @@ async def agent_b(tmp):
 
 
 async def hello_as_a(b) -> tuple[RawPeer, m.Welcome]:
-    peer = await RawPeer.dial(b.wan_address[1], KIND_CONTROL)
-    peer.send(FrameType.HELLO, m.Hello(versions=[1], site="A", node="a1", incarnation=77, capabilities=["kv.v1"]))
-    t, welcome = await peer.next()
-    assert t == FrameType.WELCOME
-    return peer, welcome
+    return await hello(b.wan_address[1])
 
 
 async def test_out_of_range_values_close_that_connection_and_unknown_codes_are_named(tmp_sock_dir):
@@ -87,10 +44,7 @@ async def test_out_of_range_values_close_that_connection_and_unknown_codes_are_n
         peer, _ = await hello_as_a(b)
         peer.send(FrameType.KV_CANCEL, [ "nobody-posted-this", 999, "from the future", False], transfer_id=5)
         peer.send(FrameType.KV_REJECT, ["nor-this", 12345, "?"], transfer_id=6)
-        peer.send(FrameType.PING, m.Ping(nonce=9, sent_ns=1))
-        while (f := await peer.next()) is not None and f[0] != FrameType.PONG:
-            pass
-        assert f is not None and f[1].nonce == 9
+        assert await peer.pong(9)
         assert b.sessions["A/a1"].is_up
         peer.close()
 
@@ -100,7 +54,7 @@ async def test_a_chunk_without_its_checksum_closes_the_bulk_connection_only(tmp_
         peer, welcome = await hello_as_a(b)
         bulk = await RawPeer.dial(b.wan_address[1], KIND_BULK)
         bulk.send(FrameType.BULK_HELLO, m.BulkHello(session=welcome.session, stream=0, site="A", node="a1"))
-        t, _ = await bulk.next()
+        t, _, _ = await bulk.next()
         assert t == FrameType.BULK_WELCOME
         bulk.send(FrameType.KV_CHUNK, b"", lane=Lane.BULK, transfer_id=1, payload=[b"k" * 1000], checksum=False)
         got = await bulk.until_closed()  # the ERROR may be lost: the agent aborts right after it
@@ -108,9 +62,6 @@ async def test_a_chunk_without_its_checksum_closes_the_bulk_connection_only(tmp_
                    for t, x in got), got
         assert metric(b, "pddwire_chunks_total", peer="A/a1", direction="rx") == 0
         # The control connection is untouched.
-        peer.send(FrameType.PING, m.Ping(nonce=3, sent_ns=1))
-        while (f := await peer.next()) is not None and f[0] != FrameType.PONG:
-            pass
-        assert f is not None and f[1].nonce == 3
+        assert await peer.pong(3)
         bulk.close()
         peer.close()

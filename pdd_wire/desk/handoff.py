@@ -71,7 +71,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pdd_wire.handoff")
 
 MAX_EARLY_TOKENS = 1 << 16  # relayed tokens kept for one request that has no MD entry yet
-MAX_EARLY_TOTAL = 1 << 20  # ... and for all of them together (oldest requests dropped first)
+MAX_EARLY_TOTAL = 1 << 20  # ... and for all of one peer's requests together (its oldest dropped first)
 
 
 class Entry:
@@ -111,8 +111,11 @@ class HandoffDesk:
         self.peers = peers
         self.gate = gate
         self.live: dict[str, Entry] = {}
-        self.early: collections.OrderedDict[str, Early] = collections.OrderedDict()
-        self._early_total = 0  # tokens held in ``early``
+        # Kept per peer (session key -> request id -> Early), each peer within its own bounds:
+        # a peer that relays first for a guessable request id cannot crowd out, or stand in
+        # for, the peer the MD engine names.
+        self.early: dict[str, collections.OrderedDict[str, Early]] = {}
+        self._early_total: collections.Counter[str] = collections.Counter()  # tokens kept, per peer
         # The KV outcome of receives that ended here with no MD entry ("ready" or the reason).
         self.kv_outcome: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.cap = self.cfg.transfer.max_transfers * 4
@@ -139,15 +142,12 @@ class HandoffDesk:
         sm = MdHandoff(msg.request_id, msg.epoch, deadline=deadline)
         e = self._add(Entry("MD", sm, ec, session))
         e.log.info("handoff started", deadline_s=round(deadline - self._now(), 3))
-        early = self._drop_early(msg.request_id)
+        early = self._drop_early(session.key, msg.request_id)
         if early is not None:
-            if early.session is not session:
-                e.log.warning("relayed tokens came from another peer; ignored", other=early.session.key)
-            else:
-                if early.tokens:
-                    self._feed(e, lambda: sm.on_tokens(0, early.tokens))
-                for hm in early.messages:
-                    self._feed(e, lambda hm=hm: sm.on_message(hm))
+            if early.tokens:
+                self._feed(e, lambda: sm.on_tokens(0, early.tokens))
+            for hm in early.messages:
+                self._feed(e, lambda hm=hm: sm.on_message(hm))
         kv = self.kv_outcome.pop(msg.request_id, None)
         if kv == "ready":
             self._feed(e, sm.on_kv_ready)
@@ -206,10 +206,10 @@ class HandoffDesk:
     def request_aborted(self, session: "PeerSession", request_id: str, reason: str) -> "EngineConn | None":
         """The peer says the request is dead: settle and forget its handoff with that peer."""
         e = self.live.get(request_id)
-        self._drop_early(request_id)
-        self.kv_outcome.pop(request_id, None)
+        self._drop_early(session.key, request_id)
         if e is None or e.session is not session:
             return None
+        self.kv_outcome.pop(request_id, None)
         if e.sm.done is None:
             self._engine_failed(e, "aborted")
         self._forget(request_id)
@@ -241,20 +241,29 @@ class HandoffDesk:
         self._feed(e, lambda: e.sm.on_message(msg))
 
     def on_tokens(self, session: "PeerSession", msg: m.Tokens) -> bool:
-        """Relayed tokens (exactly once, in order). True if a handoff took them."""
+        """Relayed tokens (exactly once, in order). True if they were the handoff desk's (taken,
+        kept for MD's entry, or dropped and counted); False: plain relay, for the KV desk."""
         e = self.live.get(msg.request_id)
         if e is not None and e.role == "MD" and e.session is session:
             self._feed(e, lambda: e.sm.on_tokens(msg.seq, msg.tokens))
             return True
-        if e is None and msg.handoff:  # plain token relay is not kept here
+        if not msg.handoff:
+            return False  # plain relay: the KV desk gives it to the request's owner
+        # A handoff's relay never becomes a plain ``tokens`` event: kept for MD's entry, or dropped.
+        if e is None:
             early = self._early(msg.request_id, session)
-            if early.session is session and len(early.tokens) == msg.seq:
-                if len(early.tokens) + len(msg.tokens) <= MAX_EARLY_TOKENS:
-                    early.tokens.extend(msg.tokens)
-                    self._early_total += len(msg.tokens)
-                    while self._early_total > MAX_EARLY_TOTAL and self.early:
-                        self._drop_early(next(iter(self.early)))
-        return False
+            if len(early.tokens) == msg.seq and len(early.tokens) + len(msg.tokens) <= MAX_EARLY_TOKENS:
+                early.tokens.extend(msg.tokens)
+                mine = self.early[session.key]
+                self._early_total[session.key] += len(msg.tokens)
+                while self._early_total[session.key] > MAX_EARLY_TOTAL and mine:
+                    self._drop_early(session.key, next(iter(mine)))
+                return True
+            reason = "over_bounds"
+        else:
+            reason = "foreign_site"  # the request is in a handoff with another peer (or is RLD here)
+        self.metrics.tokens_dropped.labels(peer=session.key, reason=reason).inc(len(msg.tokens))
+        return True
 
     def kv_received(self, request_id: str) -> None:
         e = self.live.get(request_id)
@@ -290,7 +299,7 @@ class HandoffDesk:
             self._forget(rid)
         self.early.clear()
         self.kv_outcome.clear()
-        self._early_total = 0
+        self._early_total.clear()
 
     def describe(self, most: int = 100) -> list[dict]:
         """The newest ``most`` handoffs (the count is ``pddwire_handoffs_open``)."""
@@ -342,10 +351,11 @@ class HandoffDesk:
             raise EngineRequestError(f"request {request_id!r} is handed off by another engine", ErrorCode.BAD_REQUEST)
         return e
 
-    def _drop_early(self, request_id: str) -> Early | None:
-        early = self.early.pop(request_id, None)
+    def _drop_early(self, peer: str, request_id: str) -> Early | None:
+        mine = self.early.get(peer)
+        early = mine.pop(request_id, None) if mine is not None else None
         if early is not None:
-            self._early_total -= len(early.tokens)
+            self._early_total[peer] -= len(early.tokens)
         return early
 
     def _remember_kv(self, request_id: str, outcome: str) -> None:
@@ -355,13 +365,14 @@ class HandoffDesk:
             self.kv_outcome.popitem(last=False)
 
     def _early(self, request_id: str, session: "PeerSession") -> Early:
-        early = self.early.get(request_id)
+        mine = self.early.setdefault(session.key, collections.OrderedDict())
+        early = mine.get(request_id)
         if early is None:
-            early = self.early[request_id] = Early(session)
-            while len(self.early) > self.cap:
-                self._drop_early(next(iter(self.early)))
+            early = mine[request_id] = Early(session)
+            while len(mine) > self.cap:
+                self._drop_early(session.key, next(iter(mine)))
         else:
-            self.early.move_to_end(request_id)
+            mine.move_to_end(request_id)
         return early
 
     def _engine_failed(self, e: Entry, reason: str) -> None:

@@ -8,6 +8,13 @@ claims them or ``ttl_s`` runs out. A peer's KV_BEGIN is *matched* to the post of
 destination, all reading the same pages, all or none. Aborts (from an engine here or from a
 peer) end what the desk holds for the request: posts, unposted waits, transfers, the handoff.
 
+Isolation (``proto/transfer.md`` §14): each request is tied to the engine that owns it here
+(posted it, sent its KV or tokens, or ``expect_tokens``) and to the peer sites it deals with;
+tokens and REQUEST_ABORTs from any other site never reach an engine, and tokens nobody owns are
+held briefly for their owner per peer (``session/tokens.py``), then dropped and counted. Unposted
+waits are kept per peer, each peer within its own ``transfer.max_transfers``, and keyed by
+(peer, request id): a peer announcing a request id first cannot get another's KV_BEGIN refused.
+
 The audit counts the blocks held for peers and those held past their lease (*stranded*), which
 every path that ends a lease keeps at zero.
 """
@@ -56,13 +63,27 @@ class Post:
 class Unposted:
     """A KV_BEGIN that came before its request's post: it waits for one, up to a timer."""
 
-    __slots__ = ("session", "tid", "begin", "timer")
+    __slots__ = ("session", "tid", "begin", "timer", "since")
 
     def __init__(self, session: "PeerSession", tid: int, begin: m.KvBegin, timer: asyncio.TimerHandle) -> None:
         self.session = session
         self.tid = tid
         self.begin = begin
         self.timer = timer
+        self.since = timer.when()  # orders the waits of one request: the oldest matches first
+
+
+class Owner:
+    """The engine a request belongs to here, and the peer sites tied to it (None: any site)."""
+
+    __slots__ = ("engine", "sites")
+
+    def __init__(self, engine: "EngineConn", sites: frozenset[str] | None) -> None:
+        self.engine = engine
+        self.sites = sites
+
+    def allows(self, site: str) -> bool:
+        return self.sites is None or site in self.sites
 
 
 def blockmap(ec: "EngineConn", blocks) -> BlockMap:
@@ -81,12 +102,16 @@ class KvDesk:
         self.inventory = inventory
         self.log = log
         self.posts: dict[str, Post] = {}
-        self.unposted: dict[str, Unposted] = {}
-        # Requests whose sender gave up before their receive was posted (request_id -> (code,
-        # reason, until)): a post for one fails at once instead of waiting out its ttl.
-        self.gave_up: collections.OrderedDict[str, tuple[int, str, float]] = collections.OrderedDict()
-        # The engine that last posted or sent for a request: it gets the request's tokens and aborts.
-        self.owners: collections.OrderedDict[str, EngineConn] = collections.OrderedDict()
+        # KV_BEGINs waiting for their post: request id -> peer ("site/node") -> the wait.
+        self.unposted: dict[str, dict[str, Unposted]] = {}
+        self.unposted_per_peer: collections.Counter[str] = collections.Counter()
+        # Requests whose sender gave up before their receive was posted ((sender's site,
+        # request_id) -> (code, reason, until)): a post for one fails at once instead of waiting
+        # out its ttl.
+        self.gave_up: collections.OrderedDict[tuple[str, str], tuple[int, str, float]] = collections.OrderedDict()
+        # The engine that last posted or sent for a request, and the sites tied to it: it gets the
+        # request's tokens and aborts, from those sites only.
+        self.owners: collections.OrderedDict[str, Owner] = collections.OrderedDict()
         # (request, peer) -> the WAN seconds its pipeline choice predicted, checked on KV_SENT.
         self.predictions: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
 
@@ -102,44 +127,66 @@ class KvDesk:
         ttl = check_duration("ttl_s", self.config.transfer.post_ttl_s if msg.ttl_s is None else msg.ttl_s)
         if msg.max_skip_blocks is not None and msg.max_skip_blocks < 0:
             raise EngineRequestError(f"max_skip_blocks must be >= 0, got {msg.max_skip_blocks}", ErrorCode.BAD_REQUEST)
-        gone = self.gave_up.pop(msg.request_id, None)
+        gone = self._given_up(msg.request_id, msg.from_site)
         if gone is not None and gone[2] > asyncio.get_running_loop().time():
             raise EngineRequestError(gone[1], ErrorCode(gone[0]))
         post = self._add_post(Post(msg.request_id, ec, blockmap(ec, msg.blocks), msg.from_site, ttl,
                                    msg.max_skip_blocks))
-        self.own(msg.request_id, ec)
-        waiting = self.unposted.pop(msg.request_id, None)
-        if waiting is not None:
-            waiting.timer.cancel()
+        self.own(msg.request_id, ec, None if msg.from_site is None else frozenset({msg.from_site}))
+        # The post's from_site picks which peer's waiting KV_BEGIN it takes (the oldest of those).
+        waits = [w for w in self.unposted.get(msg.request_id, {}).values()
+                 if msg.from_site in (None, w.session.peer.site)]
+        if waits:
+            waiting = min(waits, key=lambda w: w.since)
+            self._unwait(msg.request_id, waiting.session.key)
             self._match(waiting.session, waiting.tid, waiting.begin, post)
 
     def incoming_begin(self, session: "PeerSession", tid: int, begin: m.KvBegin) -> None:
         """A peer announced KV for a request: match it to its post, or let it wait for one."""
-        self.gave_up.pop(begin.request_id, None)  # sent (again): a post for it may match
+        self.gave_up.pop((session.peer.site, begin.request_id), None)  # sent (again): a post may match
         post = self.posts.get(begin.request_id)
         if post is not None:
             self._match(session, tid, begin, post)
             return
-        waiting = self.unposted.get(begin.request_id)
+        waiting = self.unposted.get(begin.request_id, {}).get(session.key)
         if waiting is not None:
-            if waiting.session is session and waiting.tid == tid:
+            if waiting.tid == tid:
                 return  # the same KV_BEGIN again (resent after a reconnect): still waiting
             session.reject_in(tid, begin, ErrorCode.DUPLICATE_TRANSFER,
-                              f"another transfer for request {begin.request_id!r} is already waiting")
+                              f"another transfer for request {begin.request_id!r} from {session.key} is already "
+                              f"waiting")
             return
-        if len(self.unposted) >= self.config.transfer.max_transfers:
-            session.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS, "cannot hold another unposted transfer")
+        if self.unposted_per_peer[session.key] >= self.config.transfer.max_transfers:
+            session.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS,
+                              f"{session.key} has transfer.max_transfers KV_BEGINs waiting unposted")
             return
         wait = self._unposted_wait(begin)
-        timer = asyncio.get_running_loop().call_later(wait, self._unposted_expired, begin.request_id)
-        self.unposted[begin.request_id] = Unposted(session, tid, begin, timer)
+        timer = asyncio.get_running_loop().call_later(wait, self._unposted_expired, begin.request_id, session.key)
+        self.unposted.setdefault(begin.request_id, {})[session.key] = Unposted(session, tid, begin, timer)
+        self.unposted_per_peer[session.key] += 1
+
+    def _unwait(self, request_id: str, peer: str) -> Unposted | None:
+        """Take the unposted wait of ``peer`` for ``request_id`` off the table (timer stopped)."""
+        waits = self.unposted.get(request_id)
+        waiting = waits.pop(peer, None) if waits is not None else None
+        if waiting is None:
+            return None
+        if not waits:
+            del self.unposted[request_id]
+        waiting.timer.cancel()
+        self.unposted_per_peer[peer] -= 1
+        if not self.unposted_per_peer[peer]:
+            del self.unposted_per_peer[peer]
+        return waiting
+
+    def unposted_count(self) -> int:
+        return sum(self.unposted_per_peer.values())
 
     def incoming_cancelled(self, session: "PeerSession", tid: int, msg: m.KvCancel) -> None:
-        waiting = self.unposted.get(msg.request_id)
-        if waiting is not None and waiting.session is session and waiting.tid == tid:
-            waiting.timer.cancel()
-            del self.unposted[msg.request_id]
-            self._gave_up(msg.request_id, ErrorCode.TRANSFER_CANCELLED,
+        waiting = self.unposted.get(msg.request_id, {}).get(session.key)
+        if waiting is not None and waiting.tid == tid:
+            self._unwait(msg.request_id, session.key)
+            self._gave_up(session.peer.site, msg.request_id, ErrorCode.TRANSFER_CANCELLED,
                           f"the sender cancelled its KV before this receive was posted: {msg.message}")
 
     def _unposted_wait(self, begin: m.KvBegin) -> float:
@@ -148,21 +195,31 @@ class KvDesk:
         t = self.config.transfer
         return min(begin.post_wait_ms / 1000, t.post_ttl_s) if begin.post_wait_ms > 0 else t.unposted_wait_s
 
-    def _unposted_expired(self, request_id: str) -> None:
-        waiting = self.unposted.pop(request_id, None)
+    def _unposted_expired(self, request_id: str, peer: str) -> None:
+        waiting = self._unwait(request_id, peer)
         if waiting is not None:
             reason = f"no receive posted for request {request_id!r} within {self._unposted_wait(waiting.begin):g}s"
-            self._gave_up(request_id, ErrorCode.NOT_POSTED,
+            self._gave_up(waiting.session.peer.site, request_id, ErrorCode.NOT_POSTED,
                           f"the sender's KV waited for this receive and was dropped ({reason})")
             waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.NOT_POSTED, reason)
 
-    def _gave_up(self, request_id: str, code: int, reason: str) -> None:
-        """Remember (bounded, for transfer.post_ttl_s) that nothing will be sent for ``request_id``."""
+    def _gave_up(self, site: str, request_id: str, code: int, reason: str) -> None:
+        """Remember (bounded, for transfer.post_ttl_s) that ``site`` will send nothing for ``request_id``."""
         until = asyncio.get_running_loop().time() + self.config.transfer.post_ttl_s
-        self.gave_up[request_id] = (int(code), reason, until)
-        self.gave_up.move_to_end(request_id)
+        key = (site, request_id)
+        self.gave_up[key] = (int(code), reason, until)
+        self.gave_up.move_to_end(key)
         while len(self.gave_up) > self.config.transfer.max_transfers * 4:
             self.gave_up.popitem(last=False)
+
+    def _given_up(self, request_id: str, from_site: str | None) -> tuple[int, str, float] | None:
+        """What a post for ``request_id`` from ``from_site`` (None: any site) must fail with: a
+        sender of that site gave up on it. Only those sites' word counts."""
+        sites = [from_site] if from_site is not None else list(self.peers.by_site)
+        found = None
+        for site in sites:
+            found = self.gave_up.pop((site, request_id), None) or found
+        return found
 
     def _match(self, session: "PeerSession", tid: int, begin: m.KvBegin, post: Post) -> None:
         if post.from_site is not None and post.from_site != session.peer.site:
@@ -226,11 +283,29 @@ class KvDesk:
                                           code=int(ErrorCode.TRANSFER_TIMEOUT), reason=reason))
         self.handoffs.kv_failed(request_id, "post_expired")
 
-    def own(self, request_id: str, ec: "EngineConn") -> None:
-        self.owners[request_id] = ec
+    def own(self, request_id: str, ec: "EngineConn", sites: frozenset[str] | None, *,
+            widen: bool = True) -> int:
+        """``ec`` owns ``request_id``, tied to ``sites`` (None: any). The same engine's ties add
+        up; ``widen`` false: None keeps the ties it has (``expect_tokens`` without a site). Tokens
+        held for the request from those sites are delivered now; returns how many frames."""
+        o = self.owners.get(request_id)
+        if o is not None and o.engine is ec:
+            if sites is None:
+                o.sites = None if widen else o.sites
+            elif o.sites is not None:
+                o.sites = o.sites | sites
+        else:
+            o = self.owners[request_id] = Owner(ec, sites)
         self.owners.move_to_end(request_id)
         while len(self.owners) > self.config.transfer.max_transfers * 16:
             self.owners.popitem(last=False)
+        n = 0
+        for s in self.peers:
+            if o.allows(s.peer.site):
+                for msg in s.tokens.claim(request_id):
+                    ec.send(p.TokensReceived(request_id=request_id, peer=s.key, seq=msg.seq, tokens=msg.tokens))
+                    n += 1
+        return n
 
     # ------------------------------------------------------------------ sending: fan-out
     def send_kv(self, ec: "EngineConn", msg: p.SendKv) -> dict:
@@ -252,7 +327,7 @@ class KvDesk:
             if len(s.out) >= self.config.transfer.max_transfers:
                 raise EngineRequestError(f"{len(s.out)} transfers open to {s.key} (limit transfer.max_transfers)",
                                          ErrorCode.TOO_MANY_TRANSFERS)
-        self.own(msg.request_id, ec)
+        self.own(msg.request_id, ec, frozenset(s.peer.site for s in sessions))
         out = []
         started = []
         try:
@@ -313,14 +388,17 @@ class KvDesk:
         if direction == "in" and handoff:
             self.handoffs.kv_failed(t.request_id, "kv_cancelled")
 
-    def tokens_received(self, session: "PeerSession", msg: m.Tokens, broadcast) -> None:
-        """Relayed tokens outside a handoff: to the request's engine, else to every engine."""
-        ev = p.TokensReceived(request_id=msg.request_id, peer=session.key, seq=msg.seq, tokens=msg.tokens)
+    def tokens_received(self, session: "PeerSession", msg: m.Tokens) -> None:
+        """Relayed tokens outside a handoff: to the request's owner if the peer's site is tied to
+        it; held for an owner to come (bounded, per peer) if there is none; else dropped."""
         owner = self.owners.get(msg.request_id)
-        if owner is not None and not owner.closed:
-            owner.send(ev)
+        if owner is None or owner.engine.closed:
+            session.tokens.hold(msg)
+        elif owner.allows(session.peer.site):
+            owner.engine.send(p.TokensReceived(request_id=msg.request_id, peer=session.key, seq=msg.seq,
+                                               tokens=msg.tokens))
         else:
-            broadcast(ev)
+            session.tokens.dropped(len(msg.tokens), "foreign_site", msg.request_id)
 
     # ------------------------------------------------------------------ prefix inventory
     def prefix_query(self, session: "PeerSession", msg: m.PrefixQuery) -> int:
@@ -370,9 +448,8 @@ class KvDesk:
         if post is not None and post.engine is ec:
             self.drop_post(request_id)
             n += 1
-        waiting = self.unposted.pop(request_id, None)
-        if waiting is not None:
-            waiting.timer.cancel()
+        for peer in list(self.unposted.get(request_id, {})):
+            waiting = self._unwait(request_id, peer)
             waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.TRANSFER_CANCELLED, reason)
         return n
 
@@ -390,18 +467,19 @@ class KvDesk:
         if post is not None and post.from_site in (None, session.peer.site):
             self.drop_post(rid)
             told.add(post.engine)
-        waiting = self.unposted.get(rid)
-        if waiting is not None and waiting.session is session:
-            waiting.timer.cancel()
-            del self.unposted[rid]
+        if self._unwait(rid, session.key) is not None:
             # Its KV waited unposted and is gone: a receive posted later for it fails at once.
-            self._gave_up(rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: {reason}")
+            self._gave_up(session.peer.site, rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: {reason}")
         ec = self.handoffs.request_aborted(session, rid, reason)
         if ec is not None:
             told.add(ec)
-        owner = self.owners.pop(rid, None)
-        if owner is not None:
-            told.add(owner)
+        owner = self.owners.get(rid)
+        if owner is not None and owner.allows(session.peer.site):
+            del self.owners[rid]
+            told.add(owner.engine)
+        elif not told:
+            self.log.info("REQUEST_ABORT from a site not tied to the request; ignored", request_id=rid,
+                          peer=session.key)
         for e in told:
             if not e.closed:
                 e.send(p.RequestAborted(request_id=rid, reason=reason, origin=session.key))
@@ -417,14 +495,15 @@ class KvDesk:
         for rid, post in list(self.posts.items()):
             if post.engine is ec:
                 self.drop_post(rid)
-        for rid in [r for r, e in self.owners.items() if e is ec]:
+        for rid in [r for r, o in self.owners.items() if o.engine is ec]:
             del self.owners[rid]
         self.prefix_broken(self.inventory.forget_owner(ec))
         self.metrics.inventory_blocks.set(len(self.inventory.blocks))
 
     def shutdown(self) -> None:
-        for waiting in self.unposted.values():
-            waiting.timer.cancel()
+        for waits in self.unposted.values():
+            for waiting in waits.values():
+                waiting.timer.cancel()
 
     # ------------------------------------------------------------------ leases
     def audit(self) -> tuple[dict[str, int], int]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import array
 import asyncio
+import collections
 import os
 import socket
 from collections.abc import Callable, Iterable
@@ -94,6 +95,7 @@ class EngineClient:
         self._reader: asyncio.Task | None = None
         self._closed_exc: BaseException | None = None
         self._wlock: asyncio.Lock | None = None
+        self._expected: collections.OrderedDict[str, None] = collections.OrderedDict()  # wait_tokens asked
 
     async def connect(self) -> "EngineClient":
         loop = asyncio.get_running_loop()
@@ -170,6 +172,17 @@ class EngineClient:
         """Relay token IDs on the control lane; returns the sequence number of the first one."""
         res = await self._call(p.SendTokens(request_id=request_id, to=to, tokens=list(tokens)))
         return res["seq"]
+
+    async def expect_tokens(self, request_id: str, from_site: str | None = None) -> int:
+        """Take the token IDs peers relay for ``request_id`` (from ``from_site`` only; None = any
+        site). Posting its receive or sending its KV or tokens does this too; tokens reach no
+        other engine. Those that came before are delivered now; returns how many frames."""
+        self._expected[request_id] = None
+        self._expected.move_to_end(request_id)
+        while len(self._expected) > 4096:  # asking again is harmless
+            self._expected.popitem(last=False)
+        res = await self._call(p.ExpectTokens(request_id=request_id, from_site=from_site))
+        return res["delivered"]
 
     async def abort(self, request_id: str, reason: str = "aborted by engine") -> int:
         res = await self._call(p.Abort(request_id=request_id, reason=reason))
@@ -255,6 +268,10 @@ class EngineClient:
         return await self._events.wait(request_id, kinds, timeout)
 
     async def wait_tokens(self, request_id: str, *, timeout: float | None = None) -> p.TokensReceived:
+        """The next relayed token frame of ``request_id``. The first wait on a request this client
+        never posted, sent or expected calls :meth:`expect_tokens` (from any site) first."""
+        if request_id not in self._expected:
+            await self.expect_tokens(request_id)
         ev = await self.wait(request_id, kinds=(p.TokensReceived,), timeout=timeout)
         assert isinstance(ev, p.TokensReceived)
         return ev
@@ -278,6 +295,7 @@ class EngineClient:
 
     def forget(self, request_id: str) -> int:
         """Drop the events kept for ``request_id`` and its overflow mark; returns how many."""
+        self._expected.pop(request_id, None)
         return self._events.forget(request_id)
 
     # -- plumbing ----------------------------------------------------------------------------

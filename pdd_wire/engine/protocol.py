@@ -20,7 +20,7 @@ Epoch = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # sent to the peer
 
 LENGTH = struct.Struct(">I")
 MAX_MESSAGE = 16 << 20
-ENGINE_PROTOCOL_VERSION = 2  # 2: set_load and the handoff ops and events
+ENGINE_PROTOCOL_VERSION = 3  # 2: set_load and the handoff ops and events; 3: expect_tokens, tokens to owners only
 
 class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=False, kw_only=True):
     id: int = 0
@@ -79,6 +79,14 @@ class SendTokens(Msg, tag="send_tokens"):
     request_id: str
     to: str
     tokens: list[int]
+
+
+class ExpectTokens(Msg, tag="expect_tokens"):
+    """This engine takes the tokens peers relay for ``request_id`` (from ``from_site`` only;
+    None = any peer site). Tokens that arrived before are delivered at once."""
+
+    request_id: str
+    from_site: str | None = None
 
 
 class KvStored(Msg, tag="kv_stored"):
@@ -294,9 +302,9 @@ class HandoffDone(Msg, tag="handoff_done"):
     position: int | None = None
 
 
-Request = (Hello | Register | Deregister | PostRecv | SendKv | SendTokens | Abort | Status | ChoosePipeline
-           | SetLoad | Estimate | KvStored | KvEvict | PrefixRelease | HandoffRld | HandoffMd | HandoffTokens
-           | HandoffExtended | HandoffFail)
+Request = (Hello | Register | Deregister | PostRecv | SendKv | SendTokens | ExpectTokens | Abort | Status
+           | ChoosePipeline | SetLoad | Estimate | KvStored | KvEvict | PrefixRelease | HandoffRld | HandoffMd
+           | HandoffTokens | HandoffExtended | HandoffFail)
 ToEngine = (Ok | Err | KvReceived | KvSent | TransferFailed | TokensReceived | Shutdown | Emit | Extend
             | StopGenerating | StartGenerating | HandoffDone | RequestAborted)
 _enc = msgspec.msgpack.Encoder()

@@ -164,6 +164,7 @@ class PeerSession:
         self._drop_connections()
         self.sender.fail_all(ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
         await self.receiver.fail_all(ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
+        self.tokens.close()
         await self.data.close()
 
     # ------------------------------------------------------------------ dialing

@@ -8,6 +8,7 @@ it already delivered, and asks for a resend when it sees a gap. Rules: ``proto/t
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
 from typing import TYPE_CHECKING, Any, Protocol
@@ -22,6 +23,13 @@ if TYPE_CHECKING:
 
 
 MAX_UNACKED_TOKENS = 1 << 20
+#: Tokens relayed for a request no engine here owns yet are held for an owner to claim, per peer:
+#: at most this many requests ...
+MAX_HELD_REQUESTS = 1024
+#: ... and this many token IDs, all of the peer's held requests together (oldest dropped first).
+MAX_HELD_TOKENS = 1 << 16
+#: At most one log line a second per peer about dropped tokens (the counter has every one).
+DROP_LOG_S = 1.0
 
 
 class TokenLink(Protocol):
@@ -58,16 +66,101 @@ class TokenRelay:
         self.s = session
         self.tok_out: collections.OrderedDict[str, TokenStream] = collections.OrderedDict()
         self.tok_in: collections.OrderedDict[str, int] = collections.OrderedDict()
+        # Delivered by the relay but owned by no engine yet: request id -> (first arrival, frames).
+        self.held: collections.OrderedDict[str, tuple[float, list[m.Tokens]]] = collections.OrderedDict()
+        self.held_tokens = 0
+        self._held_timer: asyncio.TimerHandle | None = None  # the oldest held request's expiry
+        self._drops_unlogged = 0
+        self._drop_logged_at = 0.0
 
     def clear(self) -> None:
         """The peer restarted: its streams are gone, and so are ours to it."""
         self.tok_out.clear()
         self.tok_in.clear()
+        self._release_held(list(self.held), "unowned")
+
+    def close(self) -> None:
+        """The session ends: nothing is held any more."""
+        if self._held_timer is not None:
+            self._held_timer.cancel()
+            self._held_timer = None
+        self.held.clear()
+        self.held_tokens = 0
 
     def drop(self, request_id: str) -> None:
         """The request is dead: forget its streams both ways (nothing is resent)."""
         self.tok_out.pop(request_id, None)
         self.tok_in.pop(request_id, None)
+        self._release_held([request_id], "unowned")
+
+    # -- tokens no engine owns yet ---------------------------------------------------------
+    def hold(self, msg: m.Tokens) -> None:
+        """Keep ``msg`` (delivered by the relay, owned by no engine yet) for an engine to claim
+        within ``transfer.unposted_wait_s``; bounded per peer, the oldest request dropped first."""
+        now = asyncio.get_running_loop().time()
+        self._expire_held(now)
+        n = len(msg.tokens)
+        if n > MAX_HELD_TOKENS:
+            self.dropped(n, "over_bounds", msg.request_id)
+            return
+        entry = self.held.get(msg.request_id)
+        if entry is None:
+            entry = self.held[msg.request_id] = (now, [])
+        entry[1].append(msg)
+        self.held_tokens += n
+        while self.held and (self.held_tokens > MAX_HELD_TOKENS or len(self.held) > MAX_HELD_REQUESTS):
+            self._release_held([next(iter(self.held))], "over_bounds")
+        self._arm_held_timer()
+
+    def claim(self, request_id: str) -> list[m.Tokens]:
+        """An engine here took ``request_id``: the frames held for it, in order."""
+        self._expire_held(asyncio.get_running_loop().time())
+        entry = self.held.pop(request_id, None)
+        if entry is None:
+            return []
+        self.held_tokens -= sum(len(f.tokens) for f in entry[1])
+        return entry[1]
+
+    def _expire_held(self, now: float) -> None:
+        limit = self.s.cfg.transfer.unposted_wait_s
+        old = []
+        for rid, (since, _) in self.held.items():  # in first-arrival order
+            if now - since < limit:
+                break
+            old.append(rid)
+        self._release_held(old, "unowned")
+
+    def _arm_held_timer(self) -> None:
+        """One timer per peer, for the oldest held request (the rest are younger)."""
+        if self._held_timer is not None or not self.held:
+            return
+        since, _ = next(iter(self.held.values()))
+        self._held_timer = asyncio.get_running_loop().call_at(since + self.s.cfg.transfer.unposted_wait_s,
+                                                              self._held_timer_fired)
+
+    def _held_timer_fired(self) -> None:
+        self._held_timer = None
+        self._expire_held(asyncio.get_running_loop().time())
+        self._arm_held_timer()
+
+    def _release_held(self, request_ids: list[str], reason: str) -> None:
+        for rid in request_ids:
+            entry = self.held.pop(rid, None)
+            if entry is not None:
+                n = sum(len(f.tokens) for f in entry[1])
+                self.held_tokens -= n
+                self.dropped(n, reason, rid)
+
+    def dropped(self, n: int, reason: str, request_id: str) -> None:
+        """``n`` relayed tokens reached no engine: counted, and logged at most once a second."""
+        self.s.metrics.tokens_dropped.labels(peer=self.s.key, reason=reason).inc(n)
+        self._drops_unlogged += n
+        now = time.monotonic()
+        if now - self._drop_logged_at >= DROP_LOG_S:
+            self.s.log.warning("relayed tokens reached no engine", reason=reason, request_id=request_id[:64],
+                               tokens=self._drops_unlogged)
+            self._drops_unlogged = 0
+            self._drop_logged_at = now
 
     def resend_unacked(self) -> None:
         for rid, ts in self.tok_out.items():

@@ -337,6 +337,8 @@ def build(v: Vectors) -> None:
     v.engine("engine_send_kv", "send_kv request to site B with a 30 s deadline",
              p.SendKv(id=4, request_id="req-42", blocks=[(1, 0, 8), (1, 16, 8)], to=["B"], deadline_s=30.0),
              to_agent=True)
+    v.engine("engine_expect_tokens", "expect_tokens request (protocol 3): this engine takes request r-7's tokens "
+             "from site A", p.ExpectTokens(id=5, request_id="r-7", from_site="A"), to_agent=True)
     v.engine("engine_ok_register", "ok reply to the register request",
              p.Ok(id=2, result={"region": 1, "blocks": 32}), to_agent=False)
     v.engine("engine_err", "err reply", p.Err(id=3, code=int(ErrorCode.DUPLICATE_TRANSFER),
