@@ -9,9 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 
@@ -20,60 +18,12 @@ from pdd_wire.engine.client import EngineClient
 from pdd_wire.memory import SharedMemory
 from pdd_wire.stats import percentile
 
-from .harness import AgentPair, free_port, metric_value
+from .benchpipe import bare_pipe, bare_pipe_goodput, iperf3_goodput
+from .harness import AgentPair, metric_value
 
 MiB = 1 << 20
 # Figure groups of --only, in the order they run; every one by default.
 GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "latency", "prefix", "handoff")
-
-
-def iperf3_goodput(seconds: int = 3, write: str = "1M") -> float | None:
-    """iperf3 single stream over loopback, GB/s received; None when iperf3 is missing."""
-    if shutil.which("iperf3") is None:
-        return None
-    port = free_port()
-    srv = subprocess.Popen(["iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-    try:
-        out = None
-        for _ in range(50):
-            r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-l", write, "-t", str(seconds), "-J"],
-                               capture_output=True, text=True)
-            if r.returncode == 0:
-                out = json.loads(r.stdout)
-                break
-            time.sleep(0.1)
-        if out is None:
-            return None
-        return out["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
-    finally:
-        srv.kill()
-        srv.wait()
-
-
-def bare_pipe_goodput(size: int = 64 * MiB, reps: int = 16) -> float:
-    """The bare Python pipe between two processes' memfd regions (see benchpipe), GB/s."""
-    return bare_pipe(size, reps)[0]
-
-
-def bare_pipe(size: int = 64 * MiB, reps: int = 16) -> tuple[float, float]:
-    """The bare Python pipe: (GB/s, CPU seconds of sender and receiver per GB moved)."""
-    port = free_port()
-    rx = subprocess.Popen([sys.executable, "-m", "pdd_tools.benchpipe", "rx", str(port), str(size)],
-                          stdout=subprocess.PIPE, text=True)
-    try:
-        rx.stdout.readline()  # "ready"
-        out = subprocess.run([sys.executable, "-m", "pdd_tools.benchpipe", "tx", str(port), str(size), str(reps)],
-                             capture_output=True, text=True, check=True)
-        gbps, tx_cpu = map(float, out.stdout.split())
-        rx_cpu = float(rx.stdout.readline())
-        return gbps, (tx_cpu + rx_cpu) / (size * reps / 1e9)
-    finally:
-        try:
-            rx.wait(10)
-        except subprocess.TimeoutExpired:
-            rx.kill()
-            rx.wait()
 
 
 class Figures:
@@ -165,6 +115,7 @@ async def _goodput(ea: EngineClient, eb: EngineClient, size: int, count: int, co
 
 
 async def _token_latency(ea: EngineClient, eb: EngineClient, n: int, rid: str, until=None) -> list[float]:
+    await eb.expect_tokens(rid, "A")  # B's engine takes rid's tokens from site A (not timed)
     out = []
     for i in range(n):
         if until is not None and until():

@@ -11,11 +11,16 @@ processes' pools.
 from __future__ import annotations
 
 import asyncio
+import json
 import mmap
 import os
+import shutil
 import socket
+import subprocess
 import sys
 import time
+
+MiB = 1 << 20
 
 
 def _region(size: int) -> memoryview:
@@ -69,6 +74,60 @@ def tx(port: int, size: int, reps: int) -> tuple[float, float]:
     s.shutdown(socket.SHUT_WR)
     s.recv(1)
     return size * reps / (time.perf_counter() - t0) / 1e9, time.process_time() - cpu0
+
+
+# The baselines scripts/bench measures in its run, each between two processes.
+def iperf3_goodput(seconds: int = 3, write: str = "1M") -> float | None:
+    """iperf3 single stream over loopback, GB/s received; None when iperf3 is missing."""
+    from .harness import free_port
+
+    if shutil.which("iperf3") is None:
+        return None
+    port = free_port()
+    srv = subprocess.Popen(["iperf3", "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        out = None
+        for _ in range(50):
+            r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-l", write, "-t", str(seconds), "-J"],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                out = json.loads(r.stdout)
+                break
+            time.sleep(0.1)
+        if out is None:
+            return None
+        return out["end"]["sum_received"]["bits_per_second"] / 8 / 1e9
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def bare_pipe_goodput(size: int = 64 * MiB, reps: int = 16) -> float:
+    """The bare Python pipe between two processes' memfd regions (see benchpipe), GB/s."""
+    return bare_pipe(size, reps)[0]
+
+
+def bare_pipe(size: int = 64 * MiB, reps: int = 16) -> tuple[float, float]:
+    """The bare Python pipe: (GB/s, CPU seconds of sender and receiver per GB moved)."""
+    from .harness import free_port
+
+    port = free_port()
+    rx = subprocess.Popen([sys.executable, "-m", "pdd_tools.benchpipe", "rx", str(port), str(size)],
+                          stdout=subprocess.PIPE, text=True)
+    try:
+        rx.stdout.readline()  # "ready"
+        out = subprocess.run([sys.executable, "-m", "pdd_tools.benchpipe", "tx", str(port), str(size), str(reps)],
+                             capture_output=True, text=True, check=True)
+        gbps, tx_cpu = map(float, out.stdout.split())
+        rx_cpu = float(rx.stdout.readline())
+        return gbps, (tx_cpu + rx_cpu) / (size * reps / 1e9)
+    finally:
+        try:
+            rx.wait(10)
+        except subprocess.TimeoutExpired:
+            rx.kill()
+            rx.wait()
 
 
 if __name__ == "__main__":
