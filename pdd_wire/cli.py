@@ -1,7 +1,7 @@
 """Command lines. Exit status: 0 ok, 1 runtime failure, 2 bad configuration or usage.
 
 ``pdd-wired --site A [--config FILE] [--node NAME]`` runs one agent.
-``pdd-wire`` is the operator's tool: ``config``, ``status``, ``probe``. (The demo and the
+``pdd-wire`` is the operator's tool: ``config``, ``status``, ``probe``, ``router``. (The demo and the
 benchmarks are tools, not product: ``pdd-tools demo|bench``, distribution ``pdd-wire-tools``.)
 """
 
@@ -269,6 +269,10 @@ def tool_main(argv: list[str] | None = None) -> int:
     pr.add_argument("--seconds", type=float, default=4.0, help="goodput time, split over 1 and N streams")
     pr.add_argument("--streams", type=int, help="bulk connections for the N-stream figure (default: all)")
     pr.add_argument("--json", action="store_true", help="one JSON object on stdout, no progress")
+    ro = sub.add_parser("router", help="OpenAI-compatible front over vllm serve instances (docs/router.md)")
+    ro.add_argument("--config", help="router TOML; without it, the embedded default")
+    ro.add_argument("--check", action="store_true", help="validate the config and exit")
+    ro.add_argument("--print-default", action="store_true", help="print the embedded default config")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "config":
@@ -280,6 +284,10 @@ def tool_main(argv: list[str] | None = None) -> int:
             return _status(args)
         if args.cmd == "probe":
             return _probe(args)
+        if args.cmd == "router":
+            from .router.cli import main as router_main
+
+            return router_main(args)
     except ConfigError as exc:
         print(f"pdd-wire: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,229 @@
+"""The router's configuration: msgspec structs read from TOML, every key validated.
+
+Same style as :mod:`pdd_wire.config`: a bad file raises :class:`~pdd_wire.errors.ConfigError`
+naming the dotted key (an unknown key with a did-you-mean hint). Without a file the router runs
+on :func:`default_config`, which fronts ``vllm serve`` instances on fixed loopback ports beside
+the agents of ``pdd-wired --site A`` and ``--site B`` (the embedded default of
+:mod:`pdd_wire.config`).
+
+.. code-block:: toml
+
+    [listen]
+    address = "127.0.0.1:8000"
+
+    [request]
+    deadline_s = 600
+
+    [[pools.P]]                       # prefill, site A
+    url = "http://127.0.0.1:8100"     # a `vllm serve` (kv_producer, PddWireConnector)
+    engine_socket = "/run/pdd-wire/pdd-wire-A.sock"   # the agent that vLLM uses
+
+    [[pools.MD]]                      # main decode, site B
+    url = "http://127.0.0.1:8200"     # a `vllm serve` (kv_consumer)
+    engine_socket = "/run/pdd-wire/pdd-wire-B.sock"
+    site = "B"
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import typing
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import msgspec
+
+from ..config import default_engine_socket, parse_hostport
+from ..errors import ConfigError
+from ..policy import PipelineConfig
+
+_cfg = dict(forbid_unknown_fields=True, kw_only=True, frozen=True)
+
+
+class Member(msgspec.Struct, **_cfg):
+    """One ``vllm serve`` instance and the agent its PddWireConnector uses."""
+
+    url: str
+    """The OpenAI server's base URL (``http://host:port``)."""
+    engine_socket: str = ""
+    """The engine socket of the agent this vLLM's connector talks to (the router asks P's agent
+    for the pipeline choice there). "" = none known."""
+    admin: str = ""
+    """That agent's admin ``host:port`` (metrics, status), for operators and tests; "" = none."""
+    site: str = ""
+    """The agent's site (MD: where P's KV is sent, ``send_to``); "" = not named."""
+    node: str = ""
+    """The agent's node (RLD: ``send_to`` names ``site/node``); "" = not named."""
+
+
+class Pools(msgspec.Struct, **_cfg):
+    P: list[Member] = []
+    """Prefill instances (site A): ``kv_role = "kv_producer"``."""
+    RLD: list[Member] = []
+    """Relay-decode instances (site A): ``kv_consumer``, beside P."""
+    MD: list[Member] = []
+    """Main-decode instances (site B): ``kv_consumer``, across the WAN."""
+
+
+class Listen(msgspec.Struct, **_cfg):
+    address: str = "127.0.0.1:8000"
+    """host:port of the OpenAI front."""
+
+
+class Request(msgspec.Struct, **_cfg):
+    deadline_s: float = 600.0
+    """A request ends by then, whatever it is waiting for (upstream requests are closed)."""
+    connect_s: float = 5.0
+    """Connecting to a vLLM server."""
+    prefill_lease_s: float | None = None
+    """``lease_s`` asked of prefill (how long its KV waits for decode); None = the connector's."""
+
+
+class Choice(msgspec.Struct, **_cfg):
+    """The per-request pipeline choice (asked of P's agent: ``choose_pipeline``)."""
+
+    ask_agent: bool = True
+    """Ask P's agent for each request. False: every request is P-MD (nothing asked)."""
+    kv_bytes_per_token: int = 1024
+    """The served model's KV bytes per prompt token (all layers, K and V): what the agent's WAN
+    time prediction is made of. The tests' tiny Llama: 2 layers x 2 x 2 heads x 64 x 4 bytes."""
+    block_tokens: int = 0
+    """vLLM's ``--block-size``: with ``prefix_salt``, the router sends the prompt's chained block
+    hashes, and the agent matches them against MD's prefix inventory. 0 = no hashes."""
+    prefix_salt: str = ""
+    """The connector's ``prefix_salt`` (default there: model directory name + "/" + dtype)."""
+    pipeline: PipelineConfig = PipelineConfig()
+    """Thresholds the router applies itself when it cannot ask (no engine socket)."""
+
+
+class Log(msgspec.Struct, **_cfg):
+    level: typing.Literal["debug", "info", "warning", "error"] = "info"
+    format: typing.Literal["auto", "json", "console"] = "auto"
+
+
+class RouterConfig(msgspec.Struct, **_cfg):
+    listen: Listen = Listen()
+    request: Request = Request()
+    pools: Pools = Pools()
+    choice: Choice = Choice()
+    log: Log = Log()
+
+
+def _check_url(url: str, key: str) -> None:
+    u = urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ConfigError(key, f"{url!r} is not an http(s)://host:port URL")
+
+
+def validate(cfg: RouterConfig) -> RouterConfig:
+    parse_hostport(cfg.listen.address, "listen.address")
+    for key in ("deadline_s", "connect_s"):
+        if not getattr(cfg.request, key) > 0:
+            raise ConfigError(f"request.{key}", f"must be > 0, got {getattr(cfg.request, key)}")
+    if cfg.request.prefill_lease_s is not None and not cfg.request.prefill_lease_s > 0:
+        raise ConfigError("request.prefill_lease_s", "must be > 0")
+    for role in ("P", "MD"):
+        if not getattr(cfg.pools, role):
+            raise ConfigError(f"pools.{role}", "needs at least one member")
+    for role in ("P", "RLD", "MD"):
+        for i, m in enumerate(getattr(cfg.pools, role)):
+            _check_url(m.url, f"pools.{role}[{i}].url")
+            if m.admin:
+                parse_hostport(m.admin, f"pools.{role}[{i}].admin")
+    if cfg.choice.kv_bytes_per_token <= 0:
+        raise ConfigError("choice.kv_bytes_per_token", "must be > 0")
+    if cfg.choice.block_tokens < 0:
+        raise ConfigError("choice.block_tokens", "must be >= 0")
+    if cfg.choice.ask_agent:
+        for i, m in enumerate(cfg.pools.MD):
+            if not m.site:
+                raise ConfigError(f"pools.MD[{i}].site", "required when choice.ask_agent (the agent's "
+                                                         "figures are for the link to that site)")
+    return cfg
+
+
+_KEY = re.compile(r"at `\$(.*?)`")
+
+
+def _key_and_hint(msg: str) -> tuple[str, str]:
+    """The dotted key a msgspec error names, and a did-you-mean hint for an unknown key."""
+    m = _KEY.search(msg)
+    path = (m.group(1) if m else "").lstrip(".")
+    unknown = re.search(r"unknown field `([^`]+)`", msg)
+    missing = re.search(r"missing required field `([^`]+)`", msg)
+    leaf = (unknown or missing).group(1) if (unknown or missing) else ""
+    key = ".".join(x for x in (path, leaf) if x) or "(top level)"
+    if not unknown:
+        return key, ""
+    t: typing.Any = RouterConfig
+    for part in re.sub(r"\[\d+\]", "", path).split(".") if path else []:
+        t = {f.name: f.type for f in msgspec.structs.fields(t)}.get(part)
+        args = typing.get_args(t)
+        if typing.get_origin(t) is list and args:
+            t = args[0]
+        if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
+            return key, ""
+    names = [f.name for f in msgspec.structs.fields(t)]
+    close = difflib.get_close_matches(leaf, names, n=3, cutoff=0.6)
+    if close:
+        return key, f"; did you mean {' or '.join(repr(c) for c in close)}?"
+    return key, f"; valid keys here: {', '.join(names)}"
+
+
+def loads(text: str | bytes) -> RouterConfig:
+    try:
+        raw = msgspec.toml.decode(text)
+    except msgspec.DecodeError as exc:
+        raise ConfigError("(file)", f"not valid TOML: {exc}") from exc
+    try:
+        cfg = msgspec.convert(raw, RouterConfig)
+    except msgspec.ValidationError as exc:
+        key, hint = _key_and_hint(str(exc))
+        raise ConfigError(key, str(exc).split(" - at ")[0] + hint) from exc
+    return validate(cfg)
+
+
+def load(path: str | Path) -> RouterConfig:
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        raise ConfigError("(file)", f"cannot read {str(path)!r}: {exc.strerror}") from exc
+    return loads(text)
+
+
+# vLLM ports of the embedded default: P and RLD beside agent A, MD beside agent B.
+DEFAULT_PORTS = {"P": 8100, "RLD": 8101, "MD": 8200}
+
+DEFAULT_TEMPLATE = """\
+# pdd-wire router embedded default: the OpenAI front on 127.0.0.1:8000 over `vllm serve`
+# instances on this machine, beside the agents of `pdd-wired --site A` and `--site B`.
+[listen]
+address = "127.0.0.1:8000"
+
+[request]
+deadline_s = 600
+
+[[pools.P]]
+url = "http://127.0.0.1:{P}"
+engine_socket = "{sock_a}"
+admin = "127.0.0.1:7701"
+site = "A"
+node = "a1"
+
+[[pools.MD]]
+url = "http://127.0.0.1:{MD}"
+engine_socket = "{sock_b}"
+admin = "127.0.0.1:7702"
+site = "B"
+node = "b1"
+"""
+
+
+def default_toml() -> str:
+    return DEFAULT_TEMPLATE.format(sock_a=default_engine_socket("A"), sock_b=default_engine_socket("B"),
+                                   **DEFAULT_PORTS)
+
+
+def default_config() -> RouterConfig:
+    return loads(default_toml())

@@ -1,0 +1,87 @@
+"""The router's TOML config and its command line (no vLLM needed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from pdd_wire.errors import ConfigError
+from pdd_wire.router import config as rcfg
+
+GOOD = """
+[listen]
+address = "127.0.0.1:9000"
+[request]
+deadline_s = 30
+[[pools.P]]
+url = "http://10.0.0.1:8100"
+engine_socket = "/run/pdd-wire/pdd-wire-A.sock"
+site = "A"
+[[pools.RLD]]
+url = "http://10.0.0.2:8100"
+site = "A"
+node = "a2"
+[[pools.MD]]
+url = "http://10.1.0.1:8200"
+engine_socket = "/run/pdd-wire/pdd-wire-B.sock"
+site = "B"
+[[pools.MD]]
+url = "http://10.1.0.2:8200"
+site = "B"
+[choice]
+kv_bytes_per_token = 131072
+block_tokens = 16
+prefix_salt = "Llama-3-8B/torch.bfloat16"
+[choice.pipeline]
+ttft_budget_s = 0.5
+"""
+
+
+def test_a_full_config_reads_back():
+    cfg = rcfg.loads(GOOD)
+    assert cfg.listen.address == "127.0.0.1:9000" and cfg.request.deadline_s == 30
+    assert [m.url for m in cfg.pools.MD] == ["http://10.1.0.1:8200", "http://10.1.0.2:8200"]
+    assert cfg.pools.RLD[0].node == "a2" and cfg.pools.P[0].engine_socket.endswith("A.sock")
+    assert cfg.choice.pipeline.ttft_budget_s == 0.5 and cfg.choice.block_tokens == 16
+
+
+def test_the_embedded_default_is_valid_and_fronts_sites_a_and_b():
+    cfg = rcfg.default_config()
+    assert [m.site for m in cfg.pools.P] == ["A"] and [m.site for m in cfg.pools.MD] == ["B"]
+    assert cfg.pools.P[0].engine_socket.endswith("pdd-wire-A.sock")
+
+
+@pytest.mark.parametrize("text,key,words", [
+    ('[listen]\naddres = "x"\n', "listen.addres", "did you mean 'address'"),
+    (GOOD.replace("engine_socket =", "engin_socket =", 1), "pools.P[0].engin_socket", "did you mean 'engine_socket'"),
+    (GOOD.replace("[choice.pipeline]\nttft_budget_s", "[choice.pipeline]\nttft_budget"),
+     "choice.pipeline.ttft_budget", "did you mean 'ttft_budget_s'"),
+    (GOOD.replace("deadline_s = 30", "deadline_s = 0"), "request.deadline_s", "must be > 0"),
+    (GOOD.replace('"http://10.0.0.1:8100"', '"10.0.0.1:8100"'), "pools.P[0].url", "not an http(s)://host:port URL"),
+    (GOOD.replace('address = "127.0.0.1:9000"', 'address = "nowhere"'), "listen.address", "not host:port"),
+    ('[[pools.P]]\nurl = "http://a:1"\n', "pools.MD", "needs at least one member"),
+    (GOOD.replace('url = "http://10.1.0.2:8200"\nsite = "B"', 'url = "http://10.1.0.2:8200"'),
+     "pools.MD[1].site", "required when choice.ask_agent"),
+    (GOOD.replace("ttft_budget_s = 0.5", "ttft_budget_s = -1"), "choice.pipeline", "ttft_budget_s"),
+    ("listen = 3", "listen", "Expected `object`"),
+    ("[listen", "(file)", "not valid TOML"),
+])
+def test_a_bad_config_names_its_key(text, key, words):
+    with pytest.raises(ConfigError) as ei:
+        rcfg.loads(text)
+    assert ei.value.key == key and words in ei.value.problem, ei.value
+
+
+def test_the_command_line_checks_a_config_and_prints_the_default(tmp_path):
+    f = tmp_path / "router.toml"
+    f.write_text(GOOD)
+    run = [sys.executable, "-c", "import sys; from pdd_wire.cli import tool_main; sys.exit(tool_main())", "router"]
+    ok = subprocess.run([*run, "--config", str(f), "--check"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "P 1, RLD 1, MD 2" in ok.stdout, ok.stderr
+    f.write_text('[listen]\naddres = "x"\n')
+    bad = subprocess.run([*run, "--config", str(f), "--check"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "did you mean 'address'" in bad.stderr
+    dflt = subprocess.run([*run, "--print-default"], capture_output=True, text=True, timeout=60)
+    assert dflt.returncode == 0 and rcfg.loads(dflt.stdout) == rcfg.default_config()

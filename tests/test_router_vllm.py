@@ -1,0 +1,256 @@
+"""``pdd-wire router`` in front of real ``vllm serve`` instances: P-MD.
+
+    client -> Router -> P  (vllm serve, kv_producer) -> agent A
+                     -> MD (vllm serve, kv_consumer, prefix caching) -> agent B
+
+Requests are sent to the router exactly as to ``vllm serve``; every output is compared, token id
+for token id (chat: text), with the greedy output of a single server (P, asked directly without
+KV transfer), and vLLM's own count of prompt tokens taken from the connector shows that MD's
+prompt came over the wire. After each test nothing is held: no blocks pinned by either agent, no
+request or KV block in either vLLM (``Cluster.settled`` of tests/test_vllm_serve.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from support.agents import run_agents, two_site_toml
+from test_vllm_serve import Cluster
+from pdd_tools.vllm.serve import BLOCK, VOCAB, VllmServer, complete, completion_body, connector_config, missing, tokens
+from pdd_wire.router import Router, loads
+
+pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
+
+N = 24  # tokens generated per request
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+
+
+def prompt_for(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+def router_toml(P: VllmServer, MD: VllmServer, tmp: Path, *, deadline_s: float = 120.0) -> str:
+    return f"""
+[listen]
+address = "127.0.0.1:0"
+[request]
+deadline_s = {deadline_s}
+[[pools.P]]
+url = "{P.url}"
+engine_socket = "{tmp}/A.sock"
+site = "A"
+[[pools.MD]]
+url = "{MD.url}"
+engine_socket = "{tmp}/B.sock"
+site = "B"
+[choice]
+ask_agent = false
+"""
+
+
+class RouterCluster(Cluster):
+    router: Router
+
+    def sample(self, name: str, **labels) -> float:
+        return self.router.metrics.registry.get_sample_value(name, labels) or 0.0
+
+    async def via_router(self, body: dict, path: str = "/v1/completions") -> dict:
+        async with self.http.post(f"{self.router.url}{path}", json=body) as r:
+            data = await r.json(content_type=None)
+            assert r.status == 200, data
+            return data
+
+    async def stream(self, url: str, body: dict, path: str = "/v1/completions") -> tuple[list[dict], list[bytes]]:
+        """A streamed request: its chunks (decoded) and its raw SSE events."""
+        async with self.http.post(f"{url}{path}", json={**body, "stream": True}) as r:
+            assert r.status == 200, await r.text()
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            raw = (await r.read()).split(b"\n\n")
+        assert raw[-1] == b"" and raw[-2] == b"data: [DONE]"
+        events = [e for e in raw if e]
+        return [json.loads(e[6:]) for e in events[:-1]], events
+
+
+def stream_tokens(chunks: list[dict]) -> list[int]:
+    return [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def cluster():
+    why = missing()
+    if why:
+        pytest.fail(f"the vLLM venv is needed for this test ({why}): run scripts/vllm-env", pytrace=False)
+    tmp = Path(tempfile.mkdtemp(prefix="pdw-router-"))
+    (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
+    tomls = two_site_toml(tmp, streams=2, chunk=64 << 10)
+    servers: list[VllmServer] = []
+    async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
+        try:
+            P = VllmServer("P", tmp / "P.log", cpu="0",
+                           kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"], lease_s=30.0))
+            MD = VllmServer("MD", tmp / "MD.log", cpu="1", prefix_caching=True, failure_policy="recompute",
+                            kv=connector_config("kv_consumer", f"{tmp}/B.sock", recv_slack_s=2.0))
+            servers = [P, MD]
+            for s in servers:
+                s.cmd += ["--chat-template", str(tmp / "chat.jinja")]
+            t0 = time.monotonic()
+            await asyncio.gather(*(s.start() for s in servers))
+            print(f"vLLM servers ready in {time.monotonic() - t0:.1f} s")
+            async with Router(loads(router_toml(P, MD, tmp))) as router:
+                c = RouterCluster(tmp, agents, P, MD, None, http)
+                c.router = router
+                yield c
+        finally:
+            await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
+            for s in servers:
+                print(f"--- {s.name} log tail ---\n{s.tail(15)}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("length", [5, 75, 300])
+async def test_p_md_gives_the_single_server_output_streamed_and_not(cluster, length):
+    prompt = prompt_for(length, length)
+    base = await cluster.baseline(prompt, N)
+    assert len(set(base)) > 5  # a varied stream: equality means something
+    wire0 = await cluster.D.wire_tokens(cluster.http)
+    out = await cluster.via_router(completion_body(prompt, N))
+    assert tokens(out) == base
+    # MD's whole prompt came from the wire (vLLM's own count) ...
+    assert await cluster.D.wire_tokens(cluster.http) - wire0 == len(prompt)
+    chunks, _ = await cluster.stream(cluster.router.url, completion_body(prompt, N))
+    assert stream_tokens(chunks) == base
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    # ... and the second time only the last partial block: MD's prefix cache held the rest (DRC).
+    assert await cluster.D.wire_tokens(cluster.http) - wire0 == len(prompt) + len(prompt) % BLOCK
+    await cluster.settled()
+
+
+async def test_the_stream_is_the_servers_stream_event_for_event(cluster):
+    """Relayed SSE events are MD's as they came: the same count, shape and order as a single
+    server's stream for the same request (ids and timestamps aside)."""
+    prompt = prompt_for(7, 40)
+    direct, _ = await cluster.stream(cluster.P.url, completion_body(prompt, N))
+    routed, _ = await cluster.stream(cluster.router.url, completion_body(prompt, N))
+
+    def shape(chunks):
+        return [[(ch["index"], ch.get("text"), ch.get("token_ids"), ch.get("finish_reason")) for ch in c["choices"]]
+                for c in chunks]
+
+    assert shape(routed) == shape(direct)
+    await cluster.settled()
+
+
+async def test_chat_completions_streamed_and_not(cluster):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hello there, how are the blocks today"}],
+            "max_tokens": N, "temperature": 0, "ignore_eos": True}
+    async with cluster.http.post(f"{cluster.P.url}/v1/chat/completions", json=body) as r:
+        direct = (await r.json())["choices"][0]["message"]["content"]
+    assert len(direct) > 8
+    wire0 = await cluster.D.wire_tokens(cluster.http)
+    out = await cluster.via_router(body, "/v1/chat/completions")
+    assert out["choices"][0]["message"]["content"] == direct
+    # max_completion_tokens (what OpenAI's clients send now) is honoured on both legs too
+    alt = {k: v for k, v in body.items() if k != "max_tokens"} | {"max_completion_tokens": N}
+    chunks, _ = await cluster.stream(cluster.router.url, alt, "/v1/chat/completions")
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == direct
+    assert await cluster.D.wire_tokens(cluster.http) - wire0 >= 2 * 10  # the prompts came over the wire
+    await cluster.settled()
+
+
+async def test_concurrent_mixed_requests(cluster):
+    prompts = [prompt_for(200 + i, 20 + 17 * i) for i in range(10)]
+    bases = [await cluster.baseline(pr, N) for pr in prompts]
+
+    async def one(i: int, pr: list[int]) -> list[int]:
+        if i % 2:
+            return stream_tokens((await cluster.stream(cluster.router.url, completion_body(pr, N)))[0])
+        return tokens(await cluster.via_router(completion_body(pr, N)))
+
+    wire0 = await cluster.D.wire_tokens(cluster.http)
+    outs = await asyncio.gather(*(one(i, pr) for i, pr in enumerate(prompts)))
+    assert outs == bases
+    assert await cluster.D.wire_tokens(cluster.http) - wire0 == sum(len(pr) for pr in prompts)
+    await cluster.settled()
+
+
+async def test_a_client_gone_mid_stream_leaves_nothing_held(cluster):
+    prompt = prompt_for(6, 60)
+    gone0 = cluster.sample("pddwire_router_requests_total", endpoint="/v1/completions", pipeline="P-MD",
+                           outcome="client_gone")
+    body = completion_body(prompt, 400, stream=True)
+    async with cluster.http.post(f"{cluster.router.url}/v1/completions", json=body) as r:
+        assert r.status == 200
+        got = 0
+        async for _ in r.content.iter_any():
+            got += 1
+            if got >= 3:
+                break
+        r.close()  # the client goes away mid-stream
+    await cluster.settled()  # MD aborted it (no request running), 0 pinned at either agent
+    async with asyncio.timeout(30):
+        while cluster.sample("pddwire_router_requests_total", endpoint="/v1/completions", pipeline="P-MD",
+                             outcome="client_gone") == gone0:
+            await asyncio.sleep(0.05)
+    assert all(u.inflight == 0 for p in cluster.router.pools.values() for u in p.members)
+    # and it still serves
+    out = await cluster.via_router(completion_body(prompt, N))
+    assert tokens(out) == await cluster.baseline(prompt, N)
+    await cluster.settled()
+
+
+async def test_models_healthz_and_metrics(cluster):
+    async with cluster.http.get(f"{cluster.router.url}/v1/models") as r:
+        assert r.status == 200
+        assert [m["id"] for m in (await r.json())["data"]] == ["tiny"]
+    async with cluster.http.get(f"{cluster.router.url}/healthz") as r:
+        h = await r.json()
+        assert r.status == 200 and h["ok"] is True and len(h["members"]) == 2 and all(h["members"].values())
+    prompt = prompt_for(8, 33)
+    n0 = cluster.sample("pddwire_router_ttft_seconds_count", pipeline="P-MD")
+    c0 = cluster.sample("pddwire_router_pipeline_choices_total", pipeline="P-MD", reason="ask_agent_off")
+    t0 = cluster.sample("pddwire_router_output_tokens_total", pool="MD")
+    await cluster.stream(cluster.router.url, completion_body(prompt, N))
+    async with cluster.http.get(f"{cluster.router.url}/metrics") as r:
+        text = await r.text()
+    assert "pddwire_router_time_per_output_token_seconds_count" in text
+    assert cluster.sample("pddwire_router_ttft_seconds_count", pipeline="P-MD") == n0 + 1
+    assert cluster.sample("pddwire_router_pipeline_choices_total", pipeline="P-MD", reason="ask_agent_off") == c0 + 1
+    assert cluster.sample("pddwire_router_output_tokens_total", pool="MD") == t0 + N
+    await cluster.settled()
+
+
+async def test_an_upstream_error_is_relayed_as_vllm_gave_it(cluster):
+    body = completion_body(prompt_for(9, 20), 10_000)  # past --max-model-len
+    async with cluster.http.post(f"{cluster.P.url}/v1/completions", json=body) as r:
+        direct = (r.status, (await r.json())["error"]["message"])
+    async with cluster.http.post(f"{cluster.router.url}/v1/completions", json=body) as r:
+        assert (r.status, (await r.json())["error"]["message"]) == direct
+    assert direct[0] == 400
+    async with cluster.http.post(f"{cluster.router.url}/v1/completions", data=b"{not json") as r:
+        assert r.status == 400 and "not JSON" in (await r.json())["error"]["message"]
+    await cluster.settled()
+
+
+async def test_the_deadline_ends_a_request_and_its_upstream_requests(cluster):
+    """A deadline no request can meet (1 ms): the client gets 504 and nothing is left running."""
+    async with Router(loads(router_toml(cluster.P, cluster.D, cluster.tmp, deadline_s=0.001))) as short:
+        for stream in (False, True):
+            body = completion_body(prompt_for(10, 50), 400, stream=stream)
+            async with cluster.http.post(f"{short.url}/v1/completions", json=body) as r:
+                assert r.status == 504
+                assert "deadline" in (await r.json())["error"]["message"]
+        assert short.metrics.registry.get_sample_value(
+            "pddwire_router_requests_total", {"endpoint": "/v1/completions", "pipeline": "P-MD",
+                                              "outcome": "deadline"}) == 2
+    await cluster.settled()
