@@ -24,6 +24,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from conftest import metric
 from support.agents import run_agents, two_site_toml
 from test_vllm_serve import Cluster
 from pdd_tools.vllm.serve import BLOCK, VOCAB, VllmServer, complete, completion_body, connector_config, missing, tokens
@@ -55,15 +56,23 @@ url = "{MD.url}"
 engine_socket = "{tmp}/B.sock"
 site = "B"
 [choice]
-ask_agent = false
+kv_bytes_per_token = 1024
+block_tokens = {BLOCK}
+prefix_salt = "tiny-llama/torch.float32"
 """
+
+
+def sample(router: Router, name: str, **labels) -> float:
+    """A router metric's sample, summed over the labels not given."""
+    return sum(s.value for m in router.metrics.registry.collect() for s in m.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 class RouterCluster(Cluster):
     router: Router
 
     def sample(self, name: str, **labels) -> float:
-        return self.router.metrics.registry.get_sample_value(name, labels) or 0.0
+        return sample(self.router, name, **labels)
 
     async def via_router(self, body: dict, path: str = "/v1/completions") -> dict:
         async with self.http.post(f"{self.router.url}{path}", json=body) as r:
@@ -93,7 +102,10 @@ async def cluster():
         pytest.fail(f"the vLLM venv is needed for this test ({why}): run scripts/vllm-env", pytrace=False)
     tmp = Path(tempfile.mkdtemp(prefix="pdw-router-"))
     (tmp / "chat.jinja").write_text(CHAT_TEMPLATE)
-    tomls = two_site_toml(tmp, streams=2, chunk=64 << 10)
+    # The agents' pipeline policy: P-MD while the KV crosses within 5 s; the anomalous-traffic
+    # filter takes prompts of 250 tokens or more with under 8 output tokens (scaled to the tiny model).
+    policy = "[policy.pipeline]\nttft_budget_s = 5\nanomaly_min_input_tokens = 250\nanomaly_max_output_tokens = 8\n"
+    tomls = two_site_toml(tmp, streams=2, chunk=64 << 10, extra=policy)
     servers: list[VllmServer] = []
     async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
         try:
@@ -186,8 +198,7 @@ async def test_concurrent_mixed_requests(cluster):
 
 async def test_a_client_gone_mid_stream_leaves_nothing_held(cluster):
     prompt = prompt_for(6, 60)
-    gone0 = cluster.sample("pddwire_router_requests_total", endpoint="/v1/completions", pipeline="P-MD",
-                           outcome="client_gone")
+    gone0 = cluster.sample("pddwire_router_requests_total", endpoint="/v1/completions", outcome="client_gone")
     body = completion_body(prompt, 400, stream=True)
     async with cluster.http.post(f"{cluster.router.url}/v1/completions", json=body) as r:
         assert r.status == 200
@@ -199,7 +210,7 @@ async def test_a_client_gone_mid_stream_leaves_nothing_held(cluster):
         r.close()  # the client goes away mid-stream
     await cluster.settled()  # MD aborted it (no request running), 0 pinned at either agent
     async with asyncio.timeout(30):
-        while cluster.sample("pddwire_router_requests_total", endpoint="/v1/completions", pipeline="P-MD",
+        while cluster.sample("pddwire_router_requests_total", endpoint="/v1/completions",
                              outcome="client_gone") == gone0:
             await asyncio.sleep(0.05)
     assert all(u.inflight == 0 for p in cluster.router.pools.values() for u in p.members)
@@ -217,15 +228,15 @@ async def test_models_healthz_and_metrics(cluster):
         h = await r.json()
         assert r.status == 200 and h["ok"] is True and len(h["members"]) == 2 and all(h["members"].values())
     prompt = prompt_for(8, 33)
-    n0 = cluster.sample("pddwire_router_ttft_seconds_count", pipeline="P-MD")
-    c0 = cluster.sample("pddwire_router_pipeline_choices_total", pipeline="P-MD", reason="ask_agent_off")
+    n0 = cluster.sample("pddwire_router_ttft_seconds_count")
+    c0 = cluster.sample("pddwire_router_pipeline_choices_total")
     t0 = cluster.sample("pddwire_router_output_tokens_total", pool="MD")
     await cluster.stream(cluster.router.url, completion_body(prompt, N))
     async with cluster.http.get(f"{cluster.router.url}/metrics") as r:
         text = await r.text()
     assert "pddwire_router_time_per_output_token_seconds_count" in text
-    assert cluster.sample("pddwire_router_ttft_seconds_count", pipeline="P-MD") == n0 + 1
-    assert cluster.sample("pddwire_router_pipeline_choices_total", pipeline="P-MD", reason="ask_agent_off") == c0 + 1
+    assert cluster.sample("pddwire_router_ttft_seconds_count") == n0 + 1
+    assert cluster.sample("pddwire_router_pipeline_choices_total") == c0 + 1
     assert cluster.sample("pddwire_router_output_tokens_total", pool="MD") == t0 + N
     await cluster.settled()
 
@@ -250,7 +261,65 @@ async def test_the_deadline_ends_a_request_and_its_upstream_requests(cluster):
             async with cluster.http.post(f"{short.url}/v1/completions", json=body) as r:
                 assert r.status == 504
                 assert "deadline" in (await r.json())["error"]["message"]
-        assert short.metrics.registry.get_sample_value(
-            "pddwire_router_requests_total", {"endpoint": "/v1/completions", "pipeline": "P-MD",
-                                              "outcome": "deadline"}) == 2
+        assert sample(short, "pddwire_router_requests_total", endpoint="/v1/completions", outcome="deadline") == 2
+    await cluster.settled()
+
+
+async def test_each_pipeline_is_p_agents_choice(cluster):
+    """P's agent chooses from its live link estimate. Before it knows the link's goodput (no
+    transfer here is big enough to measure it) it predicts an unbounded WAN time: P-RLD-MD, which
+    runs as P-MD for now (a fallback, counted). Once a probe measured the link, the KV fits the
+    budget: P-MD. The second time, the block hashes the router sends find the prompt's full
+    blocks in MD's prefix inventory."""
+    A = cluster.agents["A"]
+    prompt = prompt_for(11, 100)
+    base = await cluster.baseline(prompt, N)
+    rldmd0 = cluster.sample("pddwire_router_pipeline_choices_total", pipeline="P-RLD-MD", reason="wan_over_budget")
+    nserved0 = cluster.sample("pddwire_router_fallbacks_total", kind="p_rld_md_not_served")
+    assert A.peers.session_for("B").link_figures().bandwidth_Bps == 0
+    assert tokens(await cluster.via_router(completion_body(prompt, N))) == base
+    assert cluster.sample("pddwire_router_pipeline_choices_total", pipeline="P-RLD-MD",
+                          reason="wan_over_budget") == rldmd0 + 1
+    assert cluster.sample("pddwire_router_fallbacks_total", kind="p_rld_md_not_served") == nserved0 + 1
+
+    # MD's connector reports what its prefix cache holds with its next step: any request runs one.
+    await complete(cluster.http, cluster.D.url, completion_body(prompt_for(15, 10), 2))
+    await A.probe("B", 0.5)  # what `pdd-wire probe` does: the link's goodput is now known
+    assert A.peers.session_for("B").link_figures().bandwidth_Bps > 0
+    agent0 = metric(A, "pddwire_pipeline_choices_total", pipeline="P-MD", reason="wan_within_budget")
+    held0 = cluster.sample("pddwire_router_prompt_tokens_total", source="md_prefix")
+    assert tokens(await cluster.via_router(completion_body(prompt, N))) == base
+    assert metric(A, "pddwire_pipeline_choices_total", pipeline="P-MD", reason="wan_within_budget") == agent0 + 1
+    assert cluster.sample("pddwire_router_pipeline_choices_total", pipeline="P-MD", reason="wan_within_budget") >= 1
+    assert cluster.sample("pddwire_router_prompt_tokens_total", source="md_prefix") - held0 == 3 * BLOCK
+    assert cluster.sample("pddwire_router_fallbacks_total", kind="choice_failed") == 0
+    await cluster.settled()
+
+
+async def test_the_anomalous_filter_finishes_long_input_short_output_in_site_a(cluster):
+    """300 input tokens, 4 output tokens: P-RLD. With no RLD pool P finishes it: nothing goes to
+    MD, nothing crosses the WAN."""
+    prompt = prompt_for(12, 300)
+    base = await cluster.baseline(prompt, 4)
+    wire0 = await cluster.D.wire_tokens(cluster.http)
+    md0 = cluster.sample("pddwire_router_output_tokens_total", pool="MD")
+    p0 = cluster.sample("pddwire_router_output_tokens_total", pool="P")
+    out = await cluster.via_router(completion_body(prompt, 4))
+    chunks, _ = await cluster.stream(cluster.router.url, completion_body(prompt, 4))
+    assert tokens(out) == stream_tokens(chunks) == base
+    assert cluster.sample("pddwire_router_pipeline_choices_total", pipeline="P-RLD",
+                          reason="anomalous_long_input_short_output") == 2
+    assert cluster.sample("pddwire_router_output_tokens_total", pool="P") - p0 == 8
+    assert cluster.sample("pddwire_router_output_tokens_total", pool="MD") == md0
+    assert await cluster.D.wire_tokens(cluster.http) == wire0
+    await cluster.settled()
+
+
+async def test_batched_prompts_go_to_md_whole(cluster):
+    """Several prompts in one request would share one transfer name: MD computes them."""
+    prompts = [prompt_for(13, 30), prompt_for(14, 50)]
+    bases = [await cluster.baseline(pr, N) for pr in prompts]
+    out = await cluster.via_router(completion_body(prompts, N))
+    assert [tokens(out, i) for i in range(2)] == bases
+    assert cluster.sample("pddwire_router_pipeline_choices_total", pipeline="MD", reason="batched_prompts") == 1
     await cluster.settled()

@@ -36,7 +36,6 @@ import msgspec
 
 from ..config import default_engine_socket, parse_hostport
 from ..errors import ConfigError
-from ..policy import PipelineConfig
 
 _cfg = dict(forbid_unknown_fields=True, kw_only=True, frozen=True)
 
@@ -93,8 +92,9 @@ class Choice(msgspec.Struct, **_cfg):
     hashes, and the agent matches them against MD's prefix inventory. 0 = no hashes."""
     prefix_salt: str = ""
     """The connector's ``prefix_salt`` (default there: model directory name + "/" + dtype)."""
-    pipeline: PipelineConfig = PipelineConfig()
-    """Thresholds the router applies itself when it cannot ask (no engine socket)."""
+    timeout_s: float = 2.0
+    """Tokenizing the prompt (P's ``/tokenize``) and the agent's answer together; past it the
+    request runs P-MD (fallback ``choice_failed``)."""
 
 
 class Log(msgspec.Struct, **_cfg):
@@ -133,6 +133,8 @@ def validate(cfg: RouterConfig) -> RouterConfig:
                 parse_hostport(m.admin, f"pools.{role}[{i}].admin")
     if cfg.choice.kv_bytes_per_token <= 0:
         raise ConfigError("choice.kv_bytes_per_token", "must be > 0")
+    if not cfg.choice.timeout_s > 0:
+        raise ConfigError("choice.timeout_s", "must be > 0")
     if cfg.choice.block_tokens < 0:
         raise ConfigError("choice.block_tokens", "must be >= 0")
     if cfg.choice.ask_agent:

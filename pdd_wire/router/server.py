@@ -9,10 +9,13 @@ answer, streamed (SSE, event by event) or not. Each pool member is picked least-
 in flight through this router).
 
 Bounded: every request ends by ``request.deadline_s``; a client that goes away cancels its
-handler, which closes the upstream connections (vLLM aborts a request whose client is gone).
-A client gone after prefill sent its KV but before MD was asked leaves a short drain request
-to MD (``max_tokens=1``) so that the KV pinned for it is consumed and freed now rather than when
-its lease runs out.
+handler, which closes the upstream connections (vLLM aborts a request whose client is gone, and
+its connector cancels the request's transfer).
+
+The pipeline of each request is asked of P's agent (``choose_pipeline``, as engine "router"):
+P-MD as above; P-RLD (the anomalous-traffic filter: long input, short output) finishes in site A,
+on an RLD member (P's KV sent to it) or, with no RLD pool, on P itself; P-RLD-MD is not served
+yet and runs as P-MD (fallback ``p_rld_md_not_served``).
 """
 
 from __future__ import annotations
@@ -28,10 +31,14 @@ from typing import Any
 import aiohttp
 import msgspec
 import structlog
+import xxhash
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..config import parse_hostport
+from ..engine.client import EngineClient
+from ..engine.hashes import chain_hashes
+from ..errors import PddWireError
 from .config import Member, RouterConfig
 
 log = structlog.get_logger("pdd_wire.router")
@@ -39,7 +46,10 @@ log = structlog.get_logger("pdd_wire.router")
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2)
 _STREAM = web.RequestKey("pdd_stream", web.StreamResponse)  # the client's stream, once started
-_DRAIN_S = 30.0  # a drain request (see the module doc) gives up after this
+_COMPLETIONS_MAX_TOKENS = 16  # vLLM's default max_tokens for /v1/completions
+# Fields of a chat request that change its prompt's tokens (passed to /tokenize).
+_CHAT_PROMPT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                       "tools", "documents", "add_special_tokens")
 
 
 class RouterMetrics:
@@ -62,10 +72,11 @@ class RouterMetrics:
                                  ["pipeline", "reason"], registry=r)
         self.fallbacks = Counter("pddwire_router_fallbacks", "Requests that left their pipeline's path, by kind",
                                  ["kind"], registry=r)
+        self.prompt_tokens = Counter("pddwire_router_prompt_tokens",
+                                     "Prompt tokens of requests whose pipeline P's agent chose: held in MD's "
+                                     "prefix cache (md_prefix) or not (missing)", ["source"], registry=r)
         self.inflight = Gauge("pddwire_router_inflight", "Requests in flight per pool member",
                               ["pool", "member"], registry=r)
-        self.drains = Counter("pddwire_router_drains", "Drain requests sent for KV a gone client left",
-                              ["outcome"], registry=r)
 
 
 @dataclass(eq=False)
@@ -157,8 +168,9 @@ class Router:
         self.port = 0
         self._http: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        self._tasks: set[asyncio.Task] = set()
         self._decoder = msgspec.json.Decoder()
+        self._engines: dict[Upstream, EngineClient] = {}  # P member -> its agent, as engine "router"
+        self._engine_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ life cycle
     def app(self) -> web.Application:
@@ -192,9 +204,9 @@ class Router:
         return f"http://{host}:{self.port}"
 
     async def stop(self) -> None:
-        for t in list(self._tasks):
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for eng in self._engines.values():
+            await eng.close()
+        self._engines.clear()
         if self._runner is not None:
             await self._runner.cleanup()
         if self._http is not None:
@@ -205,11 +217,6 @@ class Router:
 
     async def __aexit__(self, *exc) -> None:
         await self.stop()
-
-    def _spawn(self, coro) -> None:
-        t = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(t)
-        t.add_done_callback(self._tasks.discard)
 
     @contextlib.contextmanager
     def _using(self, u: Upstream):
@@ -272,14 +279,13 @@ class Router:
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object")
         rid = f"rtr-{uuid.uuid4().hex[:16]}"
-        pipeline = "P-MD"
-        self.metrics.pipelines.labels(pipeline=pipeline, reason="ask_agent_off").inc()
-        trace = _Trace(pipeline)
+        trace = _Trace("none")
         out: web.StreamResponse | None = None
         outcome = "error"
         try:
             async with asyncio.timeout(self.cfg.request.deadline_s):
-                out = await self._p_md(request, path, body, rid, trace)
+                trace.pipeline = await self._choose(path, body, rid)
+                out = await self._run(request, path, body, rid, trace)
             outcome = "ok" if out.status == 200 else f"http_{out.status}"
             return out
         except UpstreamError as exc:
@@ -298,6 +304,7 @@ class Router:
             outcome = "client_gone"
             raise
         finally:
+            pipeline = trace.pipeline
             self.metrics.requests.labels(endpoint=path, pipeline=pipeline, outcome=outcome).inc()
             self.metrics.latency.labels(pipeline=pipeline).observe(time.monotonic() - trace.t0)
             if trace.first is not None:
@@ -342,42 +349,129 @@ class Router:
                     if r.status != 200:
                         raise UpstreamError(r.status, data, r.content_type or "application/json")
             except (aiohttp.ClientError, OSError) as exc:
-                self.metrics.fallbacks.labels(kind="prefill_unreachable").inc()
-                log.warning("router_fallback", request_id=rid, kind="prefill_unreachable", member=P.url,
-                            error=repr(exc))
+                self._fallback(rid, "prefill_unreachable", member=P.url, error=repr(exc))
                 return None
         got = self._decoder.decode(data).get("kv_transfer_params") or {}
         if not got.get("do_remote_prefill"):
-            self.metrics.fallbacks.labels(kind="kv_not_sent").inc()
-            log.warning("router_fallback", request_id=rid, kind="kv_not_sent", reason=got.get("pdd_error"))
+            self._fallback(rid, "kv_not_sent", reason=got.get("pdd_error"))
         return got
 
-    async def _p_md(self, request: web.Request, path: str, body: dict, rid: str,
-                    trace: _Trace) -> web.StreamResponse:
-        params = await self._prefill(path, body, rid)
-        dec = {**body, "kv_transfer_params": params} if params is not None else body
-        md_started = False
-        try:
-            with self._using(self.pools["MD"].pick()) as MD:
-                md_started = True
-                return await self._relay(request, MD, path, dec, trace)
-        finally:
-            if not md_started and params and params.get("do_remote_prefill"):
-                self._spawn(self._drain(path, dec, rid))
+    # ------------------------------------------------------------------ the pipeline choice
+    def _fallback(self, rid: str, kind: str, **fields) -> None:
+        self.metrics.fallbacks.labels(kind=kind).inc()
+        log.warning("router_fallback", request_id=rid, kind=kind, **fields)
 
-    async def _drain(self, path: str, dec: dict, rid: str) -> None:
-        """Consume the KV prefill sent for a request whose client is gone (see the module doc)."""
-        body = {**self._prefill_body(dec, dec["kv_transfer_params"])}
-        outcome = "failed"
+    async def _choose(self, path: str, body: dict, rid: str) -> str:
+        """The request's pipeline, logged and counted with its reason. P's agent decides
+        (``choose_pipeline``: MD's matched prefix, the live link, the anomalous-traffic filter);
+        without an answer the request runs P-MD."""
+        if _batched(body):
+            # Several prompts in one request would share one transfer name: MD computes them.
+            pipeline, reason, fields = "MD", "batched_prompts", {}
+        elif not self.cfg.choice.ask_agent:
+            pipeline, reason, fields = "P-MD", "ask_agent_off", {}
+        else:
+            pipeline, reason, fields = await self._ask_agent(path, body, rid)
+        self.metrics.pipelines.labels(pipeline=pipeline, reason=reason).inc()
+        log.info("router_pipeline", request_id=rid, pipeline=pipeline, reason=reason, **fields)
+        return pipeline
+
+    async def _ask_agent(self, path: str, body: dict, rid: str) -> tuple[str, str, dict]:
+        ch = self.cfg.choice
+        P = self.pools["P"].pick()
+        if not P.member.engine_socket:
+            return "P-MD", "no_engine_socket", {}
+        MD = self.pools["MD"].pick()
         try:
-            async with asyncio.timeout(_DRAIN_S):
-                with self._using(self.pools["MD"].pick()) as MD:
-                    async with self._http.post(f"{MD.url}{path}", json=body) as r:
-                        await r.read()
-                        outcome = "ok" if r.status == 200 else f"http_{r.status}"
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            log.warning("router_drain_failed", request_id=rid, error=repr(exc))
-        self.metrics.drains.labels(outcome=outcome).inc()
+            async with asyncio.timeout(ch.timeout_s):
+                toks, max_len = await self._prompt_tokens(P, path, body)
+                expected = _expected_output(path, body, len(toks), max_len)
+                hashes = _layer0_hashes(chain_hashes(toks, ch.block_tokens, model=ch.prefix_salt)) \
+                    if ch.block_tokens and ch.prefix_salt else []
+                eng = await self._engine(P)
+                try:
+                    d = await eng.choose_pipeline(
+                        rid, to=_dest(MD.member), input_tokens=len(toks), expected_output_tokens=expected,
+                        kv_bytes_per_token=ch.kv_bytes_per_token, block_hashes=hashes or None,
+                        block_tokens=ch.block_tokens if hashes else 0)
+                except OSError:  # the agent went away: connect again next time
+                    await self._drop_engine(P)
+                    raise
+        except (PddWireError, aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError,
+                UpstreamError) as exc:
+            self._fallback(rid, "choice_failed", error=repr(exc))
+            return "P-MD", "choice_failed", {}
+        hit = int(d.get("prefix_hit_tokens") or 0)
+        self.metrics.prompt_tokens.labels(source="md_prefix").inc(hit)
+        self.metrics.prompt_tokens.labels(source="missing").inc(len(toks) - hit)
+        return d["pipeline"], d["reason"], {
+            "input_tokens": len(toks), "expected_output_tokens": expected, "md": MD.url,
+            "prefix_hit_tokens": hit, "prefix_source": d.get("prefix_source"),
+            "predicted_wan_s": d.get("predicted_wan_s")}
+
+    async def _engine(self, P: Upstream) -> EngineClient:
+        """P's agent, as engine "router" (one connection per P member, opened when first asked)."""
+        async with self._engine_lock:
+            eng = self._engines.get(P)
+            if eng is None:
+                eng = self._engines[P] = await EngineClient(P.member.engine_socket, "router").connect()
+            return eng
+
+    async def _drop_engine(self, P: Upstream) -> None:
+        eng = self._engines.pop(P, None)
+        if eng is not None:
+            await eng.close()
+
+    async def _prompt_tokens(self, P: Upstream, path: str, body: dict) -> tuple[list[int], int | None]:
+        """The prompt's token ids (asked of P's ``/tokenize`` unless the request gives them), and
+        the model's context length when P told it."""
+        prompt = body.get("prompt")
+        if path == "/v1/completions":
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+                prompt = prompt[0]
+            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+                return prompt, None
+            if not isinstance(prompt, str):
+                raise ValueError("the prompt is neither text nor token ids")
+            req = {"model": body.get("model"), "prompt": prompt}
+            if "add_special_tokens" in body:
+                req["add_special_tokens"] = body["add_special_tokens"]
+        else:
+            req = {"model": body.get("model"), "messages": body.get("messages"),
+                   **{k: body[k] for k in _CHAT_PROMPT_FIELDS if k in body}}
+        async with self._http.post(f"{P.url}/tokenize", json=req) as r:
+            data = await r.read()
+            if r.status != 200:
+                raise UpstreamError(r.status, data, r.content_type or "application/json")
+        got = self._decoder.decode(data)
+        return list(got["tokens"]), got.get("max_model_len")
+
+    # ------------------------------------------------------------------ running a pipeline
+    async def _run(self, request: web.Request, path: str, body: dict, rid: str,
+                   trace: _Trace) -> web.StreamResponse:
+        pipeline = trace.pipeline
+        if pipeline == "MD":
+            with self._using(self.pools["MD"].pick()) as MD:
+                return await self._relay(request, MD, path, body, trace)
+        if pipeline == "P-RLD":
+            if self.pools["RLD"].members:
+                return await self._disaggregated(request, path, body, rid, trace, "RLD")
+            # No relay decoder: P itself finishes it, in site A; nothing crosses the WAN.
+            with self._using(self.pools["P"].pick()) as P:
+                return await self._relay(request, P, path, body, trace)
+        if pipeline == "P-RLD-MD":
+            # Relay decode and the handoff are not served yet: MD decodes once the KV is there.
+            self._fallback(rid, "p_rld_md_not_served")
+        return await self._disaggregated(request, path, body, rid, trace, "MD")
+
+    async def _disaggregated(self, request: web.Request, path: str, body: dict, rid: str, trace: _Trace,
+                             decode: str) -> web.StreamResponse:
+        """Prefill on P (its KV sent to the decode member's site/node), decode on pool ``decode``."""
+        with self._using(self.pools[decode].pick()) as D:
+            dest = _dest(D.member)
+            params = await self._prefill(path, body, rid, send_to=[dest] if dest else None)
+            dec = {**body, "kv_transfer_params": params} if params is not None else body
+            return await self._relay(request, D, path, dec, trace)
 
     async def _relay(self, request: web.Request, up: Upstream, path: str, body: dict,
                      trace: _Trace) -> web.StreamResponse:
@@ -404,6 +498,38 @@ class Router:
             self.metrics.output_tokens.labels(pool=up.pool).inc(trace.tokens - n0)
             await out.write_eof()
             return out
+
+
+def _batched(body: dict) -> bool:
+    """Several prompts in one /v1/completions request (a list of texts or of token lists)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt)
+
+
+def _layer0_hashes(chain: list[int]) -> list[int]:
+    """PddWireConnector's agent blocks are one per vLLM block and layer, each named by a hash of
+    (the vLLM block's chained hash, the layer): a vLLM block is in MD's prefix inventory when its
+    layer 0 is, so these name the prompt's blocks one per vLLM block (a match counts whole
+    vLLM blocks of ``block_tokens``)."""
+    return [xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + (0).to_bytes(4, "little")) for h in chain]
+
+
+def _dest(m: Member) -> str:
+    """Where P's agent sends a decode member's KV (``send_to``, ``choose_pipeline(to=)``)."""
+    if m.site and m.node:
+        return f"{m.site}/{m.node}"
+    return m.site
+
+
+def _expected_output(path: str, body: dict, input_tokens: int, max_len: int | None) -> int:
+    """The output length the pipeline choice assumes: what the request allows (vLLM's defaults
+    when it names none)."""
+    n = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(n, int) and n > 0:
+        return n
+    if path == "/v1/completions":
+        return _COMPLETIONS_MAX_TOKENS
+    return max(0, max_len - input_tokens) if max_len else _COMPLETIONS_MAX_TOKENS
 
 
 async def _sse_events(content: aiohttp.StreamReader):
