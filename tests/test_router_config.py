@@ -39,7 +39,9 @@ timeout_s = 0.5
 
 
 def test_a_full_config_reads_back():
-    cfg = rcfg.loads(GOOD)
+    cfg = rcfg.loads(GOOD + "[handoff]\nmin_rld_tokens = 2\nmax_rld_tokens = 2\n")
+    assert (cfg.handoff.min_rld_tokens, cfg.handoff.max_rld_tokens, cfg.handoff.md_ready_s) == (2, 2, 30.0)
+    assert rcfg.loads(GOOD).handoff.max_rld_tokens is None
     assert cfg.listen.address == "127.0.0.1:9000" and cfg.request.deadline_s == 30
     assert [m.url for m in cfg.pools.MD] == ["http://10.1.0.1:8200", "http://10.1.0.2:8200"]
     assert cfg.pools.RLD[0].node == "a2" and cfg.pools.P[0].engine_socket.endswith("A.sock")
@@ -63,6 +65,9 @@ def test_the_embedded_default_is_valid_and_fronts_sites_a_and_b():
     (GOOD.replace('url = "http://10.1.0.2:8200"\nsite = "B"', 'url = "http://10.1.0.2:8200"'),
      "pools.MD[1].site", "required when choice.ask_agent"),
     (GOOD.replace("timeout_s = 0.5", "timeout_s = 0"), "choice.timeout_s", "must be > 0"),
+    (GOOD + "[handoff]\nmin_rld_tokens = 8\nmax_rld_tokens = 4\n", "handoff.max_rld_tokens",
+     "at least handoff.min_rld_tokens"),
+    (GOOD + "[handoff]\nmd_ready = 3\n", "handoff.md_ready", "did you mean 'md_ready_s'"),
     ("listen = 3", "listen", "Expected `object`"),
     ("[listen", "(file)", "not valid TOML"),
 ])

@@ -268,19 +268,19 @@ async def test_the_deadline_ends_a_request_and_its_upstream_requests(cluster):
 async def test_each_pipeline_is_p_agents_choice(cluster):
     """P's agent chooses from its live link estimate. Before it knows the link's goodput (no
     transfer here is big enough to measure it) it predicts an unbounded WAN time: P-RLD-MD, which
-    runs as P-MD for now (a fallback, counted). Once a probe measured the link, the KV fits the
+    runs as P-MD here, with no RLD pool (a fallback, counted). Once a probe measured the link, the KV fits the
     budget: P-MD. The second time, the block hashes the router sends find the prompt's full
     blocks in MD's prefix inventory."""
     A = cluster.agents["A"]
     prompt = prompt_for(11, 100)
     base = await cluster.baseline(prompt, N)
     rldmd0 = cluster.sample("pddwire_router_pipeline_choices_total", pipeline="P-RLD-MD", reason="wan_over_budget")
-    nserved0 = cluster.sample("pddwire_router_fallbacks_total", kind="p_rld_md_not_served")
+    nserved0 = cluster.sample("pddwire_router_fallbacks_total", kind="p_rld_md_no_rld_member")
     assert A.peers.session_for("B").link_figures().bandwidth_Bps == 0
     assert tokens(await cluster.via_router(completion_body(prompt, N))) == base
     assert cluster.sample("pddwire_router_pipeline_choices_total", pipeline="P-RLD-MD",
                           reason="wan_over_budget") == rldmd0 + 1
-    assert cluster.sample("pddwire_router_fallbacks_total", kind="p_rld_md_not_served") == nserved0 + 1
+    assert cluster.sample("pddwire_router_fallbacks_total", kind="p_rld_md_no_rld_member") == nserved0 + 1
 
     # MD's connector reports what its prefix cache holds with its next step: any request runs one.
     await complete(cluster.http, cluster.D.url, completion_body(prompt_for(15, 10), 2))

@@ -97,6 +97,21 @@ class Choice(msgspec.Struct, **_cfg):
     request runs P-MD (fallback ``choice_failed``)."""
 
 
+class Handoff(msgspec.Struct, **_cfg):
+    """P-RLD-MD: when RLD's output is handed to MD (one-shot: RLD stops at position m, MD
+    continues from the prompt and the m emitted tokens)."""
+
+    min_rld_tokens: int = 0
+    """RLD emits at least this many tokens before MD may take over."""
+    max_rld_tokens: int | None = None
+    """None: no limit. Else RLD emits at most this many (0: none, MD makes every token): there
+    the router waits for MD to hold the KV (up to ``md_ready_s``) instead of relaying more of RLD
+    (bounds RLD's share)."""
+    md_ready_s: float = 30.0
+    """MD not holding the prompt's KV by then (counted from the request's start): RLD keeps the
+    request to its end (fallback ``md_not_ready``)."""
+
+
 class Log(msgspec.Struct, **_cfg):
     level: typing.Literal["debug", "info", "warning", "error"] = "info"
     format: typing.Literal["auto", "json", "console"] = "auto"
@@ -107,6 +122,7 @@ class RouterConfig(msgspec.Struct, **_cfg):
     request: Request = Request()
     pools: Pools = Pools()
     choice: Choice = Choice()
+    handoff: Handoff = Handoff()
     log: Log = Log()
 
 
@@ -131,6 +147,13 @@ def validate(cfg: RouterConfig) -> RouterConfig:
             _check_url(m.url, f"pools.{role}[{i}].url")
             if m.admin:
                 parse_hostport(m.admin, f"pools.{role}[{i}].admin")
+    h = cfg.handoff
+    if h.min_rld_tokens < 0:
+        raise ConfigError("handoff.min_rld_tokens", "must be >= 0")
+    if h.max_rld_tokens is not None and h.max_rld_tokens < h.min_rld_tokens:
+        raise ConfigError("handoff.max_rld_tokens", "must be at least handoff.min_rld_tokens (unset: no limit)")
+    if not h.md_ready_s > 0:
+        raise ConfigError("handoff.md_ready_s", "must be > 0")
     if cfg.choice.kv_bytes_per_token <= 0:
         raise ConfigError("choice.kv_bytes_per_token", "must be > 0")
     if not cfg.choice.timeout_s > 0:

@@ -14,8 +14,10 @@ its connector cancels the request's transfer).
 
 The pipeline of each request is asked of P's agent (``choose_pipeline``, as engine "router"):
 P-MD as above; P-RLD (the anomalous-traffic filter: long input, short output) finishes in site A,
-on an RLD member (P's KV sent to it) or, with no RLD pool, on P itself; P-RLD-MD is not served
-yet and runs as P-MD (fallback ``p_rld_md_not_served``).
+on an RLD member (P's KV sent to it) or, with no RLD pool, on P itself; P-RLD-MD (streamed
+completions) sends P's KV to RLD and MD, streams RLD's tokens at once and hands the output to MD
+once MD holds the KV (one-shot, :meth:`Router._p_rld_md`); other requests chosen P-RLD-MD run
+as P-MD (fallback ``p_rld_md_<why>``).
 """
 
 from __future__ import annotations
@@ -72,6 +74,12 @@ class RouterMetrics:
                                  ["pipeline", "reason"], registry=r)
         self.fallbacks = Counter("pddwire_router_fallbacks", "Requests that left their pipeline's path, by kind",
                                  ["kind"], registry=r)
+        self.handoffs = Counter("pddwire_router_handoffs", "P-RLD-MD requests by how their output ended: "
+                                "switched (RLD to MD, one-shot), rld_finished, md_failed, md_not_ready",
+                                ["mode", "outcome"], registry=r)
+        self.stall = Histogram("pddwire_router_handoff_stall_seconds",
+                               "Between RLD's last token relayed and MD's first", ["mode"],
+                               buckets=_TTFT_BUCKETS, registry=r)
         self.prompt_tokens = Counter("pddwire_router_prompt_tokens",
                                      "Prompt tokens of requests whose pipeline P's agent chose: held in MD's "
                                      "prefix cache (md_prefix) or not (missing)", ["source"], registry=r)
@@ -145,6 +153,7 @@ class _Trace:
         self.first: float | None = None
         self.last: float | None = None
         self.tokens = 0
+        self.prompt_ids: list[int] | None = None  # the prompt's token ids, when the choice needed them
 
     def saw(self, n: int) -> None:
         if n <= 0:
@@ -284,7 +293,7 @@ class Router:
         outcome = "error"
         try:
             async with asyncio.timeout(self.cfg.request.deadline_s):
-                trace.pipeline = await self._choose(path, body, rid)
+                trace.pipeline, trace.prompt_ids = await self._choose(path, body, rid)
                 out = await self._run(request, path, body, rid, trace)
             outcome = "ok" if out.status == 200 else f"http_{out.status}"
             return out
@@ -361,26 +370,27 @@ class Router:
         self.metrics.fallbacks.labels(kind=kind).inc()
         log.warning("router_fallback", request_id=rid, kind=kind, **fields)
 
-    async def _choose(self, path: str, body: dict, rid: str) -> str:
+    async def _choose(self, path: str, body: dict, rid: str) -> tuple[str, list[int] | None]:
         """The request's pipeline, logged and counted with its reason. P's agent decides
         (``choose_pipeline``: MD's matched prefix, the live link, the anomalous-traffic filter);
         without an answer the request runs P-MD."""
+        toks = None
         if _batched(body):
             # Several prompts in one request would share one transfer name: MD computes them.
             pipeline, reason, fields = "MD", "batched_prompts", {}
         elif not self.cfg.choice.ask_agent:
             pipeline, reason, fields = "P-MD", "ask_agent_off", {}
         else:
-            pipeline, reason, fields = await self._ask_agent(path, body, rid)
+            pipeline, reason, fields, toks = await self._ask_agent(path, body, rid)
         self.metrics.pipelines.labels(pipeline=pipeline, reason=reason).inc()
         log.info("router_pipeline", request_id=rid, pipeline=pipeline, reason=reason, **fields)
-        return pipeline
+        return pipeline, toks
 
-    async def _ask_agent(self, path: str, body: dict, rid: str) -> tuple[str, str, dict]:
+    async def _ask_agent(self, path: str, body: dict, rid: str) -> tuple[str, str, dict, list[int] | None]:
         ch = self.cfg.choice
         P = self.pools["P"].pick()
         if not P.member.engine_socket:
-            return "P-MD", "no_engine_socket", {}
+            return "P-MD", "no_engine_socket", {}, None
         MD = self.pools["MD"].pick()
         try:
             async with asyncio.timeout(ch.timeout_s):
@@ -400,14 +410,14 @@ class Router:
         except (PddWireError, aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError,
                 UpstreamError) as exc:
             self._fallback(rid, "choice_failed", error=repr(exc))
-            return "P-MD", "choice_failed", {}
+            return "P-MD", "choice_failed", {}, None
         hit = int(d.get("prefix_hit_tokens") or 0)
         self.metrics.prompt_tokens.labels(source="md_prefix").inc(hit)
         self.metrics.prompt_tokens.labels(source="missing").inc(len(toks) - hit)
         return d["pipeline"], d["reason"], {
             "input_tokens": len(toks), "expected_output_tokens": expected, "md": MD.url,
             "prefix_hit_tokens": hit, "prefix_source": d.get("prefix_source"),
-            "predicted_wan_s": d.get("predicted_wan_s")}
+            "predicted_wan_s": d.get("predicted_wan_s")}, toks
 
     async def _engine(self, P: Upstream) -> EngineClient:
         """P's agent, as engine "router" (one connection per P member, opened when first asked)."""
@@ -460,8 +470,11 @@ class Router:
             with self._using(self.pools["P"].pick()) as P:
                 return await self._relay(request, P, path, body, trace)
         if pipeline == "P-RLD-MD":
-            # Relay decode and the handoff are not served yet: MD decodes once the KV is there.
-            self._fallback(rid, "p_rld_md_not_served")
+            unfit = self._handoff_unfit(path, body, trace)
+            if unfit is None:
+                return await self._p_rld_md(request, path, body, rid, trace)
+            # MD decodes once the KV is there.
+            self._fallback(rid, f"p_rld_md_{unfit}")
         return await self._disaggregated(request, path, body, rid, trace, "MD")
 
     async def _disaggregated(self, request: web.Request, path: str, body: dict, rid: str, trace: _Trace,
@@ -472,6 +485,170 @@ class Router:
             params = await self._prefill(path, body, rid, send_to=[dest] if dest else None)
             dec = {**body, "kv_transfer_params": params} if params is not None else body
             return await self._relay(request, D, path, dec, trace)
+
+    # ------------------------------------------------------------------ P-RLD-MD
+    def _handoff_unfit(self, path: str, body: dict, trace: _Trace) -> str | None:
+        """Why this request cannot be handed from RLD to MD here (None: it can). MD continues
+        from token ids, so the prompt's must be known, and only a streamed completion's output
+        can be spliced event by event."""
+        if not self.pools["RLD"].members:
+            return "no_rld_member"
+        if path != "/v1/completions":
+            return "chat"
+        if not body.get("stream"):
+            return "not_streamed"
+        if trace.prompt_ids is None:
+            return "no_prompt_ids"
+        if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
+            return "n"
+        if body.get("echo") or body.get("stop"):
+            return "echo_or_stop"  # a stop string may straddle the switch
+        return None
+
+    async def _md_holds_kv(self, M: Upstream, path: str, body: dict) -> bool:
+        """MD loads the prompt's KV: asked the prompt with P's params and ``max_tokens=1``, it
+        answers once the KV is verified and in its cache (prefix caching keeps its blocks)."""
+        try:
+            async with self._http.post(f"{M.url}{path}", json=body) as r:
+                await r.read()
+                return r.status == 200
+        except (aiohttp.ClientError, OSError):
+            return False
+
+    async def _p_rld_md(self, request: web.Request, path: str, body: dict, rid: str,
+                        trace: _Trace) -> web.StreamResponse:
+        """P sends the KV to RLD (same site) and MD (across the WAN); RLD streams to the user at
+        once; when MD holds the KV, RLD is stopped at position m (its stream closed: vLLM aborts
+        it) and MD continues from the prompt and the m emitted tokens (their KV computed in one
+        extend step, the prompt's from its prefix cache). Every position is relayed once, in
+        order: RLD's events up to m, MD's after, as one stream (RLD's id)."""
+        h = self.cfg.handoff
+        with self._using(self.pools["RLD"].pick()) as R, self._using(self.pools["MD"].pick()) as M:
+            dests = [d for d in (_dest(R.member), _dest(M.member)) if d]
+            params = await self._prefill(path, body, rid, send_to=dests or None)
+            if not params or not params.get("do_remote_prefill"):  # nothing sent: MD computes it
+                dec = {**body, "kv_transfer_params": params} if params is not None else body
+                return await self._relay(request, M, path, dec, trace)
+            warm = asyncio.get_running_loop().create_task(
+                self._md_holds_kv(M, path, self._prefill_body(body, params)))
+            try:
+                return await self._rld_then_md(request, path, body, rid, trace, R, M, params, warm)
+            finally:
+                if not warm.done():
+                    warm.cancel()  # closes MD's request: vLLM aborts it, its receive is cancelled
+                await asyncio.gather(warm, return_exceptions=True)
+
+    async def _rld_then_md(self, request: web.Request, path: str, body: dict, rid: str, trace: _Trace,
+                           R: Upstream, M: Upstream, params: dict, warm: asyncio.Task) -> web.StreamResponse:
+        h = self.cfg.handoff
+        want_ids = bool(body.get("return_token_ids"))
+        max_tokens = body.get("max_tokens") or _COMPLETIONS_MAX_TOKENS
+        emitted: list[int] = []
+        head: dict = {}  # RLD's stream id and created: MD's events carry them too
+        finished = switch = False
+        # Whether the text so far ends on a whole character: MD's detokenizer starts from the
+        # token ids, so a character split across the switch would be decoded differently.
+        whole = True
+        out: web.StreamResponse | None = None
+
+        async def md_ready() -> bool:
+            """Whether MD holds the KV now; at the cap, wait for it (bounded)."""
+            nonlocal finished
+            m = len(emitted)
+            if m < h.min_rld_tokens or m >= max_tokens:
+                return False
+            capped = h.max_rld_tokens is not None and m >= h.max_rld_tokens
+            if not warm.done() and capped:
+                left = h.md_ready_s - (time.monotonic() - trace.t0)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(warm), max(0.0, left))
+            if not warm.done():
+                if capped or time.monotonic() - trace.t0 > h.md_ready_s:
+                    self._fallback(rid, "md_not_ready", position=m)
+                    self.metrics.handoffs.labels(mode="one-shot", outcome="md_not_ready").inc()
+                    finished = True  # RLD keeps the request to its end
+                return False
+            if not warm.result():
+                self._fallback(rid, "md_failed", position=m)
+                self.metrics.handoffs.labels(mode="one-shot", outcome="md_failed").inc()
+                finished = True
+                return False
+            return whole  # else the next token boundary
+
+        rld_body = {**body, "kv_transfer_params": params, "return_token_ids": True}
+        async with self._http.post(f"{R.url}{path}", json=rld_body) as r:
+            if r.status != 200:
+                raise UpstreamError(r.status, await r.read(), r.content_type or "application/json")
+            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                          "Cache-Control": "no-cache"})
+            await out.prepare(request)
+            request[_STREAM] = out
+            events = _sse_events(r.content)
+            while True:
+                if not finished and await md_ready():
+                    switch = True
+                    break  # leaving the block closes RLD's stream: vLLM aborts the request there
+                event = await anext(events, None)
+                if event is None:
+                    break
+                if event.startswith(b"data: {"):
+                    ev = self._decoder.decode(event[6:])
+                    head = head or {"id": ev.get("id"), "created": ev.get("created")}
+                    ids = [t for c in ev.get("choices") or () for t in c.get("token_ids") or ()]
+                    finished = finished or any(c.get("finish_reason") for c in ev.get("choices") or ())
+                    if ids:
+                        text = "".join(c.get("text") or "" for c in ev.get("choices") or ())
+                        whole = bool(text) and not text.endswith("\ufffd")
+                    if not want_ids:
+                        event = _without(ev, ("token_ids", "prompt_token_ids"))
+                    emitted += ids
+                    trace.saw(len(ids))
+                await out.write(event)
+        self.metrics.output_tokens.labels(pool="RLD").inc(len(emitted))
+        if not switch:
+            if not finished:
+                raise aiohttp.ClientPayloadError("RLD's stream ended before its last token")
+            self.metrics.handoffs.labels(mode="one-shot", outcome="rld_finished").inc()
+            await out.write_eof()
+            return out
+        return await self._md_continues(out, path, body, rid, trace, M, emitted, head, want_ids, max_tokens)
+
+    async def _md_continues(self, out: web.StreamResponse, path: str, body: dict, rid: str, trace: _Trace,
+                            M: Upstream, emitted: list[int], head: dict, want_ids: bool,
+                            max_tokens: int) -> web.StreamResponse:
+        m = len(emitted)
+        cont = {**body, "prompt": trace.prompt_ids + emitted, "max_tokens": max_tokens - m, "return_token_ids": True}
+        cont.pop("kv_transfer_params", None)
+        if body.get("min_tokens"):
+            cont["min_tokens"] = max(0, body["min_tokens"] - m)
+        t_switch = trace.last if trace.last is not None else time.monotonic()
+        log.info("router_handoff", request_id=rid, mode="one-shot", position=m, md=M.url)
+        self.metrics.handoffs.labels(mode="one-shot", outcome="switched").inc()
+        first = True
+        n = 0
+        async with self._http.post(f"{M.url}{path}", json=cont) as r:
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(r.request_info, r.history, status=r.status,
+                                                  message=(await r.read()).decode(errors="replace")[:500])
+            async for event in _sse_events(r.content):
+                if event.startswith(b"data: {"):
+                    ev = self._decoder.decode(event[6:])
+                    ids = [t for c in ev.get("choices") or () for t in c.get("token_ids") or ()]
+                    if ids and first:
+                        first = False
+                        self.metrics.stall.labels(mode="one-shot").observe(time.monotonic() - t_switch)
+                    ev.update({k: v for k, v in head.items() if v is not None})
+                    if ev.get("usage"):  # as one request: m more output tokens, m fewer prompt tokens
+                        u = ev["usage"]
+                        u["prompt_tokens"] = u.get("prompt_tokens", 0) - m
+                        u["completion_tokens"] = u.get("completion_tokens", 0) + m
+                    event = _without(ev, ("prompt_token_ids",) if want_ids else ("token_ids", "prompt_token_ids"))
+                    n += len(ids)
+                    trace.saw(len(ids))
+                await out.write(event)
+        self.metrics.output_tokens.labels(pool="MD").inc(n)
+        await out.write_eof()
+        return out
 
     async def _relay(self, request: web.Request, up: Upstream, path: str, body: dict,
                      trace: _Trace) -> web.StreamResponse:
@@ -498,6 +675,14 @@ class Router:
             self.metrics.output_tokens.labels(pool=up.pool).inc(trace.tokens - n0)
             await out.write_eof()
             return out
+
+
+def _without(ev: dict, keys: tuple[str, ...]) -> bytes:
+    """An SSE event of ``ev`` with ``keys`` dropped from its choices."""
+    for c in ev.get("choices") or ():
+        for k in keys:
+            c.pop(k, None)
+    return b"data: " + msgspec.json.encode(ev) + b"\n\n"
 
 
 def _batched(body: dict) -> bool:
