@@ -81,10 +81,10 @@ def test_the_command_line_checks_a_config_and_prints_the_default(tmp_path):
     f = tmp_path / "router.toml"
     f.write_text(GOOD)
     run = [sys.executable, "-c", "import sys; from pdd_wire.cli import tool_main; sys.exit(tool_main())", "router"]
-    ok = subprocess.run([*run, "--config", str(f), "--check"], capture_output=True, text=True, timeout=60)
+    ok = subprocess.run([*run, "--config", str(f), "--check"], capture_output=True, text=True, timeout=60, check=False)
     assert ok.returncode == 0 and "P 1, RLD 1, MD 2" in ok.stdout, ok.stderr
     f.write_text('[listen]\naddres = "x"\n')
-    bad = subprocess.run([*run, "--config", str(f), "--check"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([*run, "--config", str(f), "--check"], capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and "did you mean 'address'" in bad.stderr
-    dflt = subprocess.run([*run, "--print-default"], capture_output=True, text=True, timeout=60)
+    dflt = subprocess.run([*run, "--print-default"], capture_output=True, text=True, timeout=60, check=False)
     assert dflt.returncode == 0 and rcfg.loads(dflt.stdout) == rcfg.default_config()

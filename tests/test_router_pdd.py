@@ -23,11 +23,18 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
-
+from pdd_tools.vllm.serve import (
+    VllmServer,
+    complete,
+    completion_body,
+    connector_config,
+    missing,
+    tokens,
+)
 from support.agents import cluster_toml, run_agents
 from test_router_vllm import prompt_for, sample
 from test_vllm_serve import Cluster
-from pdd_tools.vllm.serve import VllmServer, complete, completion_body, connector_config, missing, tokens
+
 from pdd_wire.router import Router, loads
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]

@@ -23,11 +23,20 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
-
 from conftest import metric
+from pdd_tools.vllm.serve import (
+    BLOCK,
+    VOCAB,
+    VllmServer,
+    complete,
+    completion_body,
+    connector_config,
+    missing,
+    tokens,
+)
 from support.agents import run_agents, two_site_toml
 from test_vllm_serve import Cluster
-from pdd_tools.vllm.serve import BLOCK, VOCAB, VllmServer, complete, completion_body, connector_config, missing, tokens
+
 from pdd_wire.router import Router, loads
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]

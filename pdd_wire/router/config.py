@@ -37,7 +37,7 @@ import msgspec
 from ..config import default_engine_socket, parse_hostport
 from ..errors import ConfigError
 
-_cfg = dict(forbid_unknown_fields=True, kw_only=True, frozen=True)
+_cfg = {"forbid_unknown_fields": True, "kw_only": True, "frozen": True}
 
 
 class Member(msgspec.Struct, **_cfg):

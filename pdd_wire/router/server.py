@@ -28,14 +28,21 @@ import itertools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 import msgspec
 import structlog
 import xxhash
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from ..config import parse_hostport
 from ..engine.client import EngineClient
@@ -191,7 +198,7 @@ class Router:
         app.router.add_get("/metrics", self._metrics)
         return app
 
-    async def start(self) -> "Router":
+    async def start(self) -> Self:
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.request.connect_s),
             connector=aiohttp.TCPConnector(limit=0))
@@ -221,7 +228,7 @@ class Router:
         if self._http is not None:
             await self._http.close()
 
-    async def __aenter__(self) -> "Router":
+    async def __aenter__(self) -> Self:
         return await self.start()
 
     async def __aexit__(self, *exc) -> None:
@@ -522,7 +529,6 @@ class Router:
         it) and MD continues from the prompt and the m emitted tokens (their KV computed in one
         extend step, the prompt's from its prefix cache). Every position is relayed once, in
         order: RLD's events up to m, MD's after, as one stream (RLD's id)."""
-        h = self.cfg.handoff
         with self._using(self.pools["RLD"].pick()) as R, self._using(self.pools["MD"].pick()) as M:
             dests = [d for d in (_dest(R.member), _dest(M.member)) if d]
             params = await self._prefill(path, body, rid, send_to=dests or None)

@@ -39,7 +39,14 @@ from pdd_wire.agent import Agent
 from pdd_wire.router import Router, loads
 
 from .bench_vllm import agent_toml, prompt_for
-from .vllm.serve import VllmServer, complete, completion_body, connector_config, free_port, missing
+from .vllm.serve import (
+    VllmServer,
+    complete,
+    completion_body,
+    connector_config,
+    free_port,
+    missing,
+)
 
 OUT_TOKENS = 64
 CONCURRENCY = 4
