@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+
 from pdd_tools.vllm.serve import (
     VllmServer,
     complete,
@@ -31,11 +32,10 @@ from pdd_tools.vllm.serve import (
     missing,
     tokens,
 )
+from pdd_wire.router import Router, loads
 from support.agents import cluster_toml, run_agents
 from test_router_vllm import prompt_for, sample
 from test_vllm_serve import Cluster
-
-from pdd_wire.router import Router, loads
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 import pytest_asyncio
+
 from conftest import metric
 from pdd_tools.vllm.serve import (
     BLOCK,
@@ -34,10 +35,9 @@ from pdd_tools.vllm.serve import (
     missing,
     tokens,
 )
+from pdd_wire.router import Router, loads
 from support.agents import run_agents, two_site_toml
 from test_vllm_serve import Cluster
-
-from pdd_wire.router import Router, loads
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
