@@ -642,7 +642,10 @@ class Router:
                     ids = [t for c in ev.get("choices") or () for t in c.get("token_ids") or ()]
                     if ids and first:
                         first = False
-                        self.metrics.stall.labels(mode="one-shot").observe(time.monotonic() - t_switch)
+                        stall = time.monotonic() - t_switch
+                        self.metrics.stall.labels(mode="one-shot").observe(stall)
+                        log.info("router_handoff_stall", request_id=rid, mode="one-shot", position=m,
+                                 stall_ms=round(stall * 1e3, 3))
                     ev.update({k: v for k, v in head.items() if v is not None})
                     if ev.get("usage"):  # as one request: m more output tokens, m fewer prompt tokens
                         u = ev["usage"]

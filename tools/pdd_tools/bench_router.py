@@ -8,6 +8,11 @@ in front. The same P-MD work is streamed two ways, alternating rounds:
   answer straight from MD;
 - through the router: the same request to the router, which does the same and relays MD's SSE.
 
+``router_handoff_stall_oneshot_p50_ms``/``_p99_ms`` (``--only handoff``; a third ``vllm serve``
+and agent): P-RLD-MD requests (the agents' TTFT budget is 0) handed from RLD to MD one-shot; the
+stall between RLD's last token and MD's first as the router measures it, against the time per
+output token of the same streams.
+
 Per request, the time per output token after the first (first to last token arrival at the
 client, over the tokens after the first; single gaps are not used: the client often reads several
 events in one read, more so through a relay, which would make single gaps meaningless). Figure
@@ -16,7 +21,7 @@ the relay adds per token at the tail); its baseline is the direct p99 itself. Al
 ``router_token_overhead_p50_ms``. A 2-core machine shared with the engines: compare within the
 run, not with real hardware.
 
-    python -m pdd_tools.bench_router [--quick] [--json]
+    python -m pdd_tools.bench_router [--quick] [--json] [--only overhead|handoff]
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import time
 from pathlib import Path
 
 import aiohttp
+import structlog.testing
 
 from pdd_wire import config as cfgmod
 from pdd_wire import log
@@ -49,6 +55,9 @@ from .vllm.serve import (
 )
 
 OUT_TOKENS = 64
+# Handoff: long enough that MD holds the KV before RLD is done (the tiny model decodes a token
+# in about a millisecond); prompts of 48..96 tokens, within the servers' 512-token context.
+HANDOFF_OUT_TOKENS = 384
 CONCURRENCY = 4
 
 
@@ -126,13 +135,94 @@ async def measure(quick: bool = False) -> list[dict]:
     return rows
 
 
+def _three_nodes(tmp: Path) -> dict[str, str]:
+    """Agents A/a1 (P), A/a2 (RLD) and B/b1 (MD), each a peer of the others, loopback TCP; A/a1
+    chooses P-RLD-MD for every request (a TTFT budget of 0)."""
+    nodes = [("A", "a1"), ("A", "a2"), ("B", "b1")]
+    ports = {n: free_port() for _, n in nodes}
+    out = {}
+    for site, node in nodes:
+        peers = "".join(f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{ports[n]}"\nstreams = 2\n'
+                        for s, n in nodes if n != node)
+        out[node] = (f'site = "{site}"\nnode = "{node}"\n[listen]\nwan = "127.0.0.1:{ports[node]}"\n'
+                     f'admin = "127.0.0.1:0"\nengine_socket = "{tmp}/{node}.sock"\n{peers}'
+                     f"[transfer]\nchunk_bytes = 262144\n[policy.pipeline]\nttft_budget_s = 0\n")
+    return out
+
+
+async def measure_handoff(quick: bool = False) -> list[dict]:
+    """P-RLD-MD one-shot handoffs: the stall between RLD's last token and MD's first, as the
+    router measures it, against the time per output token of the same streams."""
+    why = missing()
+    if why:
+        raise SystemExit(f"bench_router needs the vLLM venv ({why}): run scripts/vllm-env")
+    tmp = Path(tempfile.mkdtemp(prefix="pdw-bench-handoff-"))
+    agents = [Agent(cfgmod.loads(t)) for t in _three_nodes(tmp).values()]
+    servers: list[VllmServer] = []
+    tpot: list[float] = []
+    try:
+        for a in agents:
+            await a.start()
+        P = VllmServer("P", tmp / "P.log", cpu="0", kv=connector_config("kv_producer", f"{tmp}/a1.sock"))
+        RLD = VllmServer("RLD", tmp / "RLD.log", cpu="1", kv=connector_config("kv_consumer", f"{tmp}/a2.sock"))
+        MD = VllmServer("MD", tmp / "MD.log", cpu="1", prefix_caching=True,
+                        kv=connector_config("kv_consumer", f"{tmp}/b1.sock"))
+        servers = [P, RLD, MD]
+        await asyncio.gather(*(s.start() for s in servers))
+        cfg = loads(f'[listen]\naddress = "127.0.0.1:0"\n'
+                    f'[[pools.P]]\nurl = "{P.url}"\nengine_socket = "{tmp}/a1.sock"\nsite = "A"\nnode = "a1"\n'
+                    f'[[pools.RLD]]\nurl = "{RLD.url}"\nsite = "A"\nnode = "a2"\n'
+                    f'[[pools.MD]]\nurl = "{MD.url}"\nsite = "B"\nnode = "b1"\n'
+                    f"[handoff]\nmin_rld_tokens = 4\n")
+        async with aiohttp.ClientSession() as http, Router(cfg) as router:
+            rounds = 3 if quick else 12
+            with structlog.testing.capture_logs() as logs:
+                for i in range(rounds + 1):  # round 0 warms every path and is not counted
+                    prompts = [prompt_for(500 + 100 * i + j, 48 + 16 * j) for j in range(CONCURRENCY)]
+                    n0 = len(logs)
+                    r = await asyncio.gather(*(_tpot(http, router.url, completion_body(pr, HANDOFF_OUT_TOKENS))
+                                               for pr in prompts))
+                    if i:
+                        tpot += r
+                    else:
+                        del logs[n0:]
+            stalls = [e["stall_ms"] for e in logs if e.get("event") == "router_handoff_stall"]
+            switched = sample_total(router, "pddwire_router_handoffs_total", outcome="switched")
+    finally:
+        await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
+        for a in agents:
+            await a.shutdown(0)
+        shutil.rmtree(tmp, ignore_errors=True)
+    if not stalls:
+        raise SystemExit("bench_router: no request was handed over (RLD finished every one first)")
+    note = (f"{len(stalls)} handoffs of {len(tpot)} requests ({int(switched)} switched in all, warm-up included); "
+            f"{CONCURRENCY} concurrent streams of {HANDOFF_OUT_TOKENS} tokens, P-RLD-MD, RLD emits at least 4")
+    rows = []
+    for q in (50, 99):
+        sq, tq = _p(stalls, q), _p(tpot, q) * 1e3
+        rows.append({"figure": f"router_handoff_stall_oneshot_p{q}_ms", "value": round(sq, 3), "unit": "ms",
+                     "baseline": f"p{q} time per output token", "baseline_value": round(tq, 3),
+                     "note": f"RLD's last token to MD's first at the router; {note}"})
+    return rows
+
+
+def sample_total(router: Router, name: str, **labels) -> float:
+    return sum(s.value for m in router.metrics.registry.collect() for s in m.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 rounds instead of 16")
     ap.add_argument("--json", action="store_true", help="one JSON object")
+    ap.add_argument("--only", choices=("overhead", "handoff"), help="one of the two measurements")
     args = ap.parse_args(argv)
-    log.configure("warning", "console", stream=sys.stderr)  # stdout: the figures only
-    rows = asyncio.run(measure(args.quick))
+    log.configure("info", "console", stream=sys.stderr)  # stdout: the figures only
+    rows = []
+    if args.only != "handoff":
+        rows += asyncio.run(measure(args.quick))
+    if args.only != "overhead":
+        rows += asyncio.run(measure_handoff(args.quick))
     if args.json:
         print(json.dumps({r["figure"]: {k: v for k, v in r.items() if k != "figure"} for r in rows}, indent=1))
     else:
