@@ -33,7 +33,7 @@ from pdd_tools.vllm.serve import (
     tokens,
 )
 from pdd_wire.router import Router, loads
-from support.agents import cluster_toml, run_agents
+from support.agents import cluster_toml, free_port, run_agents
 from test_router_vllm import prompt_for, sample
 from test_vllm_serve import Cluster
 
@@ -57,7 +57,10 @@ class Pdd:
         for c in self._checks:
             await c.settled()
 
-    def router(self, *, pos: int | None = None, **handoff) -> Router:
+    def router(self, *, pos: int | None = None, rld: str | None = None, **handoff) -> Router:
+        """A router over P, RLD and MD; ``rld``: another RLD URL, named without site or node (P
+        then sends the KV to MD only)."""
+        rld_member = f'url = "{rld}"' if rld else f'url = "{self.RLD.url}"\nsite = "A"\nnode = "a2"'
         h = dict(handoff)
         if pos is not None:
             h |= {"min_rld_tokens": pos, "max_rld_tokens": pos}
@@ -71,9 +74,7 @@ engine_socket = "{self.tmp}/a1.sock"
 site = "A"
 node = "a1"
 [[pools.RLD]]
-url = "{self.RLD.url}"
-site = "A"
-node = "a2"
+{rld_member}
 [[pools.MD]]
 url = "{self.MD.url}"
 site = "B"
@@ -214,3 +215,18 @@ async def test_a_client_gone_mid_handoff_leaves_nothing_held(pdd):
         async with asyncio.timeout(30):
             while sample(router, "pddwire_router_requests_total", outcome="client_gone") < 1:
                 await asyncio.sleep(0.05)
+
+
+async def test_rld_failing_before_its_first_token_leaves_the_output_to_md(pdd):
+    """RLD refuses the connection: MD, once it holds the KV, makes every token (fallback
+    ``rld_failed``); the stream is still a single server's."""
+    prompt = prompt_for(24, 70)
+    base = await pdd.baseline(prompt)
+    async with pdd.router(rld=f"http://127.0.0.1:{free_port()}") as router:
+        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+        check_one_stream(chunks, base)
+        assert sample(router, "pddwire_router_fallbacks_total", kind="rld_failed") == 1
+        assert sample(router, "pddwire_router_handoffs_total", outcome="rld_failed") == 1
+        assert sample(router, "pddwire_router_output_tokens_total", pool="RLD") == 0
+        assert sample(router, "pddwire_router_output_tokens_total", pool="MD") == N
+    await pdd.settled()

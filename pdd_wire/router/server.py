@@ -82,7 +82,8 @@ class RouterMetrics:
         self.fallbacks = Counter("pddwire_router_fallbacks", "Requests that left their pipeline's path, by kind",
                                  ["kind"], registry=r)
         self.handoffs = Counter("pddwire_router_handoffs", "P-RLD-MD requests by how their output ended: "
-                                "switched (RLD to MD, one-shot), rld_finished, md_failed, md_not_ready",
+                                "switched (RLD to MD, one-shot), rld_finished, md_failed, md_not_ready, "
+                                "rld_failed (MD took over)",
                                 ["mode", "outcome"], registry=r)
         self.stall = Histogram("pddwire_router_handoff_stall_seconds",
                                "Between RLD's last token relayed and MD's first", ["mode"],
@@ -582,54 +583,81 @@ class Router:
             return whole  # else the next token boundary
 
         rld_body = {**body, "kv_transfer_params": params, "return_token_ids": True}
-        async with self._http.post(f"{R.url}{path}", json=rld_body) as r:
-            if r.status != 200:
-                raise UpstreamError(r.status, await r.read(), r.content_type or "application/json")
+        rld_failed: BaseException | None = None
+        try:
+            r: aiohttp.ClientResponse | None = await self._http.post(f"{R.url}{path}", json=rld_body)
+        except (aiohttp.ClientError, OSError) as exc:
+            r, rld_failed = None, exc
+        if r is not None:
+            async with r:  # leaving it closes RLD's stream: vLLM aborts the request there
+                if r.status != 200:
+                    rld_failed = UpstreamError(r.status, await r.read(), r.content_type or "application/json")
+                else:
+                    out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
+                                                                  "Cache-Control": "no-cache"})
+                    await out.prepare(request)
+                    request[_STREAM] = out
+                    events = _sse_events(r.content)
+                    while True:
+                        if not finished and await md_ready():
+                            switch = True
+                            break
+                        try:
+                            event = await anext(events, None)
+                        except (aiohttp.ClientError, OSError) as exc:
+                            rld_failed = exc
+                            break
+                        if event is None:
+                            if not finished:
+                                rld_failed = aiohttp.ClientPayloadError("RLD's stream ended before its last token")
+                            break
+                        if event.startswith(b"data: {"):
+                            ev = self._decoder.decode(event[6:])
+                            head = head or {"id": ev.get("id"), "created": ev.get("created")}
+                            ids = [t for c in ev.get("choices") or () for t in c.get("token_ids") or ()]
+                            finished = finished or any(c.get("finish_reason") for c in ev.get("choices") or ())
+                            if ids:
+                                text = "".join(c.get("text") or "" for c in ev.get("choices") or ())
+                                whole = bool(text) and not text.endswith("\ufffd")
+                            if not want_ids:
+                                event = _without(ev, ("token_ids", "prompt_token_ids"))
+                            emitted += ids
+                            trace.saw(len(ids))
+                        await out.write(event)
+        self.metrics.output_tokens.labels(pool="RLD").inc(len(emitted))
+        outcome = "switched"
+        if rld_failed is not None and not finished:
+            # RLD failed: MD takes the output over from where RLD left it, once it holds the KV.
+            self._fallback(rid, "rld_failed", position=len(emitted), error=repr(rld_failed))
+            left = h.md_ready_s - (time.monotonic() - trace.t0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(warm), max(0.0, left))
+            if not (warm.done() and warm.result()):
+                raise rld_failed
+            switch, outcome = True, "rld_failed"
+        if not switch:
+            self.metrics.handoffs.labels(mode="one-shot", outcome="rld_finished").inc()
+            await out.write_eof()
+            return out
+        if out is None:
             out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
                                                           "Cache-Control": "no-cache"})
             await out.prepare(request)
             request[_STREAM] = out
-            events = _sse_events(r.content)
-            while True:
-                if not finished and await md_ready():
-                    switch = True
-                    break  # leaving the block closes RLD's stream: vLLM aborts the request there
-                event = await anext(events, None)
-                if event is None:
-                    break
-                if event.startswith(b"data: {"):
-                    ev = self._decoder.decode(event[6:])
-                    head = head or {"id": ev.get("id"), "created": ev.get("created")}
-                    ids = [t for c in ev.get("choices") or () for t in c.get("token_ids") or ()]
-                    finished = finished or any(c.get("finish_reason") for c in ev.get("choices") or ())
-                    if ids:
-                        text = "".join(c.get("text") or "" for c in ev.get("choices") or ())
-                        whole = bool(text) and not text.endswith("\ufffd")
-                    if not want_ids:
-                        event = _without(ev, ("token_ids", "prompt_token_ids"))
-                    emitted += ids
-                    trace.saw(len(ids))
-                await out.write(event)
-        self.metrics.output_tokens.labels(pool="RLD").inc(len(emitted))
-        if not switch:
-            if not finished:
-                raise aiohttp.ClientPayloadError("RLD's stream ended before its last token")
-            self.metrics.handoffs.labels(mode="one-shot", outcome="rld_finished").inc()
-            await out.write_eof()
-            return out
-        return await self._md_continues(out, path, body, rid, trace, M, emitted, head, want_ids, max_tokens)
+        return await self._md_continues(out, path, body, rid, trace, M, emitted, head, want_ids, max_tokens,
+                                        outcome)
 
     async def _md_continues(self, out: web.StreamResponse, path: str, body: dict, rid: str, trace: _Trace,
                             M: Upstream, emitted: list[int], head: dict, want_ids: bool,
-                            max_tokens: int) -> web.StreamResponse:
+                            max_tokens: int, outcome: str) -> web.StreamResponse:
         m = len(emitted)
         cont = {**body, "prompt": trace.prompt_ids + emitted, "max_tokens": max_tokens - m, "return_token_ids": True}
         cont.pop("kv_transfer_params", None)
         if body.get("min_tokens"):
             cont["min_tokens"] = max(0, body["min_tokens"] - m)
         t_switch = trace.last if trace.last is not None else time.monotonic()
-        log.info("router_handoff", request_id=rid, mode="one-shot", position=m, md=M.url)
-        self.metrics.handoffs.labels(mode="one-shot", outcome="switched").inc()
+        log.info("router_handoff", request_id=rid, mode="one-shot", position=m, md=M.url, outcome=outcome)
+        self.metrics.handoffs.labels(mode="one-shot", outcome=outcome).inc()
         first = True
         n = 0
         async with self._http.post(f"{M.url}{path}", json=cont) as r:
