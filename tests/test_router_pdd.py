@@ -230,3 +230,20 @@ async def test_rld_failing_before_its_first_token_leaves_the_output_to_md(pdd):
         assert sample(router, "pddwire_router_output_tokens_total", pool="RLD") == 0
         assert sample(router, "pddwire_router_output_tokens_total", pool="MD") == N
     await pdd.settled()
+
+
+async def test_md_not_ready_in_time_leaves_the_request_on_rld(pdd):
+    """MD cannot hold the KV within a 1 ms ``md_ready_s``: RLD keeps the request to its end,
+    MD's request is closed (its receive cancelled), nothing is left anywhere."""
+    prompt = prompt_for(25, 70)
+    base = await pdd.baseline(prompt)
+    async with pdd.router(md_ready_s=0.001) as router:
+        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+        check_one_stream(chunks, base)
+        assert sample(router, "pddwire_router_fallbacks_total", kind="md_not_ready") == 1
+        ended = {o: sample(router, "pddwire_router_handoffs_total", outcome=o)
+                 for o in ("switched", "rld_finished", "md_not_ready")}
+        assert ended == {"switched": 0, "rld_finished": 0, "md_not_ready": 1}
+        assert sample(router, "pddwire_router_output_tokens_total", pool="RLD") == N
+        assert sample(router, "pddwire_router_output_tokens_total", pool="MD") == 0
+    await pdd.settled()

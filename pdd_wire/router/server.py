@@ -552,7 +552,8 @@ class Router:
         max_tokens = body.get("max_tokens") or _COMPLETIONS_MAX_TOKENS
         emitted: list[int] = []
         head: dict = {}  # RLD's stream id and created: MD's events carry them too
-        finished = switch = False
+        finished = switch = False  # finished: RLD's last token came
+        stay = False  # MD failed or was not ready in time: RLD keeps the request to its end
         # Whether the text so far ends on a whole character: MD's detokenizer starts from the
         # token ids, so a character split across the switch would be decoded differently.
         whole = True
@@ -560,7 +561,7 @@ class Router:
 
         async def md_ready() -> bool:
             """Whether MD holds the KV now; at the cap, wait for it (bounded)."""
-            nonlocal finished
+            nonlocal stay
             m = len(emitted)
             if m < h.min_rld_tokens or m >= max_tokens:
                 return False
@@ -573,12 +574,12 @@ class Router:
                 if capped or time.monotonic() - trace.t0 > h.md_ready_s:
                     self._fallback(rid, "md_not_ready", position=m)
                     self.metrics.handoffs.labels(mode="one-shot", outcome="md_not_ready").inc()
-                    finished = True  # RLD keeps the request to its end
+                    stay = True
                 return False
             if not warm.result():
                 self._fallback(rid, "md_failed", position=m)
                 self.metrics.handoffs.labels(mode="one-shot", outcome="md_failed").inc()
-                finished = True
+                stay = True
                 return False
             return whole  # else the next token boundary
 
@@ -599,7 +600,7 @@ class Router:
                     request[_STREAM] = out
                     events = _sse_events(r.content)
                     while True:
-                        if not finished and await md_ready():
+                        if not (finished or stay) and await md_ready():
                             switch = True
                             break
                         try:
@@ -627,6 +628,8 @@ class Router:
         self.metrics.output_tokens.labels(pool="RLD").inc(len(emitted))
         outcome = "switched"
         if rld_failed is not None and not finished:
+            if stay:  # MD cannot take it either
+                raise rld_failed
             # RLD failed: MD takes the output over from where RLD left it, once it holds the KV.
             self._fallback(rid, "rld_failed", position=len(emitted), error=repr(rld_failed))
             left = h.md_ready_s - (time.monotonic() - trace.t0)
@@ -636,7 +639,8 @@ class Router:
                 raise rld_failed
             switch, outcome = True, "rld_failed"
         if not switch:
-            self.metrics.handoffs.labels(mode="one-shot", outcome="rld_finished").inc()
+            if not stay:
+                self.metrics.handoffs.labels(mode="one-shot", outcome="rld_finished").inc()
             await out.write_eof()
             return out
         if out is None:
