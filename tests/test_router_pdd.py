@@ -133,8 +133,8 @@ async def pdd():
 @pytest.mark.parametrize("pos", [0, 5, 40])
 async def test_the_handoff_at_a_chosen_position_gives_one_servers_stream(pdd, pos):
     """Forced at position 0 (MD makes every token), 5 (inside the first block of output) and 40
-    (past a block boundary of prompt + output) or the first token boundary after it where the
-    text ends on a whole character (the tiny model's text is mostly byte tokens): the stream is a
+    (past a block boundary of prompt + output) or the first clean text boundary after it (RLD's
+    last 5 tokens each whole text; the tiny model's text is mostly byte tokens): the stream is a
     single server's."""
     prompt = prompt_for(pos + 1, 75)
     base = await pdd.baseline(prompt)
@@ -247,3 +247,19 @@ async def test_md_not_ready_in_time_leaves_the_request_on_rld(pdd):
         assert sample(router, "pddwire_router_output_tokens_total", pool="RLD") == N
         assert sample(router, "pddwire_router_output_tokens_total", pool="MD") == 0
     await pdd.settled()
+
+
+async def test_md_down_leaves_the_request_on_rld(pdd):
+    """Last in this module: MD's server is stopped. MD's request fails before any switch, RLD
+    keeps the request to its end (fallback ``md_failed``), the stream is a single server's. P's
+    KV for MD waits out its lease (30 s) at the agents, then nothing is pinned anywhere."""
+    prompt = prompt_for(26, 70)
+    base = await pdd.baseline(prompt)
+    await pdd.MD.stop()
+    async with pdd.router() as router:
+        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+        check_one_stream(chunks, base)
+        assert sample(router, "pddwire_router_fallbacks_total", kind="md_failed") == 1
+        assert sample(router, "pddwire_router_handoffs_total", outcome="md_failed") == 1
+        assert sample(router, "pddwire_router_output_tokens_total", pool="RLD") == N
+    await pdd._checks[0].settled()  # every agent, P and RLD (MD is gone)

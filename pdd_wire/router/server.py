@@ -55,6 +55,7 @@ log = structlog.get_logger("pdd_wire.router")
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
 _TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2)
 _STREAM = web.RequestKey("pdd_stream", web.StreamResponse)  # the client's stream, once started
+_WHOLE_RUN = 5  # see _rld_then_md: trailing tokens with whole text before MD may take over
 _COMPLETIONS_MAX_TOKENS = 16  # vLLM's default max_tokens for /v1/completions
 # Fields of a chat request that change its prompt's tokens (passed to /tokenize).
 _CHAT_PROMPT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
@@ -554,9 +555,12 @@ class Router:
         head: dict = {}  # RLD's stream id and created: MD's events carry them too
         finished = switch = False  # finished: RLD's last token came
         stay = False  # MD failed or was not ready in time: RLD keeps the request to its end
-        # Whether the text so far ends on a whole character: MD's detokenizer starts from the
-        # token ids, so a character split across the switch would be decoded differently.
-        whole = True
+        # MD detokenizes from token ids: it primes its detokenizer with the shortest suffix (4
+        # tokens or more) of its prompt that decodes without U+FFFD, else with the whole prompt,
+        # whose undecodable tail it may then emit as text. So MD takes over at position 0 (its
+        # prompt is the user's, as for a single server) or where each of RLD's last 5 tokens
+        # ended on a whole character (the last 4 then decode cleanly on their own).
+        whole_run = 0
         out: web.StreamResponse | None = None
 
         async def md_ready() -> bool:
@@ -581,7 +585,7 @@ class Router:
                 self.metrics.handoffs.labels(mode="one-shot", outcome="md_failed").inc()
                 stay = True
                 return False
-            return whole  # else the next token boundary
+            return m == 0 or whole_run >= _WHOLE_RUN  # else a later token boundary
 
         rld_body = {**body, "kv_transfer_params": params, "return_token_ids": True}
         rld_failed: BaseException | None = None
@@ -619,7 +623,8 @@ class Router:
                             finished = finished or any(c.get("finish_reason") for c in ev.get("choices") or ())
                             if ids:
                                 text = "".join(c.get("text") or "" for c in ev.get("choices") or ())
-                                whole = bool(text) and not text.endswith("\ufffd")
+                                whole = len(ids) == 1 and bool(text) and "\ufffd" not in text
+                                whole_run = whole_run + 1 if whole else 0
                             if not want_ids:
                                 event = _without(ev, ("token_ids", "prompt_token_ids"))
                             emitted += ids
