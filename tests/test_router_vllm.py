@@ -157,18 +157,22 @@ async def test_p_md_gives_the_single_server_output_streamed_and_not(cluster, len
     await cluster.settled()
 
 
-async def test_the_stream_is_the_servers_stream_event_for_event(cluster):
-    """Relayed SSE events are MD's as they came: the same count, shape and order as a single
-    server's stream for the same request (ids and timestamps aside)."""
+async def test_the_stream_is_the_servers_stream(cluster):
+    """Relayed SSE events are MD's as they came: the same tokens, text, fields and ending as a
+    single server's stream for the same request (how vLLM groups tokens into events depends on
+    timing, so events are compared flattened)."""
     prompt = prompt_for(7, 40)
     direct, _ = await cluster.stream(cluster.P.url, completion_body(prompt, N))
     routed, _ = await cluster.stream(cluster.router.url, completion_body(prompt, N))
 
-    def shape(chunks):
-        return [[(ch["index"], ch.get("text"), ch.get("token_ids"), ch.get("finish_reason")) for ch in c["choices"]]
-                for c in chunks]
+    def flat(chunks):
+        chs = [ch for c in chunks for ch in c["choices"]]
+        return ([t for ch in chs for t in ch.get("token_ids") or ()], "".join(ch.get("text") or "" for ch in chs),
+                [ch["finish_reason"] for ch in chs if ch.get("finish_reason")],
+                {k for c in chunks for k in c} | {k for ch in chs for k in ch})
 
-    assert shape(routed) == shape(direct)
+    assert flat(routed) == flat(direct)
+    assert len({c["id"] for c in routed}) == 1
     await cluster.settled()
 
 
