@@ -9,38 +9,27 @@ answer, streamed (SSE, event by event) or not. Each pool member is picked least-
 in flight through this router).
 
 Bounded: every request ends by ``request.deadline_s``; a client that goes away cancels its
-handler, which closes the upstream connections (vLLM aborts a request whose client is gone, and
-its connector cancels the request's transfer).
+handler, which closes the upstream connections. docs/router.md has the whole story.
 
-The pipeline of each request is asked of P's agent (``choose_pipeline``, as engine "router"):
-P-MD as above; P-RLD (the anomalous-traffic filter: long input, short output) finishes in site A,
-on an RLD member (P's KV sent to it) or, with no RLD pool, on P itself; P-RLD-MD (streamed
-completions) sends P's KV to RLD and MD, streams RLD's tokens at once and hands the output to MD
-once MD holds the KV (one-shot, :meth:`Router._p_rld_md`); other requests chosen P-RLD-MD run
-as P-MD (fallback ``p_rld_md_<why>``).
+Each request's pipeline is P's agent's choice (``choose_pipeline``, as engine "router"): P-MD;
+P-RLD (long input, short output) in site A; P-RLD-MD, RLD streaming at once and handing the
+output to MD once MD holds the KV (one-shot, :meth:`Router._p_rld_md`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Self
 
 import aiohttp
 import msgspec
 import structlog
-import xxhash
 from aiohttp import web
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
     generate_latest,
 )
 
@@ -48,130 +37,29 @@ from ..config import parse_hostport
 from ..engine.client import EngineClient
 from ..engine.hashes import chain_hashes
 from ..errors import PddWireError
-from .config import Member, RouterConfig
+from .config import RouterConfig
+from .upstream import (
+    COMPLETIONS_MAX_TOKENS,
+    Pool,
+    RouterMetrics,
+    Trace,
+    Upstream,
+    UpstreamError,
+    batched,
+    dest,
+    error_response,
+    expected_output,
+    layer0_hashes,
+    sse_events,
+    token_count,
+    tokenize_request,
+    without,
+)
 
 log = structlog.get_logger("pdd_wire.router")
 
-_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
-_TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2)
 _STREAM = web.RequestKey("pdd_stream", web.StreamResponse)  # the client's stream, once started
 _WHOLE_RUN = 5  # see _rld_then_md: trailing tokens with whole text before MD may take over
-_COMPLETIONS_MAX_TOKENS = 16  # vLLM's default max_tokens for /v1/completions
-# Fields of a chat request that change its prompt's tokens (passed to /tokenize).
-_CHAT_PROMPT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
-                       "tools", "documents", "add_special_tokens")
-
-
-class RouterMetrics:
-    """The router's Prometheus metrics, in a registry of its own (``/metrics``)."""
-
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("pddwire_router_requests", "Requests by endpoint, pipeline and outcome",
-                                ["endpoint", "pipeline", "outcome"], registry=r)
-        self.ttft = Histogram("pddwire_router_ttft_seconds", "Time to the first output token (streamed requests)",
-                              ["pipeline"], buckets=_TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("pddwire_router_time_per_output_token_seconds",
-                              "Mean time between output tokens after the first, one sample per streamed request",
-                              ["pipeline"], buckets=_TPOT_BUCKETS, registry=r)
-        self.latency = Histogram("pddwire_router_request_seconds", "Whole request, arrival to last byte",
-                                 ["pipeline"], buckets=_TTFT_BUCKETS, registry=r)
-        self.output_tokens = Counter("pddwire_router_output_tokens", "Output tokens relayed, by pool that made them",
-                                     ["pool"], registry=r)
-        self.pipelines = Counter("pddwire_router_pipeline_choices", "Pipeline chosen per request, with its reason",
-                                 ["pipeline", "reason"], registry=r)
-        self.fallbacks = Counter("pddwire_router_fallbacks", "Requests that left their pipeline's path, by kind",
-                                 ["kind"], registry=r)
-        self.handoffs = Counter("pddwire_router_handoffs", "P-RLD-MD requests by how their output ended: "
-                                "switched (RLD to MD, one-shot), rld_finished, md_failed, md_not_ready, "
-                                "rld_failed (MD took over)",
-                                ["mode", "outcome"], registry=r)
-        self.stall = Histogram("pddwire_router_handoff_stall_seconds",
-                               "Between RLD's last token relayed and MD's first", ["mode"],
-                               buckets=_TTFT_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pddwire_router_prompt_tokens",
-                                     "Prompt tokens of requests whose pipeline P's agent chose: held in MD's "
-                                     "prefix cache (md_prefix) or not (missing)", ["source"], registry=r)
-        self.inflight = Gauge("pddwire_router_inflight", "Requests in flight per pool member",
-                              ["pool", "member"], registry=r)
-
-
-@dataclass(eq=False)
-class Upstream:
-    """A pool member at run time."""
-
-    pool: str
-    member: Member
-    inflight: int = 0
-
-    @property
-    def url(self) -> str:
-        return self.member.url.rstrip("/")
-
-
-@dataclass
-class Pool:
-    name: str
-    members: list[Upstream]
-    _turn: itertools.count = field(default_factory=itertools.count)
-
-    def pick(self) -> Upstream:
-        """The member with the fewest requests in flight; ties go round-robin."""
-        start = next(self._turn) % len(self.members)
-        ring = self.members[start:] + self.members[:start]
-        return min(ring, key=lambda u: u.inflight)
-
-
-class UpstreamError(Exception):
-    """A vLLM server answered with an error status: relayed to the client as it came."""
-
-    def __init__(self, status: int, body: bytes, content_type: str) -> None:
-        super().__init__(f"HTTP {status}")
-        self.status, self.body, self.content_type = status, body, content_type
-
-
-def _error(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
-    """An error body shaped like vLLM's (``{"error": {...}}``)."""
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
-                             status=status)
-
-
-def _is_token_event(ev: dict) -> int:
-    """Output tokens in one streamed chunk (completions or chat): the token ids when vLLM returns
-    them, else 1 for a chunk that carries text."""
-    n = 0
-    for c in ev.get("choices") or ():
-        ids = c.get("token_ids")
-        if ids:
-            n += len(ids)
-            continue
-        text = c.get("text")
-        if text is None:
-            text = (c.get("delta") or {}).get("content")
-        if text:
-            n += 1
-    return n
-
-
-class _Trace:
-    """Per-request timing for the metrics."""
-
-    def __init__(self, pipeline: str) -> None:
-        self.pipeline = pipeline
-        self.t0 = time.monotonic()
-        self.first: float | None = None
-        self.last: float | None = None
-        self.tokens = 0
-        self.prompt_ids: list[int] | None = None  # the prompt's token ids, when the choice needed them
-
-    def saw(self, n: int) -> None:
-        if n <= 0:
-            return
-        now = time.monotonic()
-        if self.first is None:
-            self.first = now
-        self.last = now
-        self.tokens += n
 
 
 class Router:
@@ -209,9 +97,8 @@ class Router:
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         host, port = parse_hostport(self.cfg.listen.address, "listen.address")
-        site = web.TCPSite(self._runner, host, port)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        await web.TCPSite(self._runner, host, port).start()
+        self.port = self._runner.addresses[0][1]
         log.info("router_listening", address=f"{host}:{self.port}",
                  pools={k: [u.url for u in p.members] for k, p in self.pools.items()})
         return self
@@ -260,7 +147,7 @@ class Router:
                     last = f"{u.url}: HTTP {r.status}"
             except (aiohttp.ClientError, OSError) as exc:
                 last = f"{u.url}: {exc}"
-        return _error(503, last, "ServiceUnavailableError")
+        return error_response(503, last, "ServiceUnavailableError")
 
     async def _healthz(self, request: web.Request) -> web.Response:
         async def probe(u: Upstream) -> bool:
@@ -293,11 +180,11 @@ class Router:
         try:
             body = await request.json(loads=self._decoder.decode)
         except (ValueError, msgspec.DecodeError) as exc:
-            return _error(400, f"the body is not JSON: {exc}")
+            return error_response(400, f"the body is not JSON: {exc}")
         if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object")
+            return error_response(400, "the body must be a JSON object")
         rid = f"rtr-{uuid.uuid4().hex[:16]}"
-        trace = _Trace("none")
+        trace = Trace("none")
         out: web.StreamResponse | None = None
         outcome = "error"
         try:
@@ -336,7 +223,7 @@ class Router:
         event with the error and ``[DONE]`` (what vLLM sends when a stream fails)."""
         resp = request.get(_STREAM)
         if resp is None:
-            return _error(status, message, kind)
+            return error_response(status, message, kind)
         with contextlib.suppress(ConnectionError, RuntimeError):
             err = msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
             await resp.write(b"data: " + err + b"\n\ndata: [DONE]\n\n")
@@ -384,7 +271,7 @@ class Router:
         (``choose_pipeline``: MD's matched prefix, the live link, the anomalous-traffic filter);
         without an answer the request runs P-MD."""
         toks = None
-        if _batched(body):
+        if batched(body):
             # Several prompts in one request would share one transfer name: MD computes them.
             pipeline, reason, fields = "MD", "batched_prompts", {}
         elif not self.cfg.choice.ask_agent:
@@ -404,13 +291,13 @@ class Router:
         try:
             async with asyncio.timeout(ch.timeout_s):
                 toks, max_len = await self._prompt_tokens(P, path, body)
-                expected = _expected_output(path, body, len(toks), max_len)
-                hashes = _layer0_hashes(chain_hashes(toks, ch.block_tokens, model=ch.prefix_salt)) \
+                expected = expected_output(path, body, len(toks), max_len)
+                hashes = layer0_hashes(chain_hashes(toks, ch.block_tokens, model=ch.prefix_salt)) \
                     if ch.block_tokens and ch.prefix_salt else []
                 eng = await self._engine(P)
                 try:
                     d = await eng.choose_pipeline(
-                        rid, to=_dest(MD.member), input_tokens=len(toks), expected_output_tokens=expected,
+                        rid, to=dest(MD.member), input_tokens=len(toks), expected_output_tokens=expected,
                         kv_bytes_per_token=ch.kv_bytes_per_token, block_hashes=hashes or None,
                         block_tokens=ch.block_tokens if hashes else 0)
                 except OSError:  # the agent went away: connect again next time
@@ -444,20 +331,9 @@ class Router:
     async def _prompt_tokens(self, P: Upstream, path: str, body: dict) -> tuple[list[int], int | None]:
         """The prompt's token ids (asked of P's ``/tokenize`` unless the request gives them), and
         the model's context length when P told it."""
-        prompt = body.get("prompt")
-        if path == "/v1/completions":
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
-                prompt = prompt[0]
-            if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-                return prompt, None
-            if not isinstance(prompt, str):
-                raise ValueError("the prompt is neither text nor token ids")
-            req = {"model": body.get("model"), "prompt": prompt}
-            if "add_special_tokens" in body:
-                req["add_special_tokens"] = body["add_special_tokens"]
-        else:
-            req = {"model": body.get("model"), "messages": body.get("messages"),
-                   **{k: body[k] for k in _CHAT_PROMPT_FIELDS if k in body}}
+        ids, req = tokenize_request(path, body)
+        if ids is not None:
+            return ids, None
         async with self._http.post(f"{P.url}/tokenize", json=req) as r:
             data = await r.read()
             if r.status != 200:
@@ -467,7 +343,7 @@ class Router:
 
     # ------------------------------------------------------------------ running a pipeline
     async def _run(self, request: web.Request, path: str, body: dict, rid: str,
-                   trace: _Trace) -> web.StreamResponse:
+                   trace: Trace) -> web.StreamResponse:
         pipeline = trace.pipeline
         if pipeline == "MD":
             with self._using(self.pools["MD"].pick()) as MD:
@@ -486,17 +362,17 @@ class Router:
             self._fallback(rid, f"p_rld_md_{unfit}")
         return await self._disaggregated(request, path, body, rid, trace, "MD")
 
-    async def _disaggregated(self, request: web.Request, path: str, body: dict, rid: str, trace: _Trace,
+    async def _disaggregated(self, request: web.Request, path: str, body: dict, rid: str, trace: Trace,
                              decode: str) -> web.StreamResponse:
         """Prefill on P (its KV sent to the decode member's site/node), decode on pool ``decode``."""
         with self._using(self.pools[decode].pick()) as D:
-            dest = _dest(D.member)
-            params = await self._prefill(path, body, rid, send_to=[dest] if dest else None)
+            to = dest(D.member)
+            params = await self._prefill(path, body, rid, send_to=[to] if to else None)
             dec = {**body, "kv_transfer_params": params} if params is not None else body
             return await self._relay(request, D, path, dec, trace)
 
     # ------------------------------------------------------------------ P-RLD-MD
-    def _handoff_unfit(self, path: str, body: dict, trace: _Trace) -> str | None:
+    def _handoff_unfit(self, path: str, body: dict, trace: Trace) -> str | None:
         """Why this request cannot be handed from RLD to MD here (None: it can). MD continues
         from token ids, so the prompt's must be known, and only a streamed completion's output
         can be spliced event by event."""
@@ -525,14 +401,14 @@ class Router:
             return False
 
     async def _p_rld_md(self, request: web.Request, path: str, body: dict, rid: str,
-                        trace: _Trace) -> web.StreamResponse:
+                        trace: Trace) -> web.StreamResponse:
         """P sends the KV to RLD (same site) and MD (across the WAN); RLD streams to the user at
         once; when MD holds the KV, RLD is stopped at position m (its stream closed: vLLM aborts
         it) and MD continues from the prompt and the m emitted tokens (their KV computed in one
         extend step, the prompt's from its prefix cache). Every position is relayed once, in
         order: RLD's events up to m, MD's after, as one stream (RLD's id)."""
         with self._using(self.pools["RLD"].pick()) as R, self._using(self.pools["MD"].pick()) as M:
-            dests = [d for d in (_dest(R.member), _dest(M.member)) if d]
+            dests = [d for d in (dest(R.member), dest(M.member)) if d]
             params = await self._prefill(path, body, rid, send_to=dests or None)
             if not params or not params.get("do_remote_prefill"):  # nothing sent: MD computes it
                 dec = {**body, "kv_transfer_params": params} if params is not None else body
@@ -546,11 +422,11 @@ class Router:
                     warm.cancel()  # closes MD's request: vLLM aborts it, its receive is cancelled
                 await asyncio.gather(warm, return_exceptions=True)
 
-    async def _rld_then_md(self, request: web.Request, path: str, body: dict, rid: str, trace: _Trace,
+    async def _rld_then_md(self, request: web.Request, path: str, body: dict, rid: str, trace: Trace,
                            R: Upstream, M: Upstream, params: dict, warm: asyncio.Task) -> web.StreamResponse:
         h = self.cfg.handoff
         want_ids = bool(body.get("return_token_ids"))
-        max_tokens = body.get("max_tokens") or _COMPLETIONS_MAX_TOKENS
+        max_tokens = body.get("max_tokens") or COMPLETIONS_MAX_TOKENS
         emitted: list[int] = []
         head: dict = {}  # RLD's stream id and created: MD's events carry them too
         finished = switch = False  # finished: RLD's last token came
@@ -602,7 +478,7 @@ class Router:
                                                                   "Cache-Control": "no-cache"})
                     await out.prepare(request)
                     request[_STREAM] = out
-                    events = _sse_events(r.content)
+                    events = sse_events(r.content)
                     while True:
                         if not (finished or stay) and await md_ready():
                             switch = True
@@ -626,7 +502,7 @@ class Router:
                                 whole = len(ids) == 1 and bool(text) and "\ufffd" not in text
                                 whole_run = whole_run + 1 if whole else 0
                             if not want_ids:
-                                event = _without(ev, ("token_ids", "prompt_token_ids"))
+                                event = without(ev, ("token_ids", "prompt_token_ids"))
                             emitted += ids
                             trace.saw(len(ids))
                         await out.write(event)
@@ -656,7 +532,7 @@ class Router:
         return await self._md_continues(out, path, body, rid, trace, M, emitted, head, want_ids, max_tokens,
                                         outcome)
 
-    async def _md_continues(self, out: web.StreamResponse, path: str, body: dict, rid: str, trace: _Trace,
+    async def _md_continues(self, out: web.StreamResponse, path: str, body: dict, rid: str, trace: Trace,
                             M: Upstream, emitted: list[int], head: dict, want_ids: bool,
                             max_tokens: int, outcome: str) -> web.StreamResponse:
         m = len(emitted)
@@ -673,7 +549,7 @@ class Router:
             if r.status != 200:
                 raise aiohttp.ClientResponseError(r.request_info, r.history, status=r.status,
                                                   message=(await r.read()).decode(errors="replace")[:500])
-            async for event in _sse_events(r.content):
+            async for event in sse_events(r.content):
                 if event.startswith(b"data: {"):
                     ev = self._decoder.decode(event[6:])
                     ids = [t for c in ev.get("choices") or () for t in c.get("token_ids") or ()]
@@ -688,7 +564,7 @@ class Router:
                         u = ev["usage"]
                         u["prompt_tokens"] = u.get("prompt_tokens", 0) - m
                         u["completion_tokens"] = u.get("completion_tokens", 0) + m
-                    event = _without(ev, ("prompt_token_ids",) if want_ids else ("token_ids", "prompt_token_ids"))
+                    event = without(ev, ("prompt_token_ids",) if want_ids else ("token_ids", "prompt_token_ids"))
                     n += len(ids)
                     trace.saw(len(ids))
                 await out.write(event)
@@ -697,7 +573,7 @@ class Router:
         return out
 
     async def _relay(self, request: web.Request, up: Upstream, path: str, body: dict,
-                     trace: _Trace) -> web.StreamResponse:
+                     trace: Trace) -> web.StreamResponse:
         """Send ``body`` to ``up`` and relay its answer: SSE event by event, or whole."""
         async with self._http.post(f"{up.url}{path}", json=body) as r:
             if r.status != 200:
@@ -713,64 +589,11 @@ class Router:
             await out.prepare(request)
             request[_STREAM] = out
             n0 = trace.tokens
-            async for event in _sse_events(r.content):
+            async for event in sse_events(r.content):
                 if event.startswith(b"data: {"):
                     with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
-                        trace.saw(_is_token_event(self._decoder.decode(event[6:])))
+                        trace.saw(token_count(self._decoder.decode(event[6:])))
                 await out.write(event)
             self.metrics.output_tokens.labels(pool=up.pool).inc(trace.tokens - n0)
             await out.write_eof()
             return out
-
-
-def _without(ev: dict, keys: tuple[str, ...]) -> bytes:
-    """An SSE event of ``ev`` with ``keys`` dropped from its choices."""
-    for c in ev.get("choices") or ():
-        for k in keys:
-            c.pop(k, None)
-    return b"data: " + msgspec.json.encode(ev) + b"\n\n"
-
-
-def _batched(body: dict) -> bool:
-    """Several prompts in one /v1/completions request (a list of texts or of token lists)."""
-    prompt = body.get("prompt")
-    return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt)
-
-
-def _layer0_hashes(chain: list[int]) -> list[int]:
-    """PddWireConnector's agent blocks are one per vLLM block and layer, each named by a hash of
-    (the vLLM block's chained hash, the layer): a vLLM block is in MD's prefix inventory when its
-    layer 0 is, so these name the prompt's blocks one per vLLM block (a match counts whole
-    vLLM blocks of ``block_tokens``)."""
-    return [xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + (0).to_bytes(4, "little")) for h in chain]
-
-
-def _dest(m: Member) -> str:
-    """Where P's agent sends a decode member's KV (``send_to``, ``choose_pipeline(to=)``)."""
-    if m.site and m.node:
-        return f"{m.site}/{m.node}"
-    return m.site
-
-
-def _expected_output(path: str, body: dict, input_tokens: int, max_len: int | None) -> int:
-    """The output length the pipeline choice assumes: what the request allows (vLLM's defaults
-    when it names none)."""
-    n = body.get("max_completion_tokens") or body.get("max_tokens")
-    if isinstance(n, int) and n > 0:
-        return n
-    if path == "/v1/completions":
-        return _COMPLETIONS_MAX_TOKENS
-    return max(0, max_len - input_tokens) if max_len else _COMPLETIONS_MAX_TOKENS
-
-
-async def _sse_events(content: aiohttp.StreamReader):
-    """The SSE events of a stream (vLLM ends each with a blank line, ``\\n\\n``), each with its
-    terminator, bytes as they came; any length (no line limit)."""
-    buf = bytearray()
-    async for chunk in content.iter_any():
-        buf += chunk
-        while (i := buf.find(b"\n\n")) >= 0:
-            yield bytes(buf[:i + 2])
-            del buf[:i + 2]
-    if buf.strip():
-        yield bytes(buf)

@@ -1,0 +1,208 @@
+"""The router's pieces around its request handling: the upstream ``vllm serve`` members and
+their pools, its metrics, the per-request trace, and helpers for OpenAI bodies and SSE streams."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import msgspec
+import xxhash
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .config import Member
+
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
+TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2)
+COMPLETIONS_MAX_TOKENS = 16  # vLLM's default max_tokens for /v1/completions
+# Fields of a chat request that change its prompt's tokens (passed to /tokenize).
+CHAT_PROMPT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
+                      "tools", "documents", "add_special_tokens")
+
+
+class RouterMetrics:
+    """The router's Prometheus metrics, in a registry of its own (``/metrics``)."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("pddwire_router_requests", "Requests by endpoint, pipeline and outcome",
+                                ["endpoint", "pipeline", "outcome"], registry=r)
+        self.ttft = Histogram("pddwire_router_ttft_seconds", "Time to the first output token (streamed requests)",
+                              ["pipeline"], buckets=TTFT_BUCKETS, registry=r)
+        self.tpot = Histogram("pddwire_router_time_per_output_token_seconds",
+                              "Mean time between output tokens after the first, one sample per streamed request",
+                              ["pipeline"], buckets=TPOT_BUCKETS, registry=r)
+        self.latency = Histogram("pddwire_router_request_seconds", "Whole request, arrival to last byte",
+                                 ["pipeline"], buckets=TTFT_BUCKETS, registry=r)
+        self.output_tokens = Counter("pddwire_router_output_tokens", "Output tokens relayed, by pool that made them",
+                                     ["pool"], registry=r)
+        self.pipelines = Counter("pddwire_router_pipeline_choices", "Pipeline chosen per request, with its reason",
+                                 ["pipeline", "reason"], registry=r)
+        self.fallbacks = Counter("pddwire_router_fallbacks", "Requests that left their pipeline's path, by kind",
+                                 ["kind"], registry=r)
+        self.handoffs = Counter("pddwire_router_handoffs", "P-RLD-MD requests by how their output ended: "
+                                "switched (RLD to MD, one-shot), rld_finished, md_failed, md_not_ready, "
+                                "rld_failed (MD took over)",
+                                ["mode", "outcome"], registry=r)
+        self.stall = Histogram("pddwire_router_handoff_stall_seconds",
+                               "Between RLD's last token relayed and MD's first", ["mode"],
+                               buckets=TTFT_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("pddwire_router_prompt_tokens",
+                                     "Prompt tokens of requests whose pipeline P's agent chose: held in MD's "
+                                     "prefix cache (md_prefix) or not (missing)", ["source"], registry=r)
+        self.inflight = Gauge("pddwire_router_inflight", "Requests in flight per pool member",
+                              ["pool", "member"], registry=r)
+
+
+@dataclass(eq=False)
+class Upstream:
+    """A pool member at run time."""
+
+    pool: str
+    member: Member
+    inflight: int = 0
+
+    @property
+    def url(self) -> str:
+        return self.member.url.rstrip("/")
+
+
+@dataclass
+class Pool:
+    name: str
+    members: list[Upstream]
+    _turn: itertools.count = field(default_factory=itertools.count)
+
+    def pick(self) -> Upstream:
+        """The member with the fewest requests in flight; ties go round-robin."""
+        start = next(self._turn) % len(self.members)
+        ring = self.members[start:] + self.members[:start]
+        return min(ring, key=lambda u: u.inflight)
+
+
+class UpstreamError(Exception):
+    """A vLLM server answered with an error status: relayed to the client as it came."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(f"HTTP {status}")
+        self.status, self.body, self.content_type = status, body, content_type
+
+
+def error_response(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+    """An error body shaped like vLLM's (``{"error": {...}}``)."""
+    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
+                             status=status)
+
+
+def token_count(ev: dict) -> int:
+    """Output tokens in one streamed chunk (completions or chat): the token ids when vLLM returns
+    them, else 1 for a chunk that carries text."""
+    n = 0
+    for c in ev.get("choices") or ():
+        ids = c.get("token_ids")
+        if ids:
+            n += len(ids)
+            continue
+        text = c.get("text")
+        if text is None:
+            text = (c.get("delta") or {}).get("content")
+        if text:
+            n += 1
+    return n
+
+
+class Trace:
+    """Per-request timing for the metrics."""
+
+    def __init__(self, pipeline: str) -> None:
+        self.pipeline = pipeline
+        self.t0 = time.monotonic()
+        self.first: float | None = None
+        self.last: float | None = None
+        self.tokens = 0
+        self.prompt_ids: list[int] | None = None  # the prompt's token ids, when the choice needed them
+
+    def saw(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+        self.last = now
+        self.tokens += n
+
+
+
+def without(ev: dict, keys: tuple[str, ...]) -> bytes:
+    """An SSE event of ``ev`` with ``keys`` dropped from its choices."""
+    for c in ev.get("choices") or ():
+        for k in keys:
+            c.pop(k, None)
+    return b"data: " + msgspec.json.encode(ev) + b"\n\n"
+
+
+def batched(body: dict) -> bool:
+    """Several prompts in one /v1/completions request (a list of texts or of token lists)."""
+    prompt = body.get("prompt")
+    return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt)
+
+
+def layer0_hashes(chain: list[int]) -> list[int]:
+    """PddWireConnector's agent blocks are one per vLLM block and layer, each named by a hash of
+    (the vLLM block's chained hash, the layer): a vLLM block is in MD's prefix inventory when its
+    layer 0 is, so these name the prompt's blocks one per vLLM block (a match counts whole
+    vLLM blocks of ``block_tokens``)."""
+    return [xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + (0).to_bytes(4, "little")) for h in chain]
+
+
+def dest(m: Member) -> str:
+    """Where P's agent sends a decode member's KV (``send_to``, ``choose_pipeline(to=)``)."""
+    if m.site and m.node:
+        return f"{m.site}/{m.node}"
+    return m.site
+
+
+def expected_output(path: str, body: dict, input_tokens: int, max_len: int | None) -> int:
+    """The output length the pipeline choice assumes: what the request allows (vLLM's defaults
+    when it names none)."""
+    n = body.get("max_completion_tokens") or body.get("max_tokens")
+    if isinstance(n, int) and n > 0:
+        return n
+    if path == "/v1/completions":
+        return COMPLETIONS_MAX_TOKENS
+    return max(0, max_len - input_tokens) if max_len else COMPLETIONS_MAX_TOKENS
+
+
+async def sse_events(content: aiohttp.StreamReader):
+    """The SSE events of a stream (vLLM ends each with a blank line, ``\\n\\n``), each with its
+    terminator, bytes as they came; any length (no line limit)."""
+    buf = bytearray()
+    async for chunk in content.iter_any():
+        buf += chunk
+        while (i := buf.find(b"\n\n")) >= 0:
+            yield bytes(buf[:i + 2])
+            del buf[:i + 2]
+    if buf.strip():
+        yield bytes(buf)
+
+
+def tokenize_request(path: str, body: dict) -> tuple[list[int] | None, dict]:
+    """(the prompt's token ids when the request gives them, else None; the body of a
+    ``/tokenize`` request that gives them). ValueError: a prompt neither text nor token ids."""
+    prompt = body.get("prompt")
+    if path != "/v1/completions":
+        return None, {"model": body.get("model"), "messages": body.get("messages"),
+                      **{k: body[k] for k in CHAT_PROMPT_FIELDS if k in body}}
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (list, str)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt, {}
+    if not isinstance(prompt, str):
+        raise ValueError("the prompt is neither text nor token ids")
+    req = {"model": body.get("model"), "prompt": prompt}
+    if "add_special_tokens" in body:
+        req["add_special_tokens"] = body["add_special_tokens"]
+    return None, req
