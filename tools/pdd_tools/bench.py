@@ -23,7 +23,7 @@ from .harness import AgentPair, metric_value
 
 MiB = 1 << 20
 # Figure groups of --only, in the order they run; every one by default.
-GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "latency", "prefix", "handoff")
+GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "latency", "prefix", "handoff")
 
 
 class Figures:
@@ -478,6 +478,11 @@ async def _run(args) -> int:
         from . import bench_vllm
 
         await bench_vllm.add_figures(figs, quick)
+    if "router" in groups:
+        figs.step("router: per-token overhead against vllm serve direct, then the one-shot handoff stall")
+        from . import bench_router
+
+        await bench_router.add_figures(figs, quick)
     if not groups & {"goodput", "latency", "handoff", "prefix"}:
         return 0
     async with AgentPair() as pair:

@@ -211,6 +211,18 @@ def sample_total(router: Router, name: str, **labels) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+
+async def add_figures(figs, quick: bool) -> None:
+    """``scripts/bench --only router`` (needs the vLLM venv that scripts/vllm-env builds)."""
+    why = missing()
+    if why:
+        print(f"# router figures left out: {why} (run scripts/vllm-env)", flush=True)
+        return
+    for row in await measure(quick) + await measure_handoff(quick):
+        figs.add(row["figure"], row["value"], row["unit"], row.get("baseline"), row.get("baseline_value"),
+                 note=row.get("note", ""))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 rounds instead of 16")
