@@ -14,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.vllm
 def test_vllm_pd_example():
     venv = Path(os.environ.get("PDD_VLLM_VENV", ROOT / ".venv-vllm"))
     python, model = venv / "bin" / "python", venv / "models" / "tiny-llama"
