@@ -83,7 +83,7 @@ class EngineRequests:
             case p.KvEvict():
                 return self.kv.kv_evict(ec, msg)
             case p.PrefixRelease():
-                return {"released": self.kv.inventory.release(msg.request_id)}
+                return {"released": self.kv.prefix_release(msg.request_id)}
             case p.SetLoad():
                 if not 0 <= msg.load < float("inf"):
                     raise EngineRequestError(f"load must be a number >= 0, got {msg.load}", ErrorCode.BAD_REQUEST)

@@ -91,6 +91,7 @@ class InTransfer(Transfer):
         super().__init__(*a, **kw)
         self.reused_blocks = 0  # leading blocks of the post this node already held (not sent)
         self.post = None  # the post it fills (re-posted whole if its matched prefix breaks)
+        self.lease = None  # the prefix lease (this peer's) its reused_blocks come from
         self.route = Route(self.blocks, self.chunk_bytes, loop)
 
     def describe(self) -> dict:

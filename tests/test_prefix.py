@@ -7,14 +7,16 @@ by chained hash, A's sends name the hashes of theirs.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
-from conftest import fill_random, metric
+from conftest import fill_random, metric, until
+from pdd_tools.shaper import Shaper
 from pdd_wire.desk.inventory import Inventory
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine.hashes import chain_hashes
-from support.agents import run_agents, two_site_toml
+from support.agents import cluster_toml, free_port, run_agents, two_site_toml
 
 MiB = 1 << 20
 
@@ -37,24 +39,53 @@ def test_inventory_match_lease_evict_expire():
     h = chain_hashes(list(range(160)), 16)
     inv.stored(eng, h[:6], [(1, i) for i in range(6)])
     assert inv.match(h) == 6 and inv.match([12345] + h) == 0
-    k, _ = inv.lease("r1", h, now=0.0, ttl=10.0)
-    assert k == 6 and inv.places("r1") == [(1, 0, 6)]
+    k, _ = inv.lease("A/a1", "r1", h, now=0.0, ttl=10.0)
+    r1 = inv.get(("A/a1", "r1"))
+    assert k == 6 and r1 is not None and inv.places(r1) == [(1, 0, 6)]
     ev, kept, broken = inv.evict(h[4:6])
     assert ev == [] and kept == h[4:6] and broken == []
-    assert inv.release("r1") and inv.evict(h[5:6]) == ([h[5]], [], [])
-    k, _ = inv.lease("r2", h, now=0.0, ttl=1.0)
-    assert k == 5
+    assert inv.release(("A/a1", "r1")) is r1 and inv.evict(h[5:6]) == ([h[5]], [], [])
+    assert inv.places(r1) == []  # released: it describes nothing any more
+    k, _ = inv.lease("A/a1", "r2", h, now=0.0, ttl=1.0)
+    r2 = inv.get(("A/a1", "r2"))
+    assert k == 5 and r2 is not None
     ev, kept, broken = inv.evict(h[0:1], force=True)
-    assert ev == [h[0]] and broken == ["r2"] and inv.places("r2") == []
-    inv.lease("r3", h[1:], now=0.0, ttl=1.0)
-    assert inv.expire(0.5) == [] and inv.expire(1.0) == ["r2", "r3"]
+    assert ev == [h[0]] and broken == [r2] and inv.places(r2) == []
+    inv.lease("A/a1", "r3", h[1:], now=0.0, ttl=1.0)
+    assert inv.expire(0.5) == [] and [x.request_id for x in inv.expire(1.0)] == ["r2", "r3"]
     assert all(b.leases == 0 for b in inv.blocks.values())
     assert inv.forget_owner(eng) == [] and not inv.blocks and not inv.at
     # A place reused for another block drops the old hash, and breaks a lease on it.
     inv.stored(eng, h[:2], [(1, 0), (1, 1)])
-    inv.lease("r4", h, now=0.0, ttl=10.0)
-    assert inv.stored(eng, [777], [(1, 1)]) == ["r4"]
+    inv.lease("A/a1", "r4", h, now=0.0, ttl=10.0)
+    assert [x.request_id for x in inv.stored(eng, [777], [(1, 1)])] == ["r4"]
     assert inv.match(h) == 1 and len(inv.blocks) == 2 and len(inv.at) == 2
+
+
+def test_leases_are_per_peer_and_report_what_they_drop():
+    """Two peers' leases for one request id stand side by side; a peer's next query for the
+    request replaces only its own lease, and leases dropped at max_leases are returned."""
+    inv = Inventory(max_leases=3)
+    eng = object()
+    x, y = chain_hashes(list(range(64)), 16, model="x"), chain_hashes(list(range(64)), 16, model="y")
+    inv.stored(eng, x + y, [(1, i) for i in range(8)])
+    assert inv.lease("A/a1", "r", x, now=0.0, ttl=10.0) == (4, [])
+    a = inv.get(("A/a1", "r"))
+    assert inv.lease("C/c1", "r", y[:3], now=0.0, ttl=10.0) == (3, [])  # another peer: A's lease stands
+    c = inv.get(("C/c1", "r"))
+    assert a is not None and c is not None and inv.current(a) and inv.current(c)
+    assert inv.places(a) == [(1, 0, 4)] and inv.places(c) == [(1, 4, 3)]
+    assert inv.for_request("r") == [a, c]
+    k, dropped = inv.lease("A/a1", "r", x[:2], now=0.0, ttl=10.0)  # A asks again: its old lease goes
+    assert k == 2 and dropped == [a] and not inv.current(a) and inv.places(a) == []
+    a2 = inv.get(("A/a1", "r"))
+    assert a2 is not None and inv.places(a2) == [(1, 0, 2)] and inv.current(c)
+    k, dropped = inv.lease("A/a1", "s", x, now=0.0, ttl=10.0)
+    assert dropped == []
+    k, dropped = inv.lease("A/a1", "t", x, now=0.0, ttl=10.0)  # the 4th: the oldest (C's) is dropped
+    assert dropped == [c] and not inv.current(c) and inv.places(c) == []
+    assert sorted(inv.leases) == [("A/a1", "r"), ("A/a1", "s"), ("A/a1", "t")]
+    assert inv.blocks[x[0]].leases == 3 and inv.blocks[y[0]].leases == 0
 
 
 async def setup(engines, tmp, n=16):
@@ -114,6 +145,85 @@ async def test_a_broken_lease_falls_back_to_shipping_every_block(tmp_sock_dir, e
         assert isinstance(ev, p.KvReceived) and ev.reused_blocks == 0 and ev.bytes == 200 * MiB, ev
         assert isinstance(await P.wait("b1", timeout=10), p.KvSent)
         assert bytes(dst.buf[8 * MiB:208 * MiB]) == bytes(src.buf[:200 * MiB])
+        assert metric(agents["B"], "pddwire_prefix_leases_broken_total") == 1
+        assert metric(agents["A"], "pddwire_retransmits_total", peer="B/b1", reason="prefix_lost") > 0
+
+
+@contextlib.asynccontextmanager
+async def matched_in_flight(tmp, engines, extra: str = ""):
+    """Sites A (prefill, dialing B through a relay), B (main decode) and C (another peer of B).
+    B holds A's chain ``hx`` (blocks 0..9) and C's chain ``hy`` (blocks 10..21). A sends request
+    "r" (12 blocks, ``hx``); B matches 10 of them; the relay is paused and B's engine posts, so
+    the transfer is matched with its lease and held in flight (no byte of it has crossed) until
+    the test resumes the relay (yielded)."""
+    ports = {n: free_port() for n in ("a1", "b1", "c1")}
+    async with Shaper(target=("127.0.0.1", ports["b1"])) as relay:
+        tomls = cluster_toml(tmp, [("A", "a1"), ("B", "b1"), ("C", "c1")], ports=ports,
+                             dial={("a1", "b1"): relay.port}, extra=extra)
+        async with run_agents({"A": tomls["a1"], "B": tomls["b1"], "C": tomls["c1"]},
+                              sites=("A", "B", "C")) as agents:
+            P = await engines.connect(tmp / "a1.sock", "prefill")
+            M = await engines.connect(tmp / "b1.sock", "md")
+            Q = await engines.connect(tmp / "c1.sock", "other")
+            src, dst = engines.memory(16 * MiB), engines.memory(32 * MiB)
+            await fill_random(src)
+            await fill_random(dst)
+            rp = await P.register(src, block_bytes=MiB)
+            rm = await M.register(dst, block_bytes=MiB)
+            hx = chain_hashes(list(range(12 * 16)), 16, model="x")
+            hy = chain_hashes(list(range(12 * 16)), 16, model="y")
+            assert await M.kv_stored([rm.blocks(0, 10)], hx[:10]) == 10
+            assert await M.kv_stored([rm.blocks(10, 12)], hy) == 22
+            await P.send_kv("r", [rp.blocks(0, 12)], to=["B"], block_hashes=hx, lease_s=30)
+            kv = agents["B"].kv
+            await until(lambda: "A/a1" in kv.unposted.get("r", {}), what="A's KV_BEGIN waits for its post")
+            assert kv.unposted["r"]["A/a1"].begin.skip_blocks == 10
+            relay.pause()
+            try:
+                await M.post_recv("r", [rm.blocks(16, 12)], from_site="A")
+                t = [t for t in agents["B"].sessions["A/a1"].inn.values() if t.request_id == "r"]
+                assert len(t) == 1 and t[0].reused_blocks == 10 and t[0].lease is not None
+                yield relay, agents, P, M, Q, src, dst, rm, hy
+            finally:
+                relay.resume()
+
+
+async def test_another_peers_prefix_query_for_the_same_request_leaves_a_matched_transfer_alone(
+        tmp_sock_dir, engines):
+    """C asks B about request id "r" too (any peer may name any id), with a chain B holds more
+    of, while A's matched transfer for "r" is in flight: A's lease stands, and B's engine learns
+    A's prefix blocks -- not C's."""
+    async with matched_in_flight(tmp_sock_dir, engines) as (relay, agents, P, M, Q, src, dst, rm, hy):
+        res = await Q.choose_pipeline("r", to="B", input_tokens=12 * 16, expected_output_tokens=100,
+                                      kv_bytes_per_token=MiB // 16, block_hashes=hy, block_tokens=16)
+        assert res["prefix_source"] == "inventory" and res["prefix_hit_tokens"] == 12 * 16
+        inv = agents["B"].inventory
+        assert {k for k in inv.leases if k[1] == "r"} == {("A/a1", "r"), ("C/c1", "r")}
+        relay.resume()
+        ev = await M.wait("r", timeout=30)
+        assert isinstance(ev, p.KvReceived) and ev.peer == "A/a1", ev
+        assert ev.reused_blocks == 10 and ev.reused == [(rm.region, 0, 10)] and ev.bytes == 2 * MiB, ev
+        assert isinstance(await P.wait("r", timeout=10), p.KvSent)
+        assert bytes(dst.buf[26 * MiB:28 * MiB]) == bytes(src.buf[10 * MiB:12 * MiB])
+        assert metric(agents["B"], "pddwire_prefix_leases_broken_total") == 0
+
+
+async def test_a_lease_dropped_at_max_leases_restarts_its_transfer_whole(tmp_sock_dir, engines):
+    """B holds at most 4 x max_transfers = 8 leases. C's eight lookups drop the oldest, the lease
+    A's in-flight transfer was matched with: that transfer restarts with every block (PREFIX_LOST)
+    and lands whole, instead of ending with reused blocks nothing holds any more."""
+    async with matched_in_flight(tmp_sock_dir, engines, extra="[transfer]\nmax_transfers = 2\n") as (
+            relay, agents, P, M, Q, src, dst, rm, hy):
+        for i in range(8):
+            await Q.choose_pipeline(f"q{i}", to="B", input_tokens=2 * 16, expected_output_tokens=100,
+                                    kv_bytes_per_token=MiB // 16, block_hashes=hy[:2], block_tokens=16)
+        assert ("A/a1", "r") not in agents["B"].inventory.leases
+        relay.resume()
+        ev = await M.wait("r", timeout=30)
+        assert isinstance(ev, p.KvReceived) and ev.peer == "A/a1", ev
+        assert ev.reused_blocks == 0 and ev.reused == [] and ev.bytes == 12 * MiB, ev
+        assert isinstance(await P.wait("r", timeout=10), p.KvSent)
+        assert bytes(dst.buf[16 * MiB:28 * MiB]) == bytes(src.buf[:12 * MiB])
         assert metric(agents["B"], "pddwire_prefix_leases_broken_total") == 1
         assert metric(agents["A"], "pddwire_retransmits_total", peer="B/b1", reason="prefix_lost") > 0
 

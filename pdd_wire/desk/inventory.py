@@ -9,6 +9,12 @@ PREFIX_QUERY with the longest run of leading hashes it holds, and holds those bl
 expires. While leased, a block is not evicted on request; a forced eviction *breaks* the lease,
 and the request's transfer falls back to shipping those blocks.
 
+Leases are keyed by (peer, request id): a peer's PREFIX_QUERY never touches another peer's
+lease for the same request id. A lease that goes away early -- replaced by its peer's next query
+for the request, or dropped to stay within ``max_leases`` -- is returned to the caller (the KV
+desk), which breaks the transfer relying on it: that transfer restarts whole, never lands with
+another lease's blocks as its prefix.
+
 Pure: no I/O and no clock of its own (times are passed in). Bounded by the blocks engines
 registered (one entry per block they report).
 """
@@ -18,13 +24,20 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+LeaseKey = tuple[str, str]  # (peer "site/node", request id)
 
-@dataclass
+
+@dataclass(eq=False)  # identity: a transfer holds the very lease it was matched with
 class Lease:
+    peer: str
     request_id: str
     hashes: list[int]
     expires: float
     broken: bool = False
+
+    @property
+    def key(self) -> LeaseKey:
+        return (self.peer, self.request_id)
 
 
 @dataclass
@@ -41,17 +54,18 @@ class Held:
 class Inventory:
     max_leases: int = 65536
     blocks: dict[int, Held] = field(default_factory=dict)
-    leases: "collections.OrderedDict[str, Lease]" = field(default_factory=collections.OrderedDict)
+    leases: "collections.OrderedDict[LeaseKey, Lease]" = field(default_factory=collections.OrderedDict)
+    by_request: dict[str, set[str]] = field(default_factory=dict)  # request id -> peers holding a lease
     at: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (id(owner), region, block) -> hash
 
     # -- what engines hold
-    def stored(self, owner: object, hashes: list[int], places: list[tuple[int, int]]) -> list[str]:
+    def stored(self, owner: object, hashes: list[int], places: list[tuple[int, int]]) -> list[Lease]:
         """``owner`` holds the block with ``hashes[i]`` at ``places[i]`` (region, block). A place
         that held another block no longer does (its leases break): one entry per place, so the
         index never outgrows the blocks engines registered. Returns the broken leases."""
         if len(hashes) != len(places):
             raise ValueError(f"{len(hashes)} hashes for {len(places)} blocks")
-        broken: list[str] = []
+        broken: list[Lease] = []
         for h, (region, block) in zip(hashes, places):
             key = (id(owner), region, block)
             prev = self.at.get(key)
@@ -64,11 +78,13 @@ class Inventory:
             self.at[key] = h
         return broken
 
-    def evict(self, hashes: list[int], *, force: bool = False) -> tuple[list[int], list[int], list[str]]:
-        """The engine wants to drop these blocks: returns (evicted, kept, broken request ids).
+    def evict(self, hashes: list[int], *, force: bool = False) -> tuple[list[int], list[int], list[Lease]]:
+        """The engine wants to drop these blocks: returns (evicted, kept, broken leases).
         Leased blocks are kept unless ``force`` (the engine drops them anyway), which breaks
         the leases that held them."""
-        evicted, kept, broken = [], [], []
+        evicted: list[int] = []
+        kept: list[int] = []
+        broken: list[Lease] = []
         for h in hashes:
             held = self.blocks.get(h)
             if held is None:
@@ -83,10 +99,10 @@ class Inventory:
                 for lease in self.leases.values():
                     if not lease.broken and h in lease.hashes:
                         lease.broken = True
-                        broken.append(lease.request_id)
+                        broken.append(lease)
         return evicted, kept, broken
 
-    def forget_owner(self, owner: object) -> list[str]:
+    def forget_owner(self, owner: object) -> list[Lease]:
         """An engine went away: its blocks are gone; returns the leases that broke."""
         gone = [h for h, held in self.blocks.items() if held.owner is owner]
         return self.evict(gone, force=True)[2]
@@ -101,36 +117,45 @@ class Inventory:
             n += 1
         return n
 
-    def lease(self, request_id: str, hashes: list[int], now: float, ttl: float) -> tuple[int, list[str]]:
-        """Match ``hashes`` and hold the matched blocks for ``request_id`` until ``now + ttl``
-        (a new lease for the request replaces the old one). Returns (matched blocks, request
-        ids whose leases were dropped to stay within ``max_leases``)."""
-        self.release(request_id)
+    def lease(self, peer: str, request_id: str, hashes: list[int], now: float,
+              ttl: float) -> tuple[int, list[Lease]]:
+        """Match ``hashes`` and hold the matched blocks for ``peer``'s ``request_id`` until
+        ``now + ttl``. Returns (matched blocks, the leases that went away: this peer's previous
+        lease for the request, which the new one replaces, and the oldest leases dropped to stay
+        within ``max_leases``). Other peers' leases for the request are not touched."""
+        dropped = [old] if (old := self.release((peer, request_id))) is not None else []
         k = self.match(hashes)
-        dropped = []
         while len(self.leases) >= self.max_leases:
-            rid, _ = next(iter(self.leases.items()))
-            self.release(rid)
-            dropped.append(rid)
-        lease = Lease(request_id, list(hashes[:k]), now + ttl)
+            oldest = self.release(next(iter(self.leases)))
+            assert oldest is not None
+            dropped.append(oldest)
+        lease = Lease(peer, request_id, list(hashes[:k]), now + ttl)
         for h in lease.hashes:
             self.blocks[h].leases += 1
-        self.leases[request_id] = lease
+        self.leases[lease.key] = lease
+        self.by_request.setdefault(request_id, set()).add(peer)
         return k, dropped
 
-    def extend(self, request_id: str, until: float) -> None:
-        """Hold the request's lease at least until ``until`` (its transfer's deadline)."""
-        lease = self.leases.get(request_id)
+    def extend(self, key: LeaseKey, until: float) -> None:
+        """Hold the lease at least until ``until`` (its transfer's deadline)."""
+        lease = self.leases.get(key)
         if lease is not None:
             lease.expires = max(lease.expires, until)
 
-    def get(self, request_id: str) -> Lease | None:
-        return self.leases.get(request_id)
+    def get(self, key: LeaseKey) -> Lease | None:
+        return self.leases.get(key)
 
-    def places(self, request_id: str) -> list[tuple[int, int, int]]:
-        """The leased blocks of ``request_id`` as ``[region, block, count]`` runs, in order."""
-        lease = self.leases.get(request_id)
-        if lease is None or lease.broken:
+    def current(self, lease: Lease) -> bool:
+        """``lease`` is still held and whole (not broken, replaced, dropped or released)."""
+        return not lease.broken and self.leases.get(lease.key) is lease
+
+    def for_request(self, request_id: str) -> list[Lease]:
+        return [self.leases[(peer, request_id)] for peer in sorted(self.by_request.get(request_id, ()))]
+
+    def places(self, lease: Lease) -> list[tuple[int, int, int]]:
+        """The blocks ``lease`` holds as ``[region, block, count]`` runs, in order ([] once it
+        is no longer current)."""
+        if not self.current(lease):
             return []
         runs: list[list[int]] = []
         for h in lease.hashes:
@@ -141,19 +166,23 @@ class Inventory:
                 runs.append([held.region, held.block, 1])
         return [(r[0], r[1], r[2]) for r in runs]
 
-    def release(self, request_id: str) -> bool:
-        lease = self.leases.pop(request_id, None)
+    def release(self, key: LeaseKey) -> Lease | None:
+        """End the lease ``key``; returns it (None: there was none)."""
+        lease = self.leases.pop(key, None)
         if lease is None:
-            return False
+            return None
+        peers = self.by_request.get(lease.request_id)
+        if peers is not None:
+            peers.discard(lease.peer)
+            if not peers:
+                del self.by_request[lease.request_id]
         for h in lease.hashes:
             held = self.blocks.get(h)
             if held is not None and held.leases:
                 held.leases -= 1
-        return True
+        return lease
 
-    def expire(self, now: float) -> list[str]:
-        """Drop leases past their time; returns their request ids."""
-        gone = [rid for rid, lease in self.leases.items() if lease.expires <= now]
-        for rid in gone:
-            self.release(rid)
-        return gone
+    def expire(self, now: float) -> list[Lease]:
+        """Drop leases past their time; returns them."""
+        gone = [key for key, lease in self.leases.items() if lease.expires <= now]
+        return [lease for key in gone if (lease := self.release(key)) is not None]

@@ -34,7 +34,7 @@ from ..metrics import Metrics
 from ..wire import messages as m
 from .admission import Gate, check_request_id
 from .handoff import HandoffDesk
-from .inventory import Inventory
+from .inventory import Inventory, Lease
 
 if TYPE_CHECKING:
     from ..engine_server import EngineConn
@@ -229,7 +229,7 @@ class KvDesk:
         dest = post.blocks
         skip = begin.skip_blocks
         if skip:
-            lease = self.inventory.get(begin.request_id)
+            lease = self.inventory.get((session.key, begin.request_id))  # this peer's own lease
             if post.max_skip is not None and skip > post.max_skip:
                 # The receiving engine counts fewer of them as its own (post_recv.max_skip_blocks).
                 session.reject_in(tid, begin, ErrorCode.PREFIX_LOST,
@@ -249,7 +249,8 @@ class KvDesk:
             t.reused_blocks = skip
             t.post = post
             if skip:  # the matched blocks stay leased while the suffix is on its way
-                self.inventory.extend(begin.request_id, t.deadline + 1.0)
+                t.lease = lease
+                self.inventory.extend((session.key, begin.request_id), t.deadline + 1.0)
 
     def _add_post(self, post: Post) -> Post:
         """Hold ``post`` for its engine until a transfer claims it or its ttl runs out."""
@@ -351,7 +352,18 @@ class KvDesk:
     def kv_received(self, t: "InTransfer", *, handoff: bool = True) -> None:
         """The KV landed; ``handoff``: the request may be in a handoff (not a probe)."""
         skip = t.reused_blocks
-        reused = self.inventory.places(t.request_id) if skip else []
+        reused = []
+        if skip:
+            # The blocks of the lease this transfer was matched with (its own peer's); every path
+            # that ends that lease early breaks the transfer first (prefix_broken), so this holds.
+            if t.lease is None or not self.inventory.current(t.lease):
+                self.log.error("matched prefix lease gone at the end of its transfer", request_id=t.request_id,
+                               transfer_id=t.tid, peer=t.peer_key)
+                t.reused_blocks = 0  # no re-post: the sender is done; the engine must not take these blocks
+                self.transfer_failed(t, "in", ErrorCode.PREFIX_LOST, "the matched prefix lease was lost",
+                                     handoff=handoff)
+                return
+            reused = self.inventory.places(t.lease)
         t.engine.send(p.KvReceived(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
                                    seconds=round(time.monotonic() - t.started, 6), reused_blocks=skip,
                                    reused=reused))
@@ -406,8 +418,21 @@ class KvDesk:
         if len(msg.hashes) > 1 << 16 or msg.lease_ms <= 0:
             return 0
         ttl = min(msg.lease_ms / 1000, self.config.transfer.prefix_lease_s * 4)
-        k, _ = self.inventory.lease(msg.request_id, msg.hashes, asyncio.get_running_loop().time(), ttl)
+        k, dropped = self.inventory.lease(session.key, msg.request_id, msg.hashes,
+                                          asyncio.get_running_loop().time(), ttl)
+        # The peer's previous lease for the request (replaced) and the oldest ones (over
+        # max_leases) are gone: a transfer still relying on one starts over with every block.
+        self.prefix_broken(dropped, "the matched prefix lease was replaced or dropped (transfer.max_leases)",
+                           released=True)
         return k
+
+    def prefix_release(self, request_id: str) -> bool:
+        """The engine has used the request's reused blocks: end the request's leases (every
+        peer's). A transfer still relying on one of them starts over with every block."""
+        leases = [lease for lease in self.inventory.for_request(request_id)
+                  if self.inventory.release(lease.key) is not None]
+        self.prefix_broken(leases, "the matched prefix lease was released by the engine", released=True)
+        return bool(leases)
 
     def kv_stored(self, ec: "EngineConn", msg: p.KvStored) -> dict:
         bm = blockmap(ec, msg.blocks)
@@ -425,14 +450,21 @@ class KvDesk:
         self.metrics.inventory_blocks.set(len(self.inventory.blocks))
         return {"evicted": evicted, "kept": kept}
 
-    def prefix_broken(self, request_ids: list[str]) -> None:
-        """Leased prefix blocks were dropped anyway: transfers relying on them start over."""
-        for rid in request_ids:
-            self.metrics.prefix_leases_broken.inc()
-            self.inventory.release(rid)
-            for s in self.peers:
-                for t in [t for t in s.inn.values() if t.request_id == rid and t.reused_blocks]:
-                    s.fail_incoming(t, ErrorCode.PREFIX_LOST, "matched prefix blocks were evicted", notify_peer=True)
+    def prefix_broken(self, leases: list[Lease], reason: str = "matched prefix blocks were evicted", *,
+                      released: bool = False) -> None:
+        """Leases ended early: the transfers matched with them (that very lease, so only its own
+        peer's) start over with every block. ``released``: the leases are already off the
+        inventory and count as broken only where a transfer relied on them."""
+        for lease in leases:
+            if not released and self.inventory.get(lease.key) is lease:
+                self.inventory.release(lease.key)
+            lease.broken = True
+            s = self.peers.get(lease.peer)
+            relying = [t for t in s.inn.values() if t.lease is lease] if s is not None else []
+            if relying or not released:
+                self.metrics.prefix_leases_broken.inc()
+            for t in relying:
+                s.fail_incoming(t, ErrorCode.PREFIX_LOST, reason, notify_peer=True)
 
     # ------------------------------------------------------------------ aborts and departures
     async def abort(self, ec: "EngineConn", request_id: str, reason: str) -> int:
