@@ -68,6 +68,7 @@ class EngineRequests:
                 return self._send_tokens(ec, msg)
             case p.ExpectTokens():
                 check_request_id(msg.request_id)
+                self.kv.check_mine(ec, msg.request_id, "expect_tokens")  # no taking over a live engine's request
                 sites = None if msg.from_site is None else frozenset({msg.from_site})
                 return {"delivered": self.kv.own(msg.request_id, ec, sites, widen=False)}
             case p.Abort():

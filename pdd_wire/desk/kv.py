@@ -14,6 +14,8 @@ tokens and REQUEST_ABORTs from any other site never reach an engine, and tokens 
 held briefly for their owner per peer (``session/tokens.py``), then dropped and counted. Unposted
 waits are kept per peer, each peer within its own ``transfer.max_transfers``, and keyed by
 (peer, request id): a peer announcing a request id first cannot get another's KV_BEGIN refused.
+Between engines: one cannot ``expect_tokens`` or ``abort`` a request another live engine holds
+here (:meth:`KvDesk.check_mine`), and each engine has its own share of posted receives.
 
 The audit counts the blocks held for peers and those held past their lease (*stranded*), which
 every path that ends a lease keeps at zero.
@@ -102,6 +104,7 @@ class KvDesk:
         self.inventory = inventory
         self.log = log
         self.posts: dict[str, Post] = {}
+        self.posts_per_engine: collections.Counter[EngineConn] = collections.Counter()
         # KV_BEGINs waiting for their post: request id -> peer ("site/node") -> the wait.
         self.unposted: dict[str, dict[str, Unposted]] = {}
         self.unposted_per_peer: collections.Counter[str] = collections.Counter()
@@ -122,8 +125,10 @@ class KvDesk:
         if msg.request_id in self.posts:
             raise EngineRequestError(f"request {msg.request_id!r} already has a posted receive",
                                      ErrorCode.DUPLICATE_TRANSFER)
-        if len(self.posts) >= self.config.transfer.max_transfers * 4:
-            raise EngineRequestError("too many posted receives", ErrorCode.LIMIT_EXCEEDED)
+        if self.posts_per_engine[ec] >= self.config.transfer.max_transfers * 4:
+            # Each engine's own share: one engine's posts never keep another's out.
+            raise EngineRequestError("too many posted receives for this engine (4 x transfer.max_transfers)",
+                                     ErrorCode.LIMIT_EXCEEDED)
         ttl = check_duration("ttl_s", self.config.transfer.post_ttl_s if msg.ttl_s is None else msg.ttl_s)
         if msg.max_skip_blocks is not None and msg.max_skip_blocks < 0:
             raise EngineRequestError(f"max_skip_blocks must be >= 0, got {msg.max_skip_blocks}", ErrorCode.BAD_REQUEST)
@@ -258,12 +263,17 @@ class KvDesk:
         post.expires = loop.time() + post.ttl
         post.timer = loop.call_at(post.expires, self._post_expired, post.request_id, post)
         self.posts[post.request_id] = post
+        self.posts_per_engine[post.engine] += 1
         return post
 
     def drop_post(self, request_id: str) -> Post | None:
         post = self.posts.pop(request_id, None)
-        if post is not None and post.timer is not None:
-            post.timer.cancel()
+        if post is not None:
+            if post.timer is not None:
+                post.timer.cancel()
+            self.posts_per_engine[post.engine] -= 1
+            if not self.posts_per_engine[post.engine]:
+                del self.posts_per_engine[post.engine]
         return post
 
     def drop_posts_in(self, region: object) -> None:
@@ -283,6 +293,28 @@ class KvDesk:
         post.engine.send(p.TransferFailed(request_id=request_id, transfer_id=0, peer="", direction="in",
                                           code=int(ErrorCode.TRANSFER_TIMEOUT), reason=reason))
         self.handoffs.kv_failed(request_id, "post_expired")
+
+    def holders(self, request_id: str) -> set["EngineConn"]:
+        """The live engines holding ``request_id`` here: its owner, its post's engine, its
+        handoff's, and those of its transfers."""
+        held: set[EngineConn] = set()
+        if (o := self.owners.get(request_id)) is not None:
+            held.add(o.engine)
+        if (post := self.posts.get(request_id)) is not None:
+            held.add(post.engine)
+        if (h := self.handoffs.live.get(request_id)) is not None:
+            held.add(h.engine)
+        for s in self.peers:
+            held |= {t.engine for t in list(s.out.values()) + list(s.inn.values()) if t.request_id == request_id}
+        return {e for e in held if not e.closed}
+
+    def check_mine(self, ec: "EngineConn", request_id: str, what: str) -> None:
+        """Refuse ``what`` (BAD_REQUEST) on a request another live engine holds here and ``ec``
+        does not (proto/engine.md): engines are isolated from each other's requests."""
+        held = self.holders(request_id)
+        if held and ec not in held:
+            raise EngineRequestError(f"request {request_id!r} belongs to another engine here: {what} refused",
+                                     ErrorCode.BAD_REQUEST)
 
     def own(self, request_id: str, ec: "EngineConn", sites: frozenset[str] | None, *,
             widen: bool = True) -> int:
@@ -468,8 +500,10 @@ class KvDesk:
 
     # ------------------------------------------------------------------ aborts and departures
     async def abort(self, ec: "EngineConn", request_id: str, reason: str) -> int:
-        """The engine aborted the request: end it here and at every peer."""
+        """The engine aborted the request: end it here and at every peer. Refused for a request
+        another live engine holds here and this one does not."""
         check_request_id(request_id)
+        self.check_mine(ec, request_id, "abort")
         self.metrics.request_aborts.labels(direction="tx").inc()
         n = self.handoffs.abort(ec, request_id, reason)  # its HANDOFF_ABORT goes before REQUEST_ABORT
         for s in self.peers:
