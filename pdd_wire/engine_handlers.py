@@ -84,6 +84,7 @@ class EngineRequests:
             case p.KvEvict():
                 return self.kv.kv_evict(ec, msg)
             case p.PrefixRelease():
+                self.kv.check_mine(ec, msg.request_id, "prefix_release")
                 return {"released": self.kv.prefix_release(msg.request_id)}
             case p.SetLoad():
                 if not 0 <= msg.load < float("inf"):

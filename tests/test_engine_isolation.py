@@ -1,6 +1,6 @@
 """Engines on one agent are isolated from each other's requests (issue 11): one engine cannot take
-over another live engine's request and its tokens (``expect_tokens``), abort it (``abort``), or
-keep it from posting receives (each engine has its own share of posts).
+over another live engine's request and its tokens (``expect_tokens``), abort it (``abort``), end
+its prefix leases (``prefix_release``), or keep it from posting receives (each engine has its own share of posts).
 
 Real in-process agents for sites A and B on loopback; the engines are real clients on B's socket.
 """
@@ -50,6 +50,8 @@ async def test_another_engine_cannot_abort_a_live_engines_request(tmp_sock_dir, 
         with pytest.raises(EngineRequestError, match="belongs to another engine") as err:
             await x.abort("kv", "not yours")
         assert err.value.code == ErrorCode.BAD_REQUEST
+        with pytest.raises(EngineRequestError, match="belongs to another engine"):
+            await x.prefix_release("kv")  # nor end its prefix leases
         # Nothing was ended: b's post stands and A was sent no REQUEST_ABORT.
         await a.send_kv("kv", [ra.blocks(0, 4)], to=["B"])
         ev = await b.wait("kv", timeout=30)

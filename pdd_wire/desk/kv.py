@@ -14,8 +14,9 @@ tokens and REQUEST_ABORTs from any other site never reach an engine, and tokens 
 held briefly for their owner per peer (``session/tokens.py``), then dropped and counted. Unposted
 waits are kept per peer, each peer within its own ``transfer.max_transfers``, and keyed by
 (peer, request id): a peer announcing a request id first cannot get another's KV_BEGIN refused.
-Between engines: one cannot ``expect_tokens`` or ``abort`` a request another live engine holds
-here (:meth:`KvDesk.check_mine`), and each engine has its own share of posted receives.
+Between engines: one cannot ``expect_tokens``, ``abort`` or ``prefix_release`` a request another
+live engine holds here (:meth:`KvDesk.check_mine`), and each engine has its own share of posted
+receives.
 
 The audit counts the blocks held for peers and those held past their lease (*stranded*), which
 every path that ends a lease keeps at zero.
