@@ -87,7 +87,14 @@ class AdminServer:
 
     async def probe(self, request: web.Request) -> web.Response:
         """``POST /v1/probe {"peer": "B", "seconds": 4, "streams": null}``: RTT, jitter, loss and
-        goodput over 1 and N bulk connections, measured through this agent's WAN path."""
+        goodput over 1 and N bulk connections, measured through this agent's WAN path.
+
+        The body must be sent as ``Content-Type: application/json`` (415 otherwise): a web page
+        can make a browser POST cross-site only as a form or text/plain, so this keeps any page
+        an operator opens from starting WAN probes through an agent on loopback."""
+        if request.content_type != "application/json":
+            raise web.HTTPUnsupportedMediaType(
+                text=f"POST /v1/probe needs Content-Type: application/json, not {request.content_type!r}")
         req = await _probe_request(request)
         try:
             res = await self.source.probe(req.peer, req.seconds, req.streams)

@@ -21,6 +21,7 @@ import msgspec
 
 from .errors import MAX_DURATION_S, ConfigError
 from .policy import HandoffPolicy, PipelineConfig
+from .rundir import default_socket_dir
 
 MiB = 1 << 20
 
@@ -330,10 +331,6 @@ engine_socket = "{sock}"
 chunk_bytes = 4194304
 streams = 4
 """
-
-
-def default_socket_dir() -> str:
-    return os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/pdd-wire-{os.getuid()}"
 
 
 def default_engine_socket(site: str) -> str:

@@ -20,6 +20,7 @@ import structlog
 
 from .engine import protocol as p
 from .errors import EngineRequestError, ErrorCode, PddWireError, ProtocolError
+from .rundir import secure_dir
 
 log = structlog.get_logger("pdd_wire.engine")
 
@@ -217,7 +218,9 @@ class EngineServer:
         self._gone_tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
-        os.makedirs(os.path.dirname(self.path) or ".", mode=0o700, exist_ok=True)
+        # Whoever can write the socket's directory can rename the socket and bind their own, and
+        # be handed the engines' memfds: refuse a directory another user owns or can write.
+        secure_dir(os.path.dirname(os.path.abspath(self.path)), "listen.engine_socket")
         if os.path.exists(self.path):
             # A stale socket from a previous run; refuse to steal one a live agent is using.
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -10,7 +10,8 @@ See ``proto/handshake.md`` §5.
 Rules that make it safe:
 
 * the directory is created 0700 and must be a real directory owned by this uid with no group or
-  other permission bits (a directory an attacker created first is refused, not used);
+  other permission bits (a directory an attacker created first is refused, not used), in a parent
+  that nobody else can write either (``pdd_wire.rundir``: else they could swap it);
 * every key file is created 0600 under an exclusive ``flock`` on ``lock`` in that directory and
   renamed into place, so two agents starting at once neither race nor read a half-written file;
 * a node certificate that no longer verifies against the CA, does not name its node, or expires
@@ -33,6 +34,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .errors import ConfigError
+from .rundir import secure_dir
 
 CA_DAYS = 3650
 LEAF_DAYS = 825
@@ -53,11 +55,11 @@ def default_dir(engine_socket: str) -> str:
 
 def private_dir(path: str) -> Path:
     """``path`` as a directory only this uid can enter; created 0700 when missing."""
-    p = Path(path)
+    p = Path(os.path.abspath(path))
+    # The parent too: whoever can write it can swap this directory for their own. It is the
+    # engine socket's directory by default, created 0700 here when missing (pdd_wire.rundir).
+    secure_dir(str(p.parent), "tls.auto_dir")
     try:
-        # The parent too is created 0700 (it is the engine socket's directory by default, which
-        # the engine server would otherwise create so).
-        os.makedirs(p.parent, mode=0o700, exist_ok=True)
         p.mkdir(mode=0o700, exist_ok=True)
         st = os.lstat(p)
     except OSError as exc:

@@ -1,0 +1,81 @@
+"""The directories an agent binds its engine socket in and generates its PKI in, and the rule
+that keeps another local user from squatting them.
+
+A directory someone else can write lets them rename the engine socket and bind their own (the
+engines would then hand their KV memfds to them) or swap the generated CA and keys. So before an
+agent uses such a directory it is created when missing (``mkdir`` 0700) and then ``lstat``-ed;
+the agent refuses to start (``ConfigError`` naming the path, its owner and mode, and what to do)
+unless:
+
+* it is a real directory, not a symlink (give the real path instead);
+* the **private fallback** ``/tmp/pdd-wire-<uid>`` (the default when ``$XDG_RUNTIME_DIR`` is
+  unset): owned by this agent's euid, with no group or other permission bits at all (0700);
+* any other (``$XDG_RUNTIME_DIR``, ``listen.engine_socket``'s directory, the parent of
+  ``tls.auto_dir``): owned by this agent's euid or by root, and writable by group or others only
+  with the sticky bit set (as ``/tmp``), where nobody can rename what is not theirs. It may be
+  readable and searchable by others (``/run/pdd-wire`` 0755 or 0750, which engines of another
+  uid or group traverse to reach the socket).
+
+Only that directory is checked, not the ones above it (``/tmp`` and ``/run/user`` are safe; a
+configured path's ancestors are the operator's to keep).
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import stat
+
+from .errors import ConfigError
+
+TMP_DIR = "/tmp"  # where the private fallback lives (a module attribute for the tests)
+
+
+def private_fallback() -> str:
+    return os.path.join(TMP_DIR, f"pdd-wire-{os.getuid()}")
+
+
+def default_socket_dir() -> str:
+    return os.environ.get("XDG_RUNTIME_DIR") or private_fallback()
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def secure_dir(path: str, key: str) -> None:
+    """Create ``path`` (0700) when missing; raise ``ConfigError(key, ...)`` unless it is safe by
+    the rule above (strict for the private fallback)."""
+    path = os.path.abspath(path)
+    private = path == os.path.abspath(private_fallback())
+    try:
+        os.makedirs(path, mode=0o700, exist_ok=True)
+        st = os.lstat(path)
+    except OSError as exc:
+        raise ConfigError(key, f"cannot create the directory {path!r}: {exc.strerror}") from exc
+    me = os.geteuid()
+    what = "the default (private) runtime directory" if private else "the directory"
+    fix = ("remove it (as its owner or root) so that the agent creates it 0700, or set XDG_RUNTIME_DIR "
+           "or listen.engine_socket to a directory only this user can write" if private else
+           f"make it owned by uid {me} or root and not writable by group or others (or sticky), or choose "
+           "another directory (listen.engine_socket, tls.auto_dir, XDG_RUNTIME_DIR)")
+    if stat.S_ISLNK(st.st_mode):
+        raise ConfigError(key, f"{what} {path!r} is a symlink (to {os.readlink(path)!r}): refusing to start, "
+                               "as whoever owns the link can point it elsewhere; give the real directory's path"
+                          + (", or remove the link" if private else ""))
+    if not stat.S_ISDIR(st.st_mode):
+        raise ConfigError(key, f"{what} {path!r} is not a directory: refusing to start; {fix}")
+    mode = stat.S_IMODE(st.st_mode)
+    if private:
+        ok = st.st_uid == me and not mode & 0o077
+        rule = f"owned by uid {me} with mode 0700"
+    else:
+        ok = st.st_uid in (me, 0) and not (mode & 0o022 and not mode & stat.S_ISVTX)
+        rule = f"owned by uid {me} or root, not writable by group or others unless sticky"
+    if not ok:
+        raise ConfigError(key, f"{what} {path!r} belongs to {_owner(st.st_uid)} with mode 0{mode:03o}, "
+                               f"but must be {rule} (this agent runs as uid {me}): another local user could "
+                               f"replace the engine socket or the keys in it. Refusing to start; {fix}")
