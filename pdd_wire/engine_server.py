@@ -15,12 +15,16 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 import structlog
 
 from .engine import protocol as p
 from .errors import EngineRequestError, ErrorCode, PddWireError, ProtocolError
 from .rundir import secure_dir
+
+if TYPE_CHECKING:
+    from .memory import Region
 
 log = structlog.get_logger("pdd_wire.engine")
 
@@ -48,7 +52,7 @@ class EngineConn:
         self.closed = False
         self.closed_at = 0.0
         self.done = self.loop.create_future()
-        self.regions: dict[int, object] = {}
+        self.regions: dict[int, Region] = {}
         self.load = 0.0  # the engine's decode load, as it last reported (set_load)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._reading = True  # paused while MAX_QUEUED requests wait: the kernel buffer holds the rest
