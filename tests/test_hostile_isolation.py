@@ -6,7 +6,8 @@ session is never dropped (only the attacker's connection may be closed).
 The attack classes of issue 11 covered here: a token flood to requests nobody posted, token
 injection into another peer's request, out-of-vocabulary token ids, unposted-table exhaustion by
 one peer, guessable request-id squatting, REQUEST_ABORT from another site, and a connection
-flood while a legitimate peer restarts.
+flood while a legitimate peer restarts (idle, slow, bulk preambles, bulk preambles with a forged
+BULK_HELLO).
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ import contextlib
 import os
 
 import msgspec
+import pytest
 
 from conftest import fill_random, metric, same_bytes, until
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
+from pdd_wire.inbound import UNVERIFIED
 from pdd_wire.session.tokens import MAX_HELD_REQUESTS, MAX_HELD_TOKENS
-from pdd_wire.transport.tcp import KIND_CONTROL, preamble
+from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL, preamble
 from pdd_wire.wire import FrameType, encode_bytes
 from pdd_wire.wire import messages as m
+from pdd_wire.wire.frame import LANE_OF
 from support.agents import cluster_toml, run_agents, two_site_toml
 from support.raw_peer import hello
 
@@ -205,9 +209,22 @@ async def test_request_abort_from_a_site_not_tied_to_the_request_reaches_no_engi
         c_never_dropped(b, c)
 
 
-async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_dir, engines):
-    """Idle and slow unauthenticated connections flood B's listener (with the default TLS) while
-    A restarts: A's new incarnation gets in, within the flood, and moves KV byte-identical."""
+# What one flood connection sends before it waits to be closed. With the default TLS (mode auto)
+# bulk connections are plaintext: a bulk preamble is accepted at once, a BULK_HELLO is read, and
+# only its session token (forged here) could prove anything.
+FORGED_BULK_HELLO = encode_bytes(FrameType.BULK_HELLO, m.encode_body(
+    m.BulkHello(session=0x1234_5678_9ABC, stream=0, site="A", node="a1")), lane=LANE_OF[FrameType.BULK_HELLO])
+FLOODS = {
+    "idle and slow": lambda i: b"" if i % 2 == 0 else preamble(KIND_CONTROL)[:3],
+    "bulk preambles": lambda i: preamble(KIND_BULK),
+    "bulk preambles, forged BULK_HELLO": lambda i: preamble(KIND_BULK) + (FORGED_BULK_HELLO if i % 2 else b""),
+}
+
+
+@pytest.mark.parametrize("flood_kind", list(FLOODS))
+async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_dir, engines, flood_kind):
+    """Unauthenticated connections flood B's listener (with the default TLS) while A restarts:
+    A's new incarnation gets in, within the flood, and moves KV byte-identical."""
     tomls = two_site_toml(tmp_sock_dir)
     async with run_agents(tomls) as ag:
         b = ag["B"]
@@ -215,9 +232,10 @@ async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_d
         stop = asyncio.Event()
         opened = 0
 
-        async def flood(slow: bool) -> None:
+        async def flood(i: int) -> None:
             """One connection after another, each held until the agent closes it."""
             nonlocal opened
+            first = FLOODS[flood_kind](i)
             while not stop.is_set():
                 try:
                     r, w = await asyncio.open_connection("127.0.0.1", port)
@@ -226,8 +244,7 @@ async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_d
                     continue
                 opened += 1
                 try:
-                    if slow:
-                        w.write(preamble(KIND_CONTROL)[:3])  # and never the rest
+                    w.write(first)  # and nothing more
                     while not stop.is_set() and await r.read(4096):
                         pass
                 except OSError:
@@ -235,7 +252,7 @@ async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_d
                 finally:
                     w.close()
 
-        floods = [asyncio.create_task(flood(i % 2 == 1)) for i in range(150)]
+        floods = [asyncio.create_task(flood(i)) for i in range(150)]
         try:
             await until(lambda: opened > 100, what="the flood under way")
             await ag["A"].shutdown(0)
@@ -271,6 +288,35 @@ async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_d
             for t in floods:
                 t.cancel()
             await asyncio.gather(*floods, return_exceptions=True)
+
+
+async def test_bulk_preambles_do_not_outrank_a_control_connection_in_its_handshake(tmp_sock_dir, engines):
+    """A plaintext bulk preamble (TLS mode auto) proves nothing: a pool full of them ranks with a
+    control connection still in TLS, and the next one cuts the oldest of the flood, not it."""
+    async with run_agents(two_site_toml(tmp_sock_dir), sites=("B",), wait_up=False) as ag:
+        b = ag["B"]
+        port, cap = b.wan_address[1], b.config.limits.max_handshakes
+        held = []
+        try:
+            for _ in range(cap):
+                held.append(await asyncio.open_connection("127.0.0.1", port))
+                held[-1][1].write(preamble(KIND_BULK))
+            await until(lambda: b.inbound.handshaking == cap
+                        and {h.stage for h in b.inbound._handshaking} == {UNVERIFIED}, what="the pool full")
+            r, w = await asyncio.open_connection("127.0.0.1", port)  # a control connection: TLS under way
+            held.append((r, w))
+            w.write(preamble(KIND_CONTROL))
+            mine = w.get_extra_info("sockname")[1]
+            await until(lambda: any(h.addr[1] == mine and h.stage == UNVERIFIED for h in b.inbound._handshaking),
+                        what="the control connection in its handshake")
+            cut = b.inbound.cut
+            held.append(await asyncio.open_connection("127.0.0.1", port))
+            held[-1][1].write(preamble(KIND_BULK))
+            await until(lambda: b.inbound.cut > cut, what="a connection cut for the newcomer")
+            assert any(h.addr[1] == mine for h in b.inbound._handshaking)  # the control one was not it
+        finally:
+            for _, w in held:
+                w.close()
 
 
 async def test_tokens_that_come_before_their_owner_are_held_for_it_then_dropped(tmp_sock_dir, engines):
