@@ -191,7 +191,8 @@ class Inbound:
                     kind = await read_preamble(h.sock, to.handshake_s)
                     h.stage = UNVERIFIED
                     if kind == KIND_CONTROL:
-                        conn = h.conn = FrameProtocol(max_body=self.config.limits.max_body, max_payload=0)
+                        conn = h.conn = FrameProtocol(max_body=self.config.limits.max_body, max_payload=0,
+                                                      max_unsent=self.config.limits.control_buffer_bytes)
                         first = loop.create_future()
                         conn.on_frame = lambda c, f: first.done() or first.set_result(f)
                         conn.on_lost = lambda c, e: first.done() or first.set_exception(

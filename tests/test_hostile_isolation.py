@@ -7,7 +7,7 @@ The attack classes of issue 11 covered here: a token flood to requests nobody po
 injection into another peer's request, out-of-vocabulary token ids, unposted-table exhaustion by
 one peer, guessable request-id squatting, REQUEST_ABORT from another site, and a connection
 flood while a legitimate peer restarts (idle, slow, bulk preambles, bulk preambles with a forged
-BULK_HELLO).
+BULK_HELLO), and a peer that asks for token resends over and over while it reads nothing.
 """
 
 from __future__ import annotations
@@ -42,12 +42,12 @@ def rss() -> int:
 
 
 @contextlib.asynccontextmanager
-async def attacked(tmp, engines):
+async def attacked(tmp, engines, extra: str = ""):
     """Agents B and C (plaintext, so the raw peer A can speak at all), engines on both with
     registered memory, and the attacker's authenticated control connection to B."""
     tomls = cluster_toml(tmp, [("A", "a1"), ("B", "b1"), ("C", "c1")],
                          extra=f"[tls]\nallow_plaintext = true\n[transfer]\nmax_transfers = {MAX_TRANSFERS}\n"
-                               "unposted_wait_s = 2.0\n")
+                               "unposted_wait_s = 2.0\n" + extra)
     async with run_agents({"B": tomls["b1"], "C": tomls["c1"]}, wait_up=False) as ag:
         b, c = ag["B"], ag["C"]
         await until(lambda: b.sessions["C/c1"].is_up and c.sessions["B/b1"].is_up, what="B and C up")
@@ -317,6 +317,71 @@ async def test_bulk_preambles_do_not_outrank_a_control_connection_in_its_handsha
         finally:
             for _, w in held:
                 w.close()
+
+
+# B's engine relays tokens to A (the attacker), which never acknowledges them: 16 frames of
+# 8192 five-byte token IDs, about 650 KiB that B keeps for resend.
+UNACKED_FRAMES, PER_FRAME = 16, 8192
+
+
+async def _unacked_tokens_to_attacker(b, eb, rid: str) -> None:
+    for i in range(UNACKED_FRAMES):
+        await eb.send_tokens(rid, "A", [1_000_000 + i] * PER_FRAME)
+    assert sum(len(part) for _, part, _ in b.sessions["A/a1"].tokens.tok_out[rid].unacked) == UNACKED_FRAMES * PER_FRAME
+
+
+def _resend_request(rid: str) -> bytes:
+    """TOKENS_ACK {next_seq 0, resend}: 'send me everything of ``rid`` again'."""
+    body = m.encode_body(m.TokensAck(rid, 0, True))
+    return encode_bytes(FrameType.TOKENS_ACK, body, lane=LANE_OF[FrameType.TOKENS_ACK])
+
+
+def _token_frames_to_attacker(b) -> float:
+    return metric(b, "pddwire_frames_total", peer="A/a1", lane="token", direction="tx")
+
+
+async def test_a_burst_of_resend_requests_sends_a_stream_again_once(tmp_sock_dir, engines):
+    """TOKENS_ACK {resend} is honoured once per round trip per request: a hundred of them in
+    one burst make B send the stream's unacknowledged frames again once, not a hundred times."""
+    async with attacked(tmp_sock_dir, engines) as (b, c, eb, ec, rb, rc, mb, mc, attacker):
+        await _unacked_tokens_to_attacker(b, eb, "resend-me")
+        before = _token_frames_to_attacker(b)
+        attacker.writer.write(_resend_request("resend-me") * 100)
+        assert await attacker.pong(5)  # every request handled
+        again = _token_frames_to_attacker(b) - before
+        assert UNACKED_FRAMES <= again < 10 * UNACKED_FRAMES  # once (a stall past 50 ms may allow a second)
+        assert b.sessions["A/a1"].is_up
+        await legit_transfer(b, eb, ec, rb, rc, mb, mc)
+        c_never_dropped(b, c)
+
+
+async def test_a_peer_that_asks_for_resends_and_never_reads_is_cut_alone(tmp_sock_dir, engines):
+    """The attacker repeats TOKENS_ACK {resend} and reads nothing: what B queues for it is
+    bounded by limits.control_buffer_bytes, then that control connection alone is failed
+    (PEER_NOT_READING); B's memory stays bounded and C's transfer beside it is byte-identical."""
+    async with attacked(tmp_sock_dir, engines, "[limits]\ncontrol_buffer_bytes = 4194304\n") as (
+            b, c, eb, ec, rb, rc, mb, mc, attacker):
+        await _unacked_tokens_to_attacker(b, eb, "never-read")
+        before = rss()
+        ask = _resend_request("never-read")
+        attacker.reader._transport.pause_reading()  # reads nothing from here on
+        legit = asyncio.create_task(legit_transfer(b, eb, ec, rb, rc, mb, mc))
+        try:
+            # Unbounded, 2000 requests would queue 2000 x 650 KiB (1.3 GB) at B.
+            for _ in range(200):
+                if attacker.writer.is_closing() or metric(b, "pddwire_errors_total", code="PEER_NOT_READING"):
+                    break
+                attacker.writer.write(ask * 10)
+                await asyncio.sleep(0.01)
+            await until(lambda: metric(b, "pddwire_errors_total", code="PEER_NOT_READING") >= 1,
+                        what="B fails the connection that does not read")
+            assert rss() - before < 256 * MiB
+            await legit
+        finally:
+            legit.cancel()
+        await until(lambda: not b.sessions["A/a1"].is_up, what="the attacker's session down")
+        assert metric(b, "pddwire_errors_total", code="PEER_NOT_READING") == 1
+        c_never_dropped(b, c)
 
 
 async def test_tokens_that_come_before_their_owner_are_held_for_it_then_dropped(tmp_sock_dir, engines):
