@@ -72,6 +72,7 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     max_peer_connections: int = 64  # inbound WAN connections of authenticated peers at once
     max_handshakes: int = 64  # inbound WAN connections not yet through HELLO / BULK_HELLO (oldest cut first)
     engine_queue_bytes: int = 64 * MiB  # unread events for one engine before it is cut off as stuck
+    control_buffer_bytes: int = 64 * MiB  # unsent bytes on a peer's control connection before it is failed
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -216,6 +217,8 @@ def validate(cfg: Config) -> Config:
         _positive(f"limits.{f.name}", getattr(cfg.limits, f.name))
     if not 4096 <= cfg.limits.max_body <= 16 * MiB:
         raise ConfigError("limits.max_body", "must be 4 KiB..16 MiB")
+    if cfg.limits.control_buffer_bytes < 4 * cfg.limits.max_body:
+        raise ConfigError("limits.control_buffer_bytes", "must be at least 4 x limits.max_body")
     for f in msgspec.structs.fields(Timeouts):
         _positive(f"timeouts.{f.name}", getattr(cfg.timeouts, f.name))
     if cfg.timeouts.dead_after_s <= cfg.timeouts.heartbeat_s:

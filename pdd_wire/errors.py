@@ -23,6 +23,7 @@ class ErrorCode(enum.IntEnum):
     MALFORMED_BODY = 105
     UNEXPECTED_FRAME = 106
     OUT_OF_RANGE = 107  # a body field outside its range in proto/messages.md, or inconsistent
+    PEER_NOT_READING = 108  # a control connection's unsent bytes passed limits.control_buffer_bytes
     # 2xx: handshake
     UNSUPPORTED_PROTOCOL_VERSION = 200
     UNKNOWN_PEER = 201

@@ -7,11 +7,14 @@ Anything else is closed.
 
 Two pools, so that connections nobody has authenticated cannot lock a peer out: a connection
 still in its handshake (preamble, TLS, HELLO / BULK_HELLO) holds one of ``limits.max_handshakes``
-slots for at most ``timeouts.handshake_s`` in all, and when the pool is full the one that has
-come least far (no whole preamble yet, then no TLS yet), oldest first, is closed for the
-newcomer. A flood of idle or slow connections is thus cut before any peer that has sent its
-preamble, and a peer always gets through that finishes its handshake before the flood opens
-``max_handshakes`` connections that come as far. Authenticated connections count against
+slots for at most ``timeouts.handshake_s`` in all, and when the pool is full the one of lowest
+rank, oldest first, is closed for the newcomer. The rank counts only what the agent has verified,
+never what the peer has merely sent (proto/handshake.md §2): no whole preamble (0); a preamble and
+nothing proven yet (1: a control connection in TLS or, plaintext, before HELLO; a bulk connection
+before its BULK_HELLO names a live session, which in TLS mode ``auto`` is plaintext); mutual TLS
+done (2); a bulk connection attached to its session (3). Unauthenticated input thus reaches rank 1
+at most, and there competes oldest first: a peer gets in that finishes its handshake before the
+flood opens ``max_handshakes`` connections after it. Authenticated connections count against
 ``limits.max_peer_connections``.
 """
 
@@ -38,6 +41,13 @@ if TYPE_CHECKING:
     from .session import PeerSession
 
 
+# Ranks of a connection in its handshake (Handshaking.stage), by what the agent has verified.
+NO_PREAMBLE = 0  # not even a whole preamble
+UNVERIFIED = 1  # a preamble, nothing proven: anyone can get this far with 8 bytes
+VERIFIED = 2  # mutual TLS done: the peer's certificate chains to the CA
+ATTACHED = 3  # a bulk connection whose BULK_HELLO named a live session (leaving the pool)
+
+
 class Handshaking:
     """One inbound connection before its HELLO / BULK_HELLO: what :meth:`close` must end."""
 
@@ -46,7 +56,7 @@ class Handshaking:
     def __init__(self, sock: socket.socket, addr) -> None:
         self.sock = sock
         self.addr = addr
-        self.stage = 0  # 0: preamble not read yet, 1: preamble read (TLS under way), 2: adopted
+        self.stage = NO_PREAMBLE  # what the agent has verified so far: the rank _cut_oldest cuts by
         self.task: asyncio.Task | None = None
         self.conn: FrameProtocol | None = None  # once adopted
         self.bulk: BulkLoop | None = None  # the loop that owns ``conn`` (bulk connections)
@@ -147,7 +157,7 @@ class Inbound:
             await asyncio.sleep(0)
 
     def _cut_oldest(self) -> None:
-        """Close the handshake that came least far, the oldest of those."""
+        """Close the handshake of lowest rank (what the agent has verified), the oldest of those."""
         old = min(self._handshaking, key=lambda h: h.stage)  # min keeps the first (oldest) of equals
         del self._handshaking[old]
         old.close()
@@ -179,22 +189,26 @@ class Inbound:
             try:
                 async with asyncio.timeout(to.handshake_s):  # the whole handshake, every step together
                     kind = await read_preamble(h.sock, to.handshake_s)
-                    h.stage = 1
+                    h.stage = UNVERIFIED
                     if kind == KIND_CONTROL:
-                        conn = h.conn = FrameProtocol(max_body=self.config.limits.max_body, max_payload=0)
+                        conn = h.conn = FrameProtocol(max_body=self.config.limits.max_body, max_payload=0,
+                                                      max_unsent=self.config.limits.control_buffer_bytes)
                         first = loop.create_future()
                         conn.on_frame = lambda c, f: first.done() or first.set_result(f)
                         conn.on_lost = lambda c, e: first.done() or first.set_exception(
                             TransportError(f"closed before HELLO: {e}"))
                         await adopt(h.sock, conn, ssl_ctx=self.ssl_server, timeout=to.handshake_s)
-                        h.stage = 2
+                        if self.ssl_server is not None:  # plaintext: a HELLO proves nothing yet
+                            h.stage = VERIFIED
                         frame = await first
                     else:
                         h.bulk = bulk = self.bulk_loop(n)
                         attached = loop.create_future()
-                        h.pending_bulk = bulk.submit(self._adopt_bulk(h.sock, bulk, loop, attached))
+                        h.pending_bulk = bulk.submit(self._adopt_bulk(h, bulk, loop, attached))
                         conn = await asyncio.wrap_future(h.pending_bulk)
-                        h.conn, h.pending_bulk, h.stage = conn, None, 2
+                        h.conn, h.pending_bulk = conn, None
+                        if self.bulk_tls:  # plaintext (TLS mode auto): only the token will tell
+                            h.stage = VERIFIED
                         await attached
             except TimeoutError:
                 if h.conn is not None and h.bulk is None:
@@ -251,9 +265,11 @@ class Inbound:
             raise FatalHandshakeError(f"certificate names {sorted(conn.peer_names)} do not include {want!r}",
                                       ErrorCode.IDENTITY_MISMATCH)
 
-    async def _adopt_bulk(self, sock: socket.socket, bulk: BulkLoop, main, attached: asyncio.Future) -> FrameProtocol:
+    async def _adopt_bulk(self, h: Handshaking, bulk: BulkLoop, main, attached: asyncio.Future) -> FrameProtocol:
         """On a bulk loop: TLS, then wait for BULK_HELLO naming a live session (``attached``, a
-        future of the main loop, is set then, or fails if the connection ends first)."""
+        future of the main loop, is set then, and ``h`` ranks ATTACHED; or it fails if the
+        connection ends first)."""
+        sock = h.sock
 
         def resolve(msg: m.BulkHello):
             s = self.peers.by_token.get(msg.session)
@@ -265,7 +281,11 @@ class Inbound:
 
         def settle(exc: BaseException | None) -> None:
             if not attached.done():
-                attached.set_result(None) if exc is None else attached.set_exception(exc)
+                if exc is None:
+                    h.stage = ATTACHED  # now, on the main loop: no cut can fall between
+                    attached.set_result(None)
+                else:
+                    attached.set_exception(exc)
 
         def on_attach(h: BulkHandler) -> None:
             main.call_soon_threadsafe(h.session.adopt_bulk, h.stream, bulk, h.conn)

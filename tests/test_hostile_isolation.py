@@ -6,7 +6,8 @@ session is never dropped (only the attacker's connection may be closed).
 The attack classes of issue 11 covered here: a token flood to requests nobody posted, token
 injection into another peer's request, out-of-vocabulary token ids, unposted-table exhaustion by
 one peer, guessable request-id squatting, REQUEST_ABORT from another site, and a connection
-flood while a legitimate peer restarts.
+flood while a legitimate peer restarts (idle, slow, bulk preambles, bulk preambles with a forged
+BULK_HELLO), and a peer that asks for token resends over and over while it reads nothing.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ import contextlib
 import os
 
 import msgspec
+import pytest
 
 from conftest import fill_random, metric, same_bytes, until
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
+from pdd_wire.inbound import UNVERIFIED
 from pdd_wire.session.tokens import MAX_HELD_REQUESTS, MAX_HELD_TOKENS
-from pdd_wire.transport.tcp import KIND_CONTROL, preamble
+from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL, preamble
 from pdd_wire.wire import FrameType, encode_bytes
 from pdd_wire.wire import messages as m
+from pdd_wire.wire.frame import LANE_OF
 from support.agents import cluster_toml, run_agents, two_site_toml
 from support.raw_peer import hello
 
@@ -38,12 +42,12 @@ def rss() -> int:
 
 
 @contextlib.asynccontextmanager
-async def attacked(tmp, engines):
+async def attacked(tmp, engines, extra: str = ""):
     """Agents B and C (plaintext, so the raw peer A can speak at all), engines on both with
     registered memory, and the attacker's authenticated control connection to B."""
     tomls = cluster_toml(tmp, [("A", "a1"), ("B", "b1"), ("C", "c1")],
                          extra=f"[tls]\nallow_plaintext = true\n[transfer]\nmax_transfers = {MAX_TRANSFERS}\n"
-                               "unposted_wait_s = 2.0\n")
+                               "unposted_wait_s = 2.0\n" + extra)
     async with run_agents({"B": tomls["b1"], "C": tomls["c1"]}, wait_up=False) as ag:
         b, c = ag["B"], ag["C"]
         await until(lambda: b.sessions["C/c1"].is_up and c.sessions["B/b1"].is_up, what="B and C up")
@@ -205,9 +209,22 @@ async def test_request_abort_from_a_site_not_tied_to_the_request_reaches_no_engi
         c_never_dropped(b, c)
 
 
-async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_dir, engines):
-    """Idle and slow unauthenticated connections flood B's listener (with the default TLS) while
-    A restarts: A's new incarnation gets in, within the flood, and moves KV byte-identical."""
+# What one flood connection sends before it waits to be closed. With the default TLS (mode auto)
+# bulk connections are plaintext: a bulk preamble is accepted at once, a BULK_HELLO is read, and
+# only its session token (forged here) could prove anything.
+FORGED_BULK_HELLO = encode_bytes(FrameType.BULK_HELLO, m.encode_body(
+    m.BulkHello(session=0x1234_5678_9ABC, stream=0, site="A", node="a1")), lane=LANE_OF[FrameType.BULK_HELLO])
+FLOODS = {
+    "idle and slow": lambda i: b"" if i % 2 == 0 else preamble(KIND_CONTROL)[:3],
+    "bulk preambles": lambda i: preamble(KIND_BULK),
+    "bulk preambles, forged BULK_HELLO": lambda i: preamble(KIND_BULK) + (FORGED_BULK_HELLO if i % 2 else b""),
+}
+
+
+@pytest.mark.parametrize("flood_kind", list(FLOODS))
+async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_dir, engines, flood_kind):
+    """Unauthenticated connections flood B's listener (with the default TLS) while A restarts:
+    A's new incarnation gets in, within the flood, and moves KV byte-identical."""
     tomls = two_site_toml(tmp_sock_dir)
     async with run_agents(tomls) as ag:
         b = ag["B"]
@@ -215,9 +232,10 @@ async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_d
         stop = asyncio.Event()
         opened = 0
 
-        async def flood(slow: bool) -> None:
+        async def flood(i: int) -> None:
             """One connection after another, each held until the agent closes it."""
             nonlocal opened
+            first = FLOODS[flood_kind](i)
             while not stop.is_set():
                 try:
                     r, w = await asyncio.open_connection("127.0.0.1", port)
@@ -226,8 +244,7 @@ async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_d
                     continue
                 opened += 1
                 try:
-                    if slow:
-                        w.write(preamble(KIND_CONTROL)[:3])  # and never the rest
+                    w.write(first)  # and nothing more
                     while not stop.is_set() and await r.read(4096):
                         pass
                 except OSError:
@@ -235,7 +252,7 @@ async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_d
                 finally:
                     w.close()
 
-        floods = [asyncio.create_task(flood(i % 2 == 1)) for i in range(150)]
+        floods = [asyncio.create_task(flood(i)) for i in range(150)]
         try:
             await until(lambda: opened > 100, what="the flood under way")
             await ag["A"].shutdown(0)
@@ -271,6 +288,100 @@ async def test_a_connection_flood_does_not_keep_a_restarting_peer_out(tmp_sock_d
             for t in floods:
                 t.cancel()
             await asyncio.gather(*floods, return_exceptions=True)
+
+
+async def test_bulk_preambles_do_not_outrank_a_control_connection_in_its_handshake(tmp_sock_dir, engines):
+    """A plaintext bulk preamble (TLS mode auto) proves nothing: a pool full of them ranks with a
+    control connection still in TLS, and the next one cuts the oldest of the flood, not it."""
+    async with run_agents(two_site_toml(tmp_sock_dir), sites=("B",), wait_up=False) as ag:
+        b = ag["B"]
+        port, cap = b.wan_address[1], b.config.limits.max_handshakes
+        held = []
+        try:
+            for _ in range(cap):
+                held.append(await asyncio.open_connection("127.0.0.1", port))
+                held[-1][1].write(preamble(KIND_BULK))
+            await until(lambda: b.inbound.handshaking == cap
+                        and {h.stage for h in b.inbound._handshaking} == {UNVERIFIED}, what="the pool full")
+            r, w = await asyncio.open_connection("127.0.0.1", port)  # a control connection: TLS under way
+            held.append((r, w))
+            w.write(preamble(KIND_CONTROL))
+            mine = w.get_extra_info("sockname")[1]
+            await until(lambda: any(h.addr[1] == mine and h.stage == UNVERIFIED for h in b.inbound._handshaking),
+                        what="the control connection in its handshake")
+            cut = b.inbound.cut
+            held.append(await asyncio.open_connection("127.0.0.1", port))
+            held[-1][1].write(preamble(KIND_BULK))
+            await until(lambda: b.inbound.cut > cut, what="a connection cut for the newcomer")
+            assert any(h.addr[1] == mine for h in b.inbound._handshaking)  # the control one was not it
+        finally:
+            for _, w in held:
+                w.close()
+
+
+# B's engine relays tokens to A (the attacker), which never acknowledges them: 16 frames of
+# 8192 five-byte token IDs, about 650 KiB that B keeps for resend.
+UNACKED_FRAMES, PER_FRAME = 16, 8192
+
+
+async def _unacked_tokens_to_attacker(b, eb, rid: str) -> None:
+    for i in range(UNACKED_FRAMES):
+        await eb.send_tokens(rid, "A", [1_000_000 + i] * PER_FRAME)
+    assert sum(len(part) for _, part, _ in b.sessions["A/a1"].tokens.tok_out[rid].unacked) == UNACKED_FRAMES * PER_FRAME
+
+
+def _resend_request(rid: str) -> bytes:
+    """TOKENS_ACK {next_seq 0, resend}: 'send me everything of ``rid`` again'."""
+    body = m.encode_body(m.TokensAck(rid, 0, True))
+    return encode_bytes(FrameType.TOKENS_ACK, body, lane=LANE_OF[FrameType.TOKENS_ACK])
+
+
+def _token_frames_to_attacker(b) -> float:
+    return metric(b, "pddwire_frames_total", peer="A/a1", lane="token", direction="tx")
+
+
+async def test_a_burst_of_resend_requests_sends_a_stream_again_once(tmp_sock_dir, engines):
+    """TOKENS_ACK {resend} is honoured once per round trip per request: a hundred of them in
+    one burst make B send the stream's unacknowledged frames again once, not a hundred times."""
+    async with attacked(tmp_sock_dir, engines) as (b, c, eb, ec, rb, rc, mb, mc, attacker):
+        await _unacked_tokens_to_attacker(b, eb, "resend-me")
+        before = _token_frames_to_attacker(b)
+        attacker.writer.write(_resend_request("resend-me") * 100)
+        assert await attacker.pong(5)  # every request handled
+        again = _token_frames_to_attacker(b) - before
+        assert UNACKED_FRAMES <= again < 10 * UNACKED_FRAMES  # once (a stall past 50 ms may allow a second)
+        assert b.sessions["A/a1"].is_up
+        await legit_transfer(b, eb, ec, rb, rc, mb, mc)
+        c_never_dropped(b, c)
+
+
+async def test_a_peer_that_asks_for_resends_and_never_reads_is_cut_alone(tmp_sock_dir, engines):
+    """The attacker repeats TOKENS_ACK {resend} and reads nothing: what B queues for it is
+    bounded by limits.control_buffer_bytes, then that control connection alone is failed
+    (PEER_NOT_READING); B's memory stays bounded and C's transfer beside it is byte-identical."""
+    async with attacked(tmp_sock_dir, engines, "[limits]\ncontrol_buffer_bytes = 4194304\n") as (
+            b, c, eb, ec, rb, rc, mb, mc, attacker):
+        await _unacked_tokens_to_attacker(b, eb, "never-read")
+        before = rss()
+        ask = _resend_request("never-read")
+        attacker.reader._transport.pause_reading()  # reads nothing from here on
+        legit = asyncio.create_task(legit_transfer(b, eb, ec, rb, rc, mb, mc))
+        try:
+            # Unbounded, 2000 requests would queue 2000 x 650 KiB (1.3 GB) at B.
+            for _ in range(200):
+                if attacker.writer.is_closing() or metric(b, "pddwire_errors_total", code="PEER_NOT_READING"):
+                    break
+                attacker.writer.write(ask * 10)
+                await asyncio.sleep(0.01)
+            await until(lambda: metric(b, "pddwire_errors_total", code="PEER_NOT_READING") >= 1,
+                        what="B fails the connection that does not read")
+            assert rss() - before < 256 * MiB
+            await legit
+        finally:
+            legit.cancel()
+        await until(lambda: not b.sessions["A/a1"].is_up, what="the attacker's session down")
+        assert metric(b, "pddwire_errors_total", code="PEER_NOT_READING") == 1
+        c_never_dropped(b, c)
 
 
 async def test_tokens_that_come_before_their_owner_are_held_for_it_then_dropped(tmp_sock_dir, engines):

@@ -188,7 +188,8 @@ class PeerSession:
         self.dialer_loop.welcomed(msg)
 
     def _new_control(self) -> FrameProtocol:
-        conn = FrameProtocol(max_body=self.cfg.limits.max_body, max_payload=0)
+        conn = FrameProtocol(max_body=self.cfg.limits.max_body, max_payload=0,
+                             max_unsent=self.cfg.limits.control_buffer_bytes)
         conn.on_frame = self._on_control_frame
         conn.on_lost = self._on_control_lost
         return conn
@@ -388,7 +389,11 @@ class PeerSession:
         frame = encode(ftype, encode_body(body), lane=lane, transfer_id=tid)
         try:
             c.send(frame)
-        except TransportError:
+        except TransportError as exc:
+            if exc.code == ErrorCode.PEER_NOT_READING:
+                self.metrics.error(exc.code)
+                self.log.warning("control connection failed: the peer does not read", error=str(exc),
+                                 code=exc.code.name)
             return False
         lane_name = _LANE_NAMES[lane]
         self.metrics.frames.labels(peer=self.key, lane=lane_name, direction="tx").inc()

@@ -30,6 +30,10 @@ MAX_HELD_REQUESTS = 1024
 MAX_HELD_TOKENS = 1 << 16
 #: At most one log line a second per peer about dropped tokens (the counter has every one).
 DROP_LOG_S = 1.0
+#: A stream's unacknowledged frames are sent again at most once per round trip (and at least this
+#: long apart): resend requests the receiver sent before the first resend reached it ask for
+#: nothing new, and a peer that repeats them cannot make the agent queue the stream over and over.
+RESEND_MIN_INTERVAL_S = 0.05
 
 
 class TokenLink(Protocol):
@@ -41,6 +45,8 @@ class TokenLink(Protocol):
     log: Any
     peer_max_body: int
 
+    @property
+    def rtt_s(self) -> float | None: ...
     def send_frame(self, ftype: int, body: Any, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool: ...
     def tokens_arrived(self, msg: m.Tokens) -> None: ...
 
@@ -48,11 +54,12 @@ class TokenLink(Protocol):
 class TokenStream:
     """Outgoing token IDs of one request: sent but unacknowledged frames are kept for resend."""
 
-    __slots__ = ("next_seq", "unacked", "pending", "handoff")
+    __slots__ = ("next_seq", "unacked", "pending", "handoff", "resent_at")
 
     def __init__(self, handoff: bool = False) -> None:
         self.next_seq = 0
         self.pending = 0
+        self.resent_at = float("-inf")  # when the unacknowledged frames were last sent again on request
         self.handoff = handoff  # every frame of the stream carries the TOKENS handoff flag
         self.unacked: collections.deque[tuple[int, list[int], float]] = collections.deque()
 
@@ -239,6 +246,9 @@ class TokenRelay:
             _, part, sent = ts.unacked.popleft()
             ts.pending -= len(part)
             self.s.metrics.token_seconds.observe(now - sent)
-        if msg.resend:
+        if msg.resend and ts.unacked:
+            if now - ts.resent_at < max(RESEND_MIN_INTERVAL_S, self.s.rtt_s or 0.0):
+                return  # the last resend is still on its way: this request asks for nothing new
+            ts.resent_at = now
             for seq, part, _ in ts.unacked:
                 self.s.send_frame(FrameType.TOKENS, m.Tokens(msg.request_id, seq, part, ts.handoff), lane=Lane.TOKEN)

@@ -167,9 +167,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
     """
 
     def __init__(self, *, max_body: int, max_payload: int, sink: PayloadSink | None = None,
-                 bulk: bool = False) -> None:
+                 bulk: bool = False, max_unsent: int = 0) -> None:
         self.reader = FrameReader(max_body=max_body, max_payload=max_payload, sink=sink)
         self.bulk = bulk
+        self.max_unsent = max_unsent  # 0: no cap (bulk connections: the credit window bounds them)
         self.transport: asyncio.Transport | None = None
         self.on_frame: Callable[["FrameProtocol", Frame], None] = lambda c, f: None
         self.on_lost: Callable[["FrameProtocol", BaseException | None], None] = lambda c, e: None
@@ -236,10 +237,18 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def send(self, buffers) -> None:
         """Queue a frame's buffers (from :func:`pdd_wire.wire.encode`); memoryviews are not copied.
         There is no drain: what a session queues on its bulk connections is bounded by its credit
-        window (and held as views of registered memory), control frames are small."""
-        if self.closed or self.transport is None:
+        window (and held as views of registered memory). Control frames are small, but a peer
+        that stops reading would let them pile up: past ``max_unsent`` unsent bytes the
+        connection fails (``PEER_NOT_READING``, raised as a TransportError with that code)."""
+        if self.closed or self.transport is None or self.transport.is_closing():
             raise TransportError("connection closed")
         self.transport.writelines(buffers)
+        if self.max_unsent and (unsent := self.transport.get_write_buffer_size()) > self.max_unsent:
+            exc = TransportError(f"{unsent} bytes unsent, over limits.control_buffer_bytes ({self.max_unsent}): "
+                                 "the peer does not read", ErrorCode.PEER_NOT_READING)
+            self.fail(exc)
+            self.abort()  # the buffer goes now: the ERROR frame would only queue behind it
+            raise exc
 
     def fail(self, exc: BaseException) -> None:
         """Send an ERROR frame naming ``exc`` (best effort) and abort the connection."""
@@ -260,10 +269,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         asyncio.get_event_loop().call_later(1.0, self.abort)
 
     def abort(self) -> None:
-        if self.transport is not None and not self.transport.is_closing():
-            self.transport.abort()
-        elif self.transport is None:
+        """End it now, unsent bytes dropped, also after :meth:`close` / :meth:`fail` (a closing
+        transport waits for its buffer to drain, which a peer that does not read never lets it)."""
+        if self.transport is None:
             self.closed = True
+        elif not self.closed:
+            self.transport.abort()
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
