@@ -29,8 +29,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -43,6 +41,7 @@ from pdd_wire import config as cfgmod
 from pdd_wire import log
 from pdd_wire.agent import Agent
 from pdd_wire.router import Router, loads
+from pdd_wire.stats import percentile
 
 from .bench_vllm import agent_toml, prompt_for
 from .vllm.serve import (
@@ -52,6 +51,7 @@ from .vllm.serve import (
     connector_config,
     free_port,
     missing,
+    running,
 )
 
 OUT_TOKENS = 64
@@ -84,10 +84,6 @@ async def _direct(http: aiohttp.ClientSession, P: str, MD: str, prompt: list[int
     return await _tpot(http, MD, completion_body(prompt, OUT_TOKENS, kv_transfer_params=pre["kv_transfer_params"]))
 
 
-def _p(xs: list[float], q: float) -> float:
-    return statistics.quantiles(xs, n=100, method="inclusive")[q - 1] if len(xs) > 1 else xs[0]
-
-
 async def measure(quick: bool = False) -> list[dict]:
     why = missing()
     if why:
@@ -96,16 +92,11 @@ async def measure(quick: bool = False) -> list[dict]:
     pa, pb = free_port(), free_port()
     agents = [Agent(cfgmod.loads(agent_toml(tmp, "A", "a1", pa, "B", "b1", pb))),
               Agent(cfgmod.loads(agent_toml(tmp, "B", "b1", pb, "A", "a1", pa)))]
-    servers: list[VllmServer] = []
     direct: list[float] = []  # per request: seconds per token after the first
     routed: list[float] = []
-    try:
-        for a in agents:
-            await a.start()
-        P = VllmServer("P", tmp / "P.log", cpu="0", kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"]))
-        MD = VllmServer("MD", tmp / "MD.log", cpu="1", kv=connector_config("kv_consumer", f"{tmp}/B.sock"))
-        servers = [P, MD]
-        await asyncio.gather(*(s.start() for s in servers))
+    P = VllmServer("P", tmp / "P.log", cpu="0", kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"]))
+    MD = VllmServer("MD", tmp / "MD.log", cpu="1", kv=connector_config("kv_consumer", f"{tmp}/B.sock"))
+    async with running(tmp, agents, [P, MD]):
         cfg = loads(f'[listen]\naddress = "127.0.0.1:0"\n[[pools.P]]\nurl = "{P.url}"\n'
                     f'[[pools.MD]]\nurl = "{MD.url}"\n[choice]\nask_agent = false\n')
         async with aiohttp.ClientSession() as http, Router(cfg) as router:
@@ -118,16 +109,11 @@ async def measure(quick: bool = False) -> list[dict]:
                 if i:
                     direct += d
                     routed += r
-    finally:
-        await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
-        for a in agents:
-            await a.shutdown(0)
-        shutil.rmtree(tmp, ignore_errors=True)
     note = (f"{len(routed)} requests each way, {CONCURRENCY} concurrent streams of {OUT_TOKENS} tokens, "
             "P-MD both ways, rounds alternating")
     rows = []
     for q in (50, 99):
-        dq, rq = _p(direct, q) * 1e3, _p(routed, q) * 1e3
+        dq, rq = percentile(direct, q) * 1e3, percentile(routed, q) * 1e3
         rows.append({"figure": f"router_token_overhead_p{q}_ms", "value": round(rq - dq, 3), "unit": "ms",
                      "baseline": f"direct p{q} time per output token", "baseline_value": round(dq, 3),
                      "note": f"p{q} time per output token through the router {rq:.3f} ms, direct {dq:.3f} ms; "
@@ -158,17 +144,12 @@ async def measure_handoff(quick: bool = False) -> list[dict]:
         raise SystemExit(f"bench_router needs the vLLM venv ({why}): run scripts/vllm-env")
     tmp = Path(tempfile.mkdtemp(prefix="pdw-bench-handoff-"))
     agents = [Agent(cfgmod.loads(t)) for t in _three_nodes(tmp).values()]
-    servers: list[VllmServer] = []
     tpot: list[float] = []
-    try:
-        for a in agents:
-            await a.start()
-        P = VllmServer("P", tmp / "P.log", cpu="0", kv=connector_config("kv_producer", f"{tmp}/a1.sock"))
-        RLD = VllmServer("RLD", tmp / "RLD.log", cpu="1", kv=connector_config("kv_consumer", f"{tmp}/a2.sock"))
-        MD = VllmServer("MD", tmp / "MD.log", cpu="1", prefix_caching=True,
-                        kv=connector_config("kv_consumer", f"{tmp}/b1.sock"))
-        servers = [P, RLD, MD]
-        await asyncio.gather(*(s.start() for s in servers))
+    P = VllmServer("P", tmp / "P.log", cpu="0", kv=connector_config("kv_producer", f"{tmp}/a1.sock"))
+    RLD = VllmServer("RLD", tmp / "RLD.log", cpu="1", kv=connector_config("kv_consumer", f"{tmp}/a2.sock"))
+    MD = VllmServer("MD", tmp / "MD.log", cpu="1", prefix_caching=True,
+                    kv=connector_config("kv_consumer", f"{tmp}/b1.sock"))
+    async with running(tmp, agents, [P, RLD, MD]):
         cfg = loads(f'[listen]\naddress = "127.0.0.1:0"\n'
                     f'[[pools.P]]\nurl = "{P.url}"\nengine_socket = "{tmp}/a1.sock"\nsite = "A"\nnode = "a1"\n'
                     f'[[pools.RLD]]\nurl = "{RLD.url}"\nsite = "A"\nnode = "a2"\n'
@@ -188,18 +169,13 @@ async def measure_handoff(quick: bool = False) -> list[dict]:
                         del logs[n0:]
             stalls = [e["stall_ms"] for e in logs if e.get("event") == "router_handoff_stall"]
             switched = sample_total(router, "pddwire_router_handoffs_total", outcome="switched")
-    finally:
-        await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
-        for a in agents:
-            await a.shutdown(0)
-        shutil.rmtree(tmp, ignore_errors=True)
     if not stalls:
         raise SystemExit("bench_router: no request was handed over (RLD finished every one first)")
     note = (f"{len(stalls)} handoffs of {len(tpot)} requests ({int(switched)} switched in all, warm-up included); "
             f"{CONCURRENCY} concurrent streams of {HANDOFF_OUT_TOKENS} tokens, P-RLD-MD, RLD emits at least 4")
     rows = []
     for q in (50, 99):
-        sq, tq = _p(stalls, q), _p(tpot, q) * 1e3
+        sq, tq = percentile(stalls, q), percentile(tpot, q) * 1e3
         rows.append({"figure": f"router_handoff_stall_oneshot_p{q}_ms", "value": round(sq, 3), "unit": "ms",
                      "baseline": f"p{q} time per output token", "baseline_value": round(tq, 3),
                      "note": f"RLD's last token to MD's first at the router; {note}"})

@@ -24,7 +24,6 @@ import asyncio
 import json
 import math
 import random
-import shutil
 import statistics
 import tempfile
 import time
@@ -45,6 +44,7 @@ from .vllm.serve import (
     connector_config,
     free_port,
     missing,
+    running,
     tokens,
 )
 
@@ -112,17 +112,12 @@ async def run(quick: bool = False) -> dict:
     pa, pb = free_port(), free_port()
     agents = [Agent(cfgmod.loads(agent_toml(tmp, "A", "a1", pa, "B", "b1", pb))),
               Agent(cfgmod.loads(agent_toml(tmp, "B", "b1", pb, "A", "a1", pa)))]
-    servers: list[VllmServer] = []
     figures: dict = {}
-    try:
-        for a in agents:
-            await a.start()
-        P = VllmServer("P", tmp / "P.log", cpu="0",
-                       kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"]))
-        D = VllmServer("D", tmp / "D.log", cpu="1", prefix_caching=True, failure_policy="recompute",
-                       kv=connector_config("kv_consumer", f"{tmp}/B.sock"))
-        servers = [P, D]
-        await asyncio.gather(*(s.start() for s in servers))
+    P = VllmServer("P", tmp / "P.log", cpu="0",
+                   kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"]))
+    D = VllmServer("D", tmp / "D.log", cpu="1", prefix_caching=True, failure_policy="recompute",
+                   kv=connector_config("kv_consumer", f"{tmp}/B.sock"))
+    async with running(tmp, agents, [P, D]):
         n = 8 if quick else CONCURRENCY
         prompts = [prompt_for(i, 64 + 8 * (i % 8)) for i in range(n)]
         async with aiohttp.ClientSession() as http, Proxy(P.url, D.url) as proxy:
@@ -148,11 +143,6 @@ async def run(quick: bool = False) -> dict:
                 whole += math.ceil(len(turn2) / BLOCK) * KV_BYTES_PER_BLOCK
                 crossed += rx
             figures["vllm_drc_wan_bytes_reduction"] = round(whole / crossed, 3) if crossed else None
-    finally:
-        await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
-        for a in agents:
-            await a.shutdown(0)
-        shutil.rmtree(tmp, ignore_errors=True)
     return figures
 
 

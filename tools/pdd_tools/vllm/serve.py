@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,22 @@ def connector_config(role: str, socket_path: str, **extra: Any) -> dict:
     return {"kv_connector": "PddWireConnector", "kv_connector_module_path": "pdd_wire.adapters.vllm_connector",
             "kv_role": role, "kv_connector_extra_config": {"engine_socket": socket_path, **extra}}
 
+
+
+@contextlib.asynccontextmanager
+async def running(tmp: Path, agents: list, servers: list[VllmServer]):
+    """The agents (in order), then the vLLM servers (together), for the ``async with`` body; on
+    the way out, whatever started is stopped and ``tmp`` (logs, sockets, PKI) removed."""
+    try:
+        for a in agents:
+            await a.start()
+        await asyncio.gather(*(s.start() for s in servers))
+        yield
+    finally:
+        await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
+        for a in agents:
+            await a.shutdown(0)
+        shutil.rmtree(tmp, ignore_errors=True)
 
 class VllmServer:
     """One OpenAI server. ``cli``: started as users type it (``vllm serve MODEL``), else as
