@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 UNIT = Path(__file__).resolve().parent.parent / "deploy" / "systemd" / "pdd-wired@.service"
 MAX_EXPOSURE = 3.0
 
@@ -53,8 +55,8 @@ def test_systemd_analyze_verifies_and_scores_at_most_3(tmp_path):
     analyze = shutil.which("systemd-analyze")
     text = UNIT.read_text()
     assert "ExecStart=" in text
-    if analyze is None:  # only the static checks above hold here; CI installs systemd
-        return
+    if analyze is None:  # not a silent pass: the score is what this test is for (.ci/run installs it)
+        pytest.fail("systemd-analyze is needed for this test: apt-get install systemd", pytrace=False)
     d = _installed_copy(tmp_path)
     r = subprocess.run([analyze, "verify", "pdd-wired@A.service"], cwd=d, capture_output=True, text=True,
                        timeout=60)
