@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ..engine.client import EngineClient
@@ -106,13 +105,6 @@ class WorkerStats:
     zero_copy: bool = False
     block_bytes: int = 0  # one layer's block
     layers: int = 0
-
-
-def layer_hashes(chain: list[int], layers: int) -> list[int]:
-    """One hash per agent block, in the byte stream's order (block by block, each block's
-    layers): vLLM block ``i``'s layer ``l`` gets a hash of (``chain[i]``, ``l``)."""
-    return [xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + layer.to_bytes(4, "little"))
-            for h in chain for layer in range(layers)]
 
 
 def agent_identity(socket_path: str, name: str) -> dict:

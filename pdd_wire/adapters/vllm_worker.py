@@ -14,9 +14,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ..engine import protocol as p
 from ..engine.client import EngineClient
+from ..engine.hashes import layer_hashes
 from ..memory import SharedMemory
 from .loop_thread import LoopThread
-from .vllm_meta import PddWireMetadata, PendingLoad, PendingSend, layer_hashes
+from .vllm_meta import PddWireMetadata, PendingLoad, PendingSend
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext

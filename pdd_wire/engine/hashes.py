@@ -24,3 +24,12 @@ def chain_hashes(tokens: list[int], block_tokens: int, *, model: str = "", paren
         h = x.intdigest()
         out.append(h)
     return out
+
+
+def layer_hashes(chain: list[int], layers: int) -> list[int]:
+    """One hash per agent block when a KV block is cut into one agent block per layer (vLLM's
+    connector does): block ``i``'s layer ``l`` gets a hash of (``chain[i]``, ``l``), in the byte
+    stream's order (block by block, each block's layers). ``layers=1`` names each block by its
+    layer 0, which is how a router asks for a prompt's blocks."""
+    return [xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + layer.to_bytes(4, "little"))
+            for h in chain for layer in range(layers)]

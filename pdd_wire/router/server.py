@@ -35,7 +35,7 @@ from prometheus_client import (
 
 from ..config import parse_hostport
 from ..engine.client import EngineClient
-from ..engine.hashes import chain_hashes
+from ..engine.hashes import chain_hashes, layer_hashes
 from ..errors import PddWireError
 from .config import RouterConfig
 from .upstream import (
@@ -49,7 +49,6 @@ from .upstream import (
     dest,
     error_response,
     expected_output,
-    layer0_hashes,
     sse_events,
     token_count,
     tokenize_request,
@@ -292,7 +291,9 @@ class Router:
             async with asyncio.timeout(ch.timeout_s):
                 toks, max_len = await self._prompt_tokens(P, path, body)
                 expected = expected_output(path, body, len(toks), max_len)
-                hashes = layer0_hashes(chain_hashes(toks, ch.block_tokens, model=ch.prefix_salt)) \
+                # PddWireConnector names one agent block per vLLM block and layer; a vLLM block
+                # is in MD's prefix inventory when its layer 0 is (a match counts whole blocks).
+                hashes = layer_hashes(chain_hashes(toks, ch.block_tokens, model=ch.prefix_salt), 1) \
                     if ch.block_tokens and ch.prefix_salt else []
                 eng = await self._engine(P)
                 try:

@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
-import xxhash
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -148,14 +147,6 @@ def batched(body: dict) -> bool:
     """Several prompts in one /v1/completions request (a list of texts or of token lists)."""
     prompt = body.get("prompt")
     return isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(x, (str, list)) for x in prompt)
-
-
-def layer0_hashes(chain: list[int]) -> list[int]:
-    """PddWireConnector's agent blocks are one per vLLM block and layer, each named by a hash of
-    (the vLLM block's chained hash, the layer): a vLLM block is in MD's prefix inventory when its
-    layer 0 is, so these name the prompt's blocks one per vLLM block (a match counts whole
-    vLLM blocks of ``block_tokens``)."""
-    return [xxhash.xxh3_64_intdigest(h.to_bytes(8, "little") + (0).to_bytes(4, "little")) for h in chain]
 
 
 def dest(m: Member) -> str:
