@@ -21,6 +21,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pdd_wire
+
+from .. import __file__ as _tools_init
 from ..paths import find_up
 
 VENV_ENV = "PDD_VLLM_VENV"
@@ -35,6 +38,14 @@ def find_venv() -> Path | None:
         return Path(os.environ[VENV_ENV])
     py = find_up(Path(VENV_DIR) / "bin" / "python")
     return None if py is None else py.parents[1]
+
+
+def checkout_path() -> str:
+    """``PYTHONPATH`` for processes in the vLLM venv: the directories this process imports
+    ``pdd_wire`` and ``pdd_tools`` from, first. The venv holds editable installs of one checkout;
+    another checkout (a git worktree) sharing that venv then still runs its own code."""
+    dirs = [str(Path(pdd_wire.__file__).resolve().parents[1]), str(Path(_tools_init).resolve().parents[1])]
+    return os.pathsep.join(dict.fromkeys(dirs))
 
 
 def venv_paths() -> tuple[Path, Path]:
@@ -66,6 +77,7 @@ class RoleProc:
         self.name, self.log = name, log
         py, model = venv_paths()
         self.cmd = [str(py), "-m", SERVER_MODULE, json.dumps({"model": str(model), "name": name, **cfg})]
+        self.env = {**os.environ, "PYTHONPATH": checkout_path()}
         self.proc: asyncio.subprocess.Process | None = None
         self.ready: dict = {}
         self._ids = 0
@@ -74,7 +86,7 @@ class RoleProc:
         with open(self.log, "wb") as logf:
             self.proc = await asyncio.create_subprocess_exec(
                 *self.cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=logf,
-                limit=1 << 24, start_new_session=True)
+                env=self.env, limit=1 << 24, start_new_session=True)
         self.ready = await self._line(timeout)
         return self
 

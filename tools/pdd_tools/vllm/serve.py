@@ -27,9 +27,9 @@ from aiohttp import web
 
 import pdd_wire
 
-from .roles import VENV_DIR, find_venv
+from .roles import VENV_DIR, checkout_path, find_venv
 
-# The checkout whose pdd_wire runs here goes first on the servers' PYTHONPATH.
+# The checkout whose pdd_wire runs here (checkout_path() puts it first on the servers' PYTHONPATH).
 ROOT = Path(pdd_wire.__file__).resolve().parents[1]
 BLOCK = 32  # tokens per vLLM block in these servers
 VOCAB = 444  # the tiny model's
@@ -103,7 +103,7 @@ class VllmServer:
                 kv = {**kv, "kv_load_failure_policy": failure_policy}
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         self.cmd = cmd
-        self.env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": str(ROOT),
+        self.env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": checkout_path(),
                     "VLLM_CPU_OMP_THREADS_BIND": cpu or "auto", "VLLM_LOGGING_LEVEL": "INFO",
                     "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
         self.proc: asyncio.subprocess.Process | None = None
