@@ -182,6 +182,30 @@ async def measure_handoff(quick: bool = False) -> list[dict]:
     return rows
 
 
+async def measure_pdd(quick: bool = False) -> list[dict]:
+    """``router_pdd_ttft_p99`` (and p50): ``scripts/demo --engine vllm``'s two runs at a smaller
+    scale (the same stack, trace shape and link; fewer requests), PDD's TTFT against plain PD's
+    in the same run."""
+    from .demo import DemoConfig, tiny, vllm_runner
+
+    n = 16 if quick else 40
+    with tempfile.TemporaryDirectory(prefix="pdw-bench-pdd-") as tmp:
+        cfg = DemoConfig(engine="vllm", out=tmp, requests=n, rate=tiny.RATE, seed=1, link_mbit=tiny.LINK_MBIT,
+                         rtt_ms=tiny.RTT_MS, prefix="pddvb", ttft_budget_s=tiny.TTFT_BUDGET_S, quiet=True)
+        figures, results = await vllm_runner.run(cfg)
+    failures = [f for r in results.values() for f in r.failures]
+    if failures:
+        raise SystemExit(f"bench_router: the demo run failed: {failures[:3]}")
+    pd, pdd = figures["pd"], figures["pdd"]
+    note = (f"scripts/demo --engine vllm --requests {n}: {n} requests of the trace each run, WAN "
+            f"{cfg.link_mbit:g} Mbit/s RTT {cfg.rtt_ms:g} ms ({figures['link']['where']}); PDD pipelines "
+            + ", ".join(f"{k} {v}" for k, v in pdd["pipelines"].items())
+            + f", handoffs {pdd['handoffs']}, RLD's share {pdd['rld_share']}; tokens = one server's in both runs")
+    return [{"figure": f"router_pdd_ttft_{q}", "value": pdd[f"ttft_{q}_s"], "unit": "s",
+             "baseline": f"plain PD (P-MD only) TTFT {q}, same stack and trace", "baseline_value": pd[f"ttft_{q}_s"],
+             "note": note} for q in ("p50", "p99")]
+
+
 def sample_total(router: Router, name: str, **labels) -> float:
     return sum(s.value for m in router.metrics.registry.collect() for s in m.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
@@ -194,7 +218,7 @@ async def add_figures(figs, quick: bool) -> None:
     if why:
         print(f"# router figures left out: {why} (run scripts/vllm-env)", flush=True)
         return
-    for row in await measure(quick) + await measure_handoff(quick):
+    for row in await measure(quick) + await measure_handoff(quick) + await measure_pdd(quick):
         figs.add(row["figure"], row["value"], row["unit"], row.get("baseline"), row.get("baseline_value"),
                  note=row.get("note", ""))
 
@@ -203,14 +227,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="3 rounds instead of 16")
     ap.add_argument("--json", action="store_true", help="one JSON object")
-    ap.add_argument("--only", choices=("overhead", "handoff"), help="one of the two measurements")
+    ap.add_argument("--only", choices=("overhead", "handoff", "pdd"), help="one of the three measurements")
     args = ap.parse_args(argv)
     log.configure("info", "console", stream=sys.stderr)  # stdout: the figures only
     rows = []
-    if args.only != "handoff":
+    if args.only in (None, "overhead"):
         rows += asyncio.run(measure(args.quick))
-    if args.only != "overhead":
+    if args.only in (None, "handoff"):
         rows += asyncio.run(measure_handoff(args.quick))
+    if args.only in (None, "pdd"):
+        rows += asyncio.run(measure_pdd(args.quick))
+    for r in rows:
+        if r.get("baseline_value"):
+            r["ratio"] = round(r["value"] / r["baseline_value"], 3)
     if args.json:
         print(json.dumps({r["figure"]: {k: v for k, v in r.items() if k != "figure"} for r in rows}, indent=1))
     else:
