@@ -175,6 +175,9 @@ class Handoff:
         self.stay = True
         self.core.fallback(self.req.rid, kind, position=len(self.out.ids), **fields)
         self._count(kind)
+        for t in (self.warm, self.absorb):
+            if t is not None and not t.done():
+                t.cancel()  # MD's request is closed now (awaited when the request ends)
 
     # ------------------------------------------------------------------ MD's side
     def _step(self) -> bool:
