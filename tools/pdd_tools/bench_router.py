@@ -8,10 +8,14 @@ in front. The same P-MD work is streamed two ways, alternating rounds:
   answer straight from MD;
 - through the router: the same request to the router, which does the same and relays MD's SSE.
 
-``router_handoff_stall_oneshot_p50_ms``/``_p99_ms`` (``--only handoff``; a third ``vllm serve``
-and agent): P-RLD-MD requests (the agents' TTFT budget is 0) handed from RLD to MD one-shot; the
-stall between RLD's last token and MD's first as the router measures it, against the time per
-output token of the same streams.
+``router_handoff_stall_oneshot_p50_ms``/``_p99_ms`` and ``router_handoff_stall_catchup_p50_ms``/
+``_p99_ms`` (``--only handoff``; a third ``vllm serve`` and agent): P-RLD-MD requests (the
+agents' TTFT budget is 0) handed from RLD to MD, one-shot and catch-up (:func:`measure_handoff`);
+the stall between RLD's last token and MD's first as the router measures it, against the time
+per output token of the same streams.
+
+``router_pdd_ttft_p50``/``_p99`` (``--only pdd``): ``scripts/demo --engine vllm`` at a smaller
+scale, PDD's TTFT against plain PD's p50/p99 in the same run (:func:`measure_pdd`).
 
 Per request, the time per output token after the first (first to last token arrival at the
 client, over the tokens after the first; single gaps are not used: the client often reads several
@@ -21,7 +25,7 @@ the relay adds per token at the tail); its baseline is the direct p99 itself. Al
 ``router_token_overhead_p50_ms``. A 2-core machine shared with the engines: compare within the
 run, not with real hardware.
 
-    python -m pdd_tools.bench_router [--quick] [--json] [--only overhead|handoff]
+    python -m pdd_tools.bench_router [--quick] [--json] [--only overhead|handoff|pdd]
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from pdd_wire.stats import percentile
 
 from .bench_vllm import agent_toml, prompt_for
 from .vllm.serve import (
+    BLOCK,
     VllmServer,
     complete,
     completion_body,
@@ -136,49 +141,73 @@ def _three_nodes(tmp: Path) -> dict[str, str]:
     return out
 
 
+MODES = ("one-shot", "catch-up")
+HANDOFF_AT = 96  # RLD emits at least this many before MD may take over, in both modes
+
+
 async def measure_handoff(quick: bool = False) -> list[dict]:
-    """P-RLD-MD one-shot handoffs: the stall between RLD's last token and MD's first, as the
-    router measures it, against the time per output token of the same streams."""
+    """P-RLD-MD handoffs, one-shot and catch-up (each forced: one router per mode on the same
+    servers, rounds alternating): the stall between RLD's last token and MD's first, as the router
+    measures it, against the time per output token of the same streams. RLD emits at least
+    ``HANDOFF_AT`` tokens in both modes: one-shot then has MD extend over all of them, catch-up
+    absorbs them in rounds first (whole blocks) and switches once at most
+    ``catchup_gap_tokens`` (64) are left."""
     why = missing()
     if why:
         raise SystemExit(f"bench_router needs the vLLM venv ({why}): run scripts/vllm-env")
     tmp = Path(tempfile.mkdtemp(prefix="pdw-bench-handoff-"))
     agents = [Agent(cfgmod.loads(t)) for t in _three_nodes(tmp).values()]
-    tpot: list[float] = []
+    tpot: dict[str, list[float]] = {m: [] for m in MODES}
     P = VllmServer("P", tmp / "P.log", cpu="0", kv=connector_config("kv_producer", f"{tmp}/a1.sock"))
     RLD = VllmServer("RLD", tmp / "RLD.log", cpu="1", kv=connector_config("kv_consumer", f"{tmp}/a2.sock"))
     MD = VllmServer("MD", tmp / "MD.log", cpu="1", prefix_caching=True,
                     kv=connector_config("kv_consumer", f"{tmp}/b1.sock"))
     async with running(tmp, agents, [P, RLD, MD]):
-        cfg = loads(f'[listen]\naddress = "127.0.0.1:0"\n'
-                    f'[[pools.P]]\nurl = "{P.url}"\nengine_socket = "{tmp}/a1.sock"\nsite = "A"\nnode = "a1"\n'
-                    f'[[pools.RLD]]\nurl = "{RLD.url}"\nsite = "A"\nnode = "a2"\n'
-                    f'[[pools.MD]]\nurl = "{MD.url}"\nsite = "B"\nnode = "b1"\n'
-                    f"[handoff]\nmin_rld_tokens = 4\n")
-        async with aiohttp.ClientSession() as http, Router(cfg) as router:
+        def cfg(mode: str):
+            return loads(f'[listen]\naddress = "127.0.0.1:0"\n'
+                         f'[[pools.P]]\nurl = "{P.url}"\nengine_socket = "{tmp}/a1.sock"\nsite = "A"\nnode = "a1"\n'
+                         f'[[pools.RLD]]\nurl = "{RLD.url}"\nsite = "A"\nnode = "a2"\n'
+                         f'[[pools.MD]]\nurl = "{MD.url}"\nsite = "B"\nnode = "b1"\n'
+                         f"[choice]\nblock_tokens = {BLOCK}\n"
+                         f'[handoff]\nmode = "{mode}"\nmin_rld_tokens = {HANDOFF_AT}\n')
+
+        async with aiohttp.ClientSession() as http, Router(cfg("one-shot")) as one, \
+                Router(cfg("catch-up")) as catch:
+            routers = {"one-shot": one, "catch-up": catch}
             rounds = 3 if quick else 12
             with structlog.testing.capture_logs() as logs:
                 for i in range(rounds + 1):  # round 0 warms every path and is not counted
-                    prompts = [prompt_for(500 + 100 * i + j, 48 + 16 * j) for j in range(CONCURRENCY)]
-                    n0 = len(logs)
-                    r = await asyncio.gather(*(_tpot(http, router.url, completion_body(pr, HANDOFF_OUT_TOKENS))
-                                               for pr in prompts))
-                    if i:
-                        tpot += r
-                    else:
-                        del logs[n0:]
-            stalls = [e["stall_ms"] for e in logs if e.get("event") == "router_handoff_stall"]
-            switched = sample_total(router, "pddwire_router_handoffs_total", outcome="switched")
-    if not stalls:
-        raise SystemExit("bench_router: no request was handed over (RLD finished every one first)")
-    note = (f"{len(stalls)} handoffs of {len(tpot)} requests ({int(switched)} switched in all, warm-up included); "
-            f"{CONCURRENCY} concurrent streams of {HANDOFF_OUT_TOKENS} tokens, P-RLD-MD, RLD emits at least 4")
+                    for mode, router in routers.items():
+                        prompts = [prompt_for(500 + 100 * i + j, 48 + 16 * j) for j in range(CONCURRENCY)]
+                        n0 = len(logs)
+                        r = await asyncio.gather(*(_tpot(http, router.url, completion_body(pr, HANDOFF_OUT_TOKENS))
+                                                   for pr in prompts))
+                        if i:
+                            tpot[mode] += r
+                        else:
+                            del logs[n0:]
+            switched = {m: sample_total(r, "pddwire_router_handoffs_total", outcome="switched", mode=m)
+                        for m, r in routers.items()}
+    stalls = {m: [e["stall_ms"] for e in logs if e.get("event") == "router_handoff_stall" and e.get("mode") == m]
+              for m in MODES}
+    rounds_seen = [e.get("rounds") or 0 for e in logs if e.get("event") == "router_handoff_stall"
+                   and e.get("mode") == "catch-up"]
     rows = []
-    for q in (50, 99):
-        sq, tq = percentile(stalls, q), percentile(tpot, q) * 1e3
-        rows.append({"figure": f"router_handoff_stall_oneshot_p{q}_ms", "value": round(sq, 3), "unit": "ms",
-                     "baseline": f"p{q} time per output token", "baseline_value": round(tq, 3),
-                     "note": f"RLD's last token to MD's first at the router; {note}"})
+    for mode in MODES:
+        if not stalls[mode]:
+            raise SystemExit(f"bench_router: no request was handed over {mode} (RLD finished every one first)")
+        note = (f"{len(stalls[mode])} {mode} handoffs of {len(tpot[mode])} requests ({int(switched[mode])} switched "
+                f"in all, warm-up included); {CONCURRENCY} concurrent streams of {HANDOFF_OUT_TOKENS} tokens, "
+                f"P-RLD-MD, handoff.mode forced, RLD emits at least {HANDOFF_AT}; rounds alternating with the "
+                "other mode")
+        if mode == "catch-up":
+            note += f"; absorb rounds per switch: {min(rounds_seen)}-{max(rounds_seen)}" if rounds_seen else ""
+        name = mode.replace("-", "")
+        for q in (50, 99):
+            sq, tq = percentile(stalls[mode], q), percentile(tpot[mode], q) * 1e3
+            rows.append({"figure": f"router_handoff_stall_{name}_p{q}_ms", "value": round(sq, 3), "unit": "ms",
+                         "baseline": f"p{q} time per output token", "baseline_value": round(tq, 3),
+                         "note": f"RLD's last token to MD's first at the router; {note}"})
     return rows
 
 

@@ -73,6 +73,8 @@ def router_summary(res: RunResult) -> dict:
             key = s.labels["mode"] if s.labels["outcome"] == "switched" else s.labels["outcome"]
             hand[key] = hand.get(key, 0) + int(s.value)
     out["handoffs"] = hand
+    out["handoff_mode_choices"] = {f"{s.labels['mode']}/{s.labels['reason']}": int(s.value) for s in m
+                                   if s.name == "pddwire_router_handoff_modes_total" and s.value}
     out["fallbacks"] = {s.labels["kind"]: int(s.value) for s in m
                         if s.name == "pddwire_router_fallbacks_total" and s.value}
     tok = {pool: int(_sample(m, "pddwire_router_output_tokens_total", pool=pool)) for pool in ("P", "RLD", "MD")}
@@ -80,8 +82,9 @@ def router_summary(res: RunResult) -> dict:
     total = sum(tok.values())
     out["rld_share"] = round(tok["RLD"] / total, 4) if total else None
     out["wan_bytes_per_request"] = round(out["wan_bytes"] / len(res.requests)) if res.requests else None
-    stalls = res.stats.get("stalls_ms") or []
-    out["handoff_stall_ms"] = {"n": len(stalls), "p50": _r(percentile(stalls, 50)), "p99": _r(percentile(stalls, 99))}
+    stalls = res.stats.get("stalls_ms") or {}  # mode -> the stalls of its switches, ms
+    out["handoff_stall_ms"] = {mode: {"n": len(v), "p50": _r(percentile(v, 50)), "p99": _r(percentile(v, 99))}
+                               for mode, v in (("all", [x for v in stalls.values() for x in v]), *stalls.items())}
     out["mismatches"] = sum(1 for r in res.requests if "mismatch_at" in r)
     return out
 
@@ -113,8 +116,9 @@ def table(fig: dict, cfg: DemoConfig) -> str:
         row("  RLD's share", lambda f: "-" if f["rld_share"] is None else f"{f['rld_share'] * 100:.1f}%")
         row("WAN bytes per request", lambda f: "-" if f["wan_bytes_per_request"] is None
             else f"{f['wan_bytes_per_request'] / 1e3:,.1f} KB")
-        row("handoff stall p50 / p99", lambda f: "-" if not f["handoff_stall_ms"]["n"] else
-            f"{f['handoff_stall_ms']['p50']:.0f} / {f['handoff_stall_ms']['p99']:.0f} ms")
+        for mode in ("one-shot", "catch-up"):
+            row(f"handoff stall p50 / p99, {mode}", lambda f, mode=mode: "-" if mode not in f["handoff_stall_ms"] else
+                f"{f['handoff_stall_ms'][mode]['p50']:.0f} / {f['handoff_stall_ms'][mode]['p99']:.0f} ms")
         row("fallbacks", lambda f: ", ".join(f"{k} {v}" for k, v in sorted(f["fallbacks"].items())) or "-")
         row("tokens = one server's", lambda f: f"{f['requests'] - f['mismatches']}/{f['requests']}")
     row("requests ok", lambda f: f"{f['ok']}/{f['requests']}")

@@ -39,6 +39,10 @@ LINK_MBIT = 2.0
 RTT_MS = 30.0
 TTFT_BUDGET_S = 0.2
 REQUESTS, RATE = 64, 4.0
+# PDD's RLD is a small pool: its load (running + waiting over this) picks the handoff mode.
+RLD_MAX_NUM_SEQS = 6
+# Catch-up when MD is more than this behind RLD (PDD: 64 tokens of 1K answers; here of ~100).
+CATCHUP_GAP = 16
 
 # pdd_tools.trace's knobs at this scale (its defaults are PDD's shape at 24K tokens).
 TRACE = dict(

@@ -115,7 +115,8 @@ def _ts(ev: dict) -> float:
 def _annotate(rows: list[dict], events: list[dict]) -> None:
     """Each row's pipeline and handoff from the router's log. The router names requests its own
     way (``rtr-...``), so a row is matched to the ``router_pipeline`` event of its prompt length
-    logged soonest after it was sent (rows in the order sent); a row without a match keeps
+    (none is logged without a choice) logged soonest after it was sent (rows in the order sent); a
+    row without a match keeps
     ``pipeline`` None (the run's totals come from the router's metrics, not from these)."""
     choices = [e for e in events if e.get("event") == "router_pipeline"]
     by_rid: dict[str, list[dict]] = {}
@@ -124,8 +125,8 @@ def _annotate(rows: list[dict], events: list[dict]) -> None:
             by_rid.setdefault(e["request_id"], []).append(e)
     used: set[int] = set()
     for row in sorted((r for r in rows if "sent_at" in r), key=lambda r: r["sent_at"]):
-        match = next((i for i, e in enumerate(choices) if i not in used and e.get("input_tokens") ==
-                      row["prompt_tokens"] and _ts(e) >= row["sent_at"] - 0.05), None)
+        match = next((i for i, e in enumerate(choices) if i not in used and e.get("input_tokens") in
+                      (row["prompt_tokens"], None) and _ts(e) >= row["sent_at"] - 0.05), None)
         if match is None:
             continue
         used.add(match)
@@ -197,9 +198,17 @@ async def _run(stack: Stack, cfg: DemoConfig, kind: str, trace, out: Path, http:
     stats = {"A": {"agents": {r: _delta(after[r], before[r]) for r in ("P", "RLD")}},
              "B": {"agents": {"MD": _delta(after["MD"], before["MD"])}},
              "router": metrics, "link_estimate": estimate,
-             "stalls_ms": [e["stall_ms"] for e in events if e.get("event") == "router_handoff_stall"]}
+             "stalls_ms": _stalls(events)}
     res = RunResult(kind, rows, stats, time.monotonic() - t_start, failures)
     return res, rep
+
+
+def _stalls(events: list[dict]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for e in events:
+        if e.get("event") == "router_handoff_stall":
+            out.setdefault(e.get("mode") or "one-shot", []).append(e["stall_ms"])
+    return out
 
 
 def _delta(a: dict, b: dict) -> dict:
