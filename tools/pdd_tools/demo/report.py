@@ -145,6 +145,7 @@ def plot_cdf(results: dict[str, RunResult], path: Path, link: str,
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5), dpi=120)
     colors = {"pd": "tab:red", "pdd": "tab:blue"}
@@ -161,6 +162,7 @@ def plot_cdf(results: dict[str, RunResult], path: Path, link: str,
             ax.annotate(f"p{q} {v:.2f}s", (v, 0.05 + (0.08 if q == 99 else 0) + (0.2 if kind == "pdd" else 0)),
                         color=colors[kind], fontsize=7, rotation=90, ha="right")
     ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decade labels only: no overlaps
     ax.set_xlabel("TTFT (s, log scale)")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.01)

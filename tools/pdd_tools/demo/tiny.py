@@ -13,10 +13,12 @@ token and a 10-100 Gbps line, where a low-hit request's KV takes seconds to cros
   system prompt; a few one-off long prompts with 2-7-token answers, which the agents'
   anomalous-traffic filter (>= :data:`ANOMALY_MIN_INPUT` in, < :data:`ANOMALY_MAX_OUTPUT` out;
   PDD: >= 32K in, < 500 out) finishes on RLD;
-* the WAN at :data:`LINK_MBIT` Mbit/s, so that one 32 KiB block takes about 130 ms to cross and a
-  full prompt's KV over a second: tens of token times, as PDD's KV takes against a real model's
-  compute; the agents' TTFT budget (:data:`TTFT_BUDGET_S`) lets a request go P-MD when its
-  missing KV crosses within about one block's time.
+* the WAN at :data:`LINK_MBIT` Mbit/s, so that one 32 KiB block takes about 90 ms to cross and a
+  full prompt's KV about a second: tens of token times, as PDD's KV takes against a real model's
+  compute, and plain PD's KV uses about three quarters of the link (queueing in its tail, not
+  an overloaded link); the agents' TTFT budget (:data:`TTFT_BUDGET_S`, their default) lets a
+  request go P-MD when its missing KV and the queue ahead of it cross within about two blocks'
+  time.
 
 :class:`Conversations` makes each request's prompt as token ids: random tokens, seeded per run
 and conversation, with each follow-up built from the answer the previous turn actually got.
@@ -35,7 +37,7 @@ KV_BYTES_PER_TOKEN = 1024  # 2 layers x (K, V) x 2 KV heads x 32 x 4 bytes
 PREFIX_SALT = "tiny-llama/torch.float32"  # the connector's default: model directory + dtype
 MAX_PROMPT = 320  # prompts stop growing here: 320 + up to 192 answer tokens = the context
 ANOMALY_MIN_INPUT, ANOMALY_MAX_OUTPUT = 288, 8
-LINK_MBIT = 2.0
+LINK_MBIT = 3.0
 RTT_MS = 30.0
 TTFT_BUDGET_S = 0.2
 REQUESTS, RATE = 64, 4.0
