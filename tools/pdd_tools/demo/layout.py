@@ -65,6 +65,16 @@ def layout_for(cfg: DemoConfig, netns: bool, sock_dir: str, sites=None) -> Layou
                   4 if netns else 1, "ucx" if ucx else "tcp")
 
 
+def wan_of(cfg: DemoConfig) -> tuple[bool, str, str]:
+    """(two network namespaces or loopback, how the WAN is shaped, the link in words)."""
+    netns = cfg.where == "netns" or (cfg.where == "auto" and os.geteuid() == 0)
+    if netns and os.geteuid() != 0:
+        raise PermissionError("--where netns needs root (network namespaces); use --where loopback")
+    where = (f"two network namespaces ({cfg.prefix}-a, {cfg.prefix}-b), tbf {cfg.link_mbit:g} Mbit/s on the veth"
+             if netns else f"loopback (not root), the shaper limits each connection to {cfg.link_mbit:g} Mbit/s")
+    return netns, where, f"{cfg.link_mbit:g} Mbit/s, RTT {cfg.rtt_ms:g} ms ± {cfg.jitter_ms:g} ms"
+
+
 SIM_POLICY = f"""[policy.pipeline]
 anomaly_min_input_tokens = {ANOMALY_MIN_INPUT}
 anomaly_max_output_tokens = {ANOMALY_MAX_OUTPUT}

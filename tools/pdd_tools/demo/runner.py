@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
 import sys
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 from .config import MD_PEER, PUBLISHED, DemoConfig, config_from_args
-from .layout import Procs, agent_toml, layout_for
+from .layout import Procs, agent_toml, layout_for, wan_of
 from .report import RunResult, plot_cdf, summary, table
 
 
@@ -257,16 +256,6 @@ async def _run(cfg: DemoConfig, kind: str, trace, out: Path, sites=None) -> RunR
 
 def _d(a, b):
     return round(a - b, 6) if a is not None and b is not None else None
-
-
-def wan_of(cfg: DemoConfig) -> tuple[bool, str, str]:
-    """(two network namespaces or loopback, how the WAN is shaped, the link in words)."""
-    netns = cfg.where == "netns" or (cfg.where == "auto" and os.geteuid() == 0)
-    if netns and os.geteuid() != 0:
-        raise PermissionError("--where netns needs root (network namespaces); use --where loopback")
-    where = (f"two network namespaces ({cfg.prefix}-a, {cfg.prefix}-b), tbf {cfg.link_mbit:g} Mbit/s on the veth"
-             if netns else f"loopback (not root), the shaper limits each connection to {cfg.link_mbit:g} Mbit/s")
-    return netns, where, f"{cfg.link_mbit:g} Mbit/s, RTT {cfg.rtt_ms:g} ms ± {cfg.jitter_ms:g} ms"
 
 
 async def run(cfg: DemoConfig) -> tuple[dict, dict[str, RunResult]]:

@@ -30,8 +30,8 @@ from pdd_wire.router.upstream import sse_events
 from ..vllm.serve import completion_body, missing
 from . import tiny
 from .config import PUBLISHED, DemoConfig
+from .layout import wan_of
 from .report import RunResult, plot_cdf, router_summary
-from .runner import wan_of
 from .vllm_stack import RouterProc, Stack
 
 
@@ -112,7 +112,7 @@ def _ts(ev: dict) -> float:
         return 0.0
 
 
-def _annotate(rows: list[dict], events: list[dict]) -> None:
+def annotate(rows: list[dict], events: list[dict]) -> None:
     """Each row's pipeline and handoff from the router's log. The router names requests its own
     way (``rtr-...``), so a row is matched to the ``router_pipeline`` event of its prompt length
     (none is logged without a choice) logged soonest after it was sent (rows in the order sent); a
@@ -194,7 +194,7 @@ async def _run(stack: Stack, cfg: DemoConfig, kind: str, trace, out: Path, http:
     after = await asyncio.to_thread(stack.agent_figures)
     rows = [rep.rows.get(r.rid) or {"request_id": r.rid, "ok": False, "error": "not sent"} for r in trace]
     events = router.events()
-    _annotate(rows, events)
+    annotate(rows, events)
     stats = {"A": {"agents": {r: _delta(after[r], before[r]) for r in ("P", "RLD")}},
              "B": {"agents": {"MD": _delta(after["MD"], before["MD"])}},
              "router": metrics, "link_estimate": estimate,
@@ -221,13 +221,15 @@ def _delta(a: dict, b: dict) -> dict:
     return out
 
 
-def _check(results: dict[str, RunResult], reps: dict[str, _Replay], refs: dict[str, list[int]]) -> None:
-    """Each request's tokens against the single server's; the verdict in its row."""
+def check_tokens(results: dict[str, RunResult], tokens: dict[str, dict[str, list[int]]],
+                 refs: dict[str, list[int]]) -> None:
+    """Each request's tokens (``tokens[run][request]``) against the single server's
+    (``refs["run/request"]``): the verdict in its row (``ok``, else ``error`` and, for different
+    tokens, ``mismatch_at``), each failure in its run's ``failures``."""
     for kind, res in results.items():
-        rep = reps[kind]
         for row in res.requests:
             rid = row["request_id"]
-            got, want = rep.tokens.get(rid), refs.get(f"{kind}/{rid}")
+            got, want = tokens.get(kind, {}).get(rid), refs.get(f"{kind}/{rid}")
             if "error" in row:
                 why = row["error"]
             elif got is None or want is None:
@@ -295,7 +297,7 @@ async def run(cfg: DemoConfig) -> tuple[dict, dict[str, RunResult]]:
     finally:
         if sites is not None:
             sites.down()
-    _check(results, reps, refs)
+    check_tokens(results, {k: rep.tokens for k, rep in reps.items()}, refs)
     for kind, res in results.items():
         with open(out / kind / "requests.jsonl", "w") as f:
             for row in res.requests:
