@@ -250,9 +250,10 @@ async def add_figures(figs, quick: bool) -> None:
     # The agents and the router run in this process: their logs go to stderr, never into the
     # figures on stdout (--json); info, for the handoff stalls read from the router's log lines.
     log.configure("info", "console", stream=sys.stderr)
-    for row in await measure(quick) + await measure_handoff(quick) + await measure_pdd(quick):
-        figs.add(row["figure"], row["value"], row["unit"], row.get("baseline"), row.get("baseline_value"),
-                 note=row.get("note", ""))
+    for measurement in (measure, measure_handoff, measure_pdd):  # each one's figures as it ends
+        for row in await measurement(quick):
+            figs.add(row["figure"], row["value"], row["unit"], row.get("baseline"), row.get("baseline_value"),
+                     note=row.get("note", ""))
 
 
 def main(argv: list[str] | None = None) -> int:
