@@ -7,9 +7,9 @@
   (loopback), and the shaper's delay in site A in front of MD's agent;
 * three real ``vllm serve`` (:class:`pdd_tools.vllm.serve.VllmServer`, the tiny model) with
   PddWireConnector on those agents' engine sockets: P (kv_producer) and RLD (kv_consumer) on
-  core 0, site A's; MD (kv_consumer, prefix caching) on core 1, site B's (every process of a
-  server pinned there: vLLM's engine loop spins while a request waits for its KV, and a site's
-  spinning must not take the other site's core). They run in the root namespace and reach their
+  core 0, site A's; MD (kv_consumer, prefix caching) on core 1, site B's (every thread of a
+  server pinned there once it is up: vLLM's engine loop spins while a request waits for its KV,
+  and a site's spinning must not take the other site's core). They run in the root namespace and reach their
   agents by Unix socket, wherever those run;
 * a delay relay (the shaper, half the RTT each way, no rate) in front of MD's HTTP port: the
   router lives in site A, so a request to MD and MD's tokens back cross the WAN's RTT too.
