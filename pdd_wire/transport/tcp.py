@@ -9,7 +9,8 @@ socket to the event loop that will own it before any TLS state exists:
 * **bulk** connections live on :class:`BulkLoop` threads, each with its own uvloop, so KV
   I/O never holds the main loop. Measured here: bulk sends on the control loop delay a
   64-byte ping by p99 0.3-0.5 s; on another thread, whose socket calls and xxh3 release
-  the GIL, the ping keeps p99 in the tens of microseconds.
+  the GIL (a bulk thread holds it ~8% of its CPU), the ping waits only for a core and for
+  the main loop's own ack work (docs/benchmarks.md, "Token frames under load").
 
 Receiving bulk frames uses :class:`asyncio.BufferedProtocol` with the frame reader's
 payload sink, so KV bytes go from the kernel straight into the receiver's registered memory.
