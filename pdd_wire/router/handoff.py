@@ -214,6 +214,7 @@ class Handoff:
     def _step(self) -> bool:
         """Advance MD's side on what has happened (non-blocking); True: switch now."""
         out, cfg = self.out, self.cfg
+        self._load_wake = None  # set again below while the mode waits for a load figure
         if self.stay or out.finished:
             return False
         m = len(out.ids)

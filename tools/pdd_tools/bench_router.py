@@ -188,10 +188,10 @@ async def measure_handoff(quick: bool = False) -> list[dict]:
                             del logs[n0:]
             switched = {m: sample_total(r, "pddwire_router_handoffs_total", outcome="switched", mode=m)
                         for m, r in routers.items()}
-    stalls = {m: [e["stall_ms"] for e in logs if e.get("event") == "router_handoff_stall" and e.get("mode") == m]
-              for m in MODES}
-    rounds_seen = [e.get("rounds") or 0 for e in logs if e.get("event") == "router_handoff_stall"
-                   and e.get("mode") == "catch-up"]
+    switches = [e for e in logs if e.get("event") == "router_handoff_stall"
+                and e.get("outcome") == "switched"]  # planned switches (after a failure: MD's receive too)
+    stalls = {m: [e["stall_ms"] for e in switches if e.get("mode") == m] for m in MODES}
+    rounds_seen = [e.get("rounds") or 0 for e in switches if e.get("mode") == "catch-up"]
     rows = []
     for mode in MODES:
         if not stalls[mode]:
