@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import structlog.testing
@@ -58,6 +59,9 @@ from .vllm.serve import (
     missing,
     running,
 )
+
+if TYPE_CHECKING:
+    from .demo import DemoConfig, RunResult
 
 OUT_TOKENS = 64
 # Handoff: long enough that MD holds the KV before RLD is done (the tiny model decodes a token
@@ -114,6 +118,12 @@ async def measure(quick: bool = False) -> list[dict]:
                 if i:
                     direct += d
                     routed += r
+    return overhead_rows(direct, routed)
+
+
+def overhead_rows(direct: list[float], routed: list[float]) -> list[dict]:
+    """The overhead figures from per-request seconds per token, direct and through the router:
+    the router's percentile minus direct's, direct's as the baseline."""
     note = (f"{len(routed)} requests each way, {CONCURRENCY} concurrent streams of {OUT_TOKENS} tokens, "
             "P-MD both ways, rounds alternating")
     rows = []
@@ -188,10 +198,16 @@ async def measure_handoff(quick: bool = False) -> list[dict]:
                             del logs[n0:]
             switched = {m: sample_total(r, "pddwire_router_handoffs_total", outcome="switched", mode=m)
                         for m, r in routers.items()}
-    switches = [e for e in logs if e.get("event") == "router_handoff_stall"
-                and e.get("outcome") == "switched"]  # planned switches (after a failure: MD's receive too)
-    stalls = {m: [e["stall_ms"] for e in switches if e.get("mode") == m] for m in MODES}
-    rounds_seen = [e.get("rounds") or 0 for e in switches if e.get("mode") == "catch-up"]
+    return stall_rows(logs, tpot, switched)
+
+
+def stall_rows(logs: list[dict], tpot: dict[str, list[float]], switched: dict[str, float]) -> list[dict]:
+    """The handoff-stall figures per mode from the router's ``router_handoff_stall`` log events
+    (planned switches only: after MD failed, MD's receive is in the stall too), against the p50/p99
+    time per output token of the same streams."""
+    events = [e for e in logs if e.get("event") == "router_handoff_stall" and e.get("outcome") == "switched"]
+    stalls = {m: [e["stall_ms"] for e in events if e.get("mode") == m] for m in MODES}
+    rounds_seen = [e.get("rounds") or 0 for e in events if e.get("mode") == "catch-up"]
     rows = []
     for mode in MODES:
         if not stalls[mode]:
@@ -200,8 +216,8 @@ async def measure_handoff(quick: bool = False) -> list[dict]:
                 f"in all, warm-up included); {CONCURRENCY} concurrent streams of {HANDOFF_OUT_TOKENS} tokens, "
                 f"P-RLD-MD, handoff.mode forced, RLD emits at least {HANDOFF_AT}; rounds alternating with the "
                 "other mode")
-        if mode == "catch-up":
-            note += f"; absorb rounds per switch: {min(rounds_seen)}-{max(rounds_seen)}" if rounds_seen else ""
+        if mode == "catch-up" and rounds_seen:
+            note += f"; absorb rounds per switch: {min(rounds_seen)}-{max(rounds_seen)}"
         name = mode.replace("-", "")
         for q in (50, 99):
             sq, tq = percentile(stalls[mode], q), percentile(tpot[mode], q) * 1e3
@@ -222,12 +238,19 @@ async def measure_pdd(quick: bool = False) -> list[dict]:
         cfg = DemoConfig(engine="vllm", out=tmp, requests=n, rate=tiny.RATE, seed=1, link_mbit=tiny.LINK_MBIT,
                          rtt_ms=tiny.RTT_MS, prefix="pddvb", ttft_budget_s=tiny.TTFT_BUDGET_S, quiet=True)
         figures, results = await vllm_runner.run(cfg)
+    return pdd_rows(figures, results, cfg)
+
+
+def pdd_rows(figures: dict, results: dict[str, RunResult], cfg: DemoConfig) -> list[dict]:
+    """``router_pdd_ttft_p50``/``_p99`` from the demo's two runs (its ``figures.json`` shape):
+    PDD's TTFT, plain PD's of the same run as the baseline; a run with a failure (a mismatch with
+    the single server's tokens, an error) gives no figure."""
     failures = [f for r in results.values() for f in r.failures]
     if failures:
         raise SystemExit(f"bench_router: the demo run failed: {failures[:3]}")
     pd, pdd = figures["pd"], figures["pdd"]
-    note = (f"scripts/demo --engine vllm --requests {n}: {n} requests of the trace each run, WAN "
-            f"{cfg.link_mbit:g} Mbit/s RTT {cfg.rtt_ms:g} ms ({figures['link']['where']}); PDD pipelines "
+    note = (f"scripts/demo --engine vllm --requests {cfg.requests}: {cfg.requests} requests of the trace each run, "
+            f"WAN {cfg.link_mbit:g} Mbit/s RTT {cfg.rtt_ms:g} ms ({figures['link']['where']}); PDD pipelines "
             + ", ".join(f"{k} {v}" for k, v in pdd["pipelines"].items())
             + f", handoffs {pdd['handoffs']}, RLD's share {pdd['rld_share']}; tokens = one server's in both runs")
     return [{"figure": f"router_pdd_ttft_{q}", "value": pdd[f"ttft_{q}_s"], "unit": "s",
@@ -238,7 +261,6 @@ async def measure_pdd(quick: bool = False) -> list[dict]:
 def sample_total(router: Router, name: str, **labels) -> float:
     return sum(s.value for m in router.metrics.registry.collect() for s in m.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
 
 
 async def add_figures(figs, quick: bool) -> None:

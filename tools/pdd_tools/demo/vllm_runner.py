@@ -204,9 +204,11 @@ async def _run(stack: Stack, cfg: DemoConfig, kind: str, trace, out: Path, http:
 
 
 def _stalls(events: list[dict]) -> dict[str, list[float]]:
+    """Stalls of planned switches by mode, as the router's stall histogram counts them (after
+    RLD failed, the wait includes MD's receive of the KV)."""
     out: dict[str, list[float]] = {}
     for e in events:
-        if e.get("event") == "router_handoff_stall":
+        if e.get("event") == "router_handoff_stall" and e.get("outcome") == "switched":
             out.setdefault(e.get("mode") or "one-shot", []).append(e["stall_ms"])
     return out
 
