@@ -162,13 +162,17 @@ def plot_cdf(results: dict[str, RunResult], path: Path, link: str,
             ax.annotate(f"p{q} {v:.2f}s", (v, 0.05 + (0.08 if q == 99 else 0) + (0.2 if kind == "pdd" else 0)),
                         color=colors[kind], fontsize=7, rotation=90, ha="right")
     ax.set_xscale("log")
-    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # decade labels only: no overlaps
+    # labels at 1, 2 and 5 of each decade, as plain seconds: a run's TTFTs often span less than a
+    # decade (only "10^0" would be labelled), and 1-2-5 never overlap
+    ax.xaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("TTFT (s, log scale)")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.01)
     ax.grid(True, which="both", alpha=0.3)
     ax.set_title(f"TTFT CDF, {engines}; WAN {link}", fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", fontsize=8)  # the curves start low at the left; lower right has the tails' labels
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
