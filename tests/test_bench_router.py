@@ -31,7 +31,7 @@ def _stall(mode: str, ms: float, outcome: str = "switched", rounds: int = 0) -> 
 
 def test_stalls_count_planned_switches_only_by_mode():
     logs = [_stall("one-shot", 10.0), _stall("one-shot", 30.0),
-            _stall("one-shot", 900.0, outcome="md_failed"),  # MD's receive in it: not a switch's stall
+            _stall("one-shot", 900.0, outcome="rld_failed"),  # MD's receive in it: not a switch's stall
             _stall("catch-up", 4.0, rounds=2), _stall("catch-up", 6.0, rounds=5),
             {"event": "router_handoff", "mode": "catch-up", "stall_ms": 1000.0, "outcome": "switched"}]
     tpot = {"one-shot": [0.002, 0.004], "catch-up": [0.003, 0.003]}
@@ -46,7 +46,7 @@ def test_stalls_count_planned_switches_only_by_mode():
 
 
 def test_no_stall_figure_without_a_handoff_in_each_mode():
-    logs = [_stall("one-shot", 10.0), _stall("catch-up", 5.0, outcome="md_failed")]
+    logs = [_stall("one-shot", 10.0), _stall("catch-up", 5.0, outcome="rld_failed")]
     with pytest.raises(SystemExit, match="catch-up"):
         bench_router.stall_rows(logs, {"one-shot": [0.002], "catch-up": [0.002]}, {"one-shot": 1, "catch-up": 0})
 

@@ -203,8 +203,8 @@ async def measure_handoff(quick: bool = False) -> list[dict]:
 
 def stall_rows(logs: list[dict], tpot: dict[str, list[float]], switched: dict[str, float]) -> list[dict]:
     """The handoff-stall figures per mode from the router's ``router_handoff_stall`` log events
-    (planned switches only: after MD failed, MD's receive is in the stall too), against the p50/p99
-    time per output token of the same streams."""
+    (planned switches only: after RLD failed, MD's receive of the KV is in the stall too),
+    against the p50/p99 time per output token of the same streams."""
     events = [e for e in logs if e.get("event") == "router_handoff_stall" and e.get("outcome") == "switched"]
     stalls = {m: [e["stall_ms"] for e in events if e.get("mode") == m] for m in MODES}
     rounds_seen = [e.get("rounds") or 0 for e in events if e.get("mode") == "catch-up"]
