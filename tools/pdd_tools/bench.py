@@ -23,7 +23,8 @@ from .harness import AgentPair, metric_value
 
 MiB = 1 << 20
 # Figure groups of --only, in the order they run; every one by default.
-GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "latency", "prefix", "handoff")
+GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "latency", "prefix", "handoff",
+          "wan")
 
 
 class Figures:
@@ -483,6 +484,11 @@ async def _run(args) -> int:
         from . import bench_router
 
         await bench_router.add_figures(figs, quick)
+    if "wan" in groups:
+        figs.step("wan: per-transfer overhead, 4 MiB goodput, transfers over a 40 ms RTT link")
+        from . import bench_wan
+
+        await bench_wan.add_figures(figs, quick)
     if not groups & {"goodput", "latency", "handoff", "prefix"}:
         return 0
     async with AgentPair() as pair:
@@ -501,8 +507,9 @@ async def _run(args) -> int:
                     figs.add(f"kv_goodput_{label}", gbps, "GB/s", "iperf3 -l 1M", base,
                              note=f"{count} transfers, {conc} at a time, "
                              f"median {statistics.median(lat) * 1e3:.1f} ms each")
-                    figs.add(f"kv_goodput_{label}_vs_bare_pipe", gbps, "GB/s", "bare python pipe", pipe,
-                             note="memfd to memfd, no framing or checksums (pdd_tools.benchpipe)")
+                    if size != 4 * MiB:  # kv_goodput_4MiB_vs_bare_pipe: the wan group (pdd_tools.bench_wan)
+                        figs.add(f"kv_goodput_{label}_vs_bare_pipe", gbps, "GB/s", "bare python pipe", pipe,
+                                 note="memfd to memfd, no framing or checksums (pdd_tools.benchpipe)")
             if "latency" in groups:
                 figs.step("latency: token IDs, idle and under load")
                 idle = await _token_latency(ea, eb, 100 if quick else 300, "idle")
