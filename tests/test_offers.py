@@ -158,12 +158,13 @@ async def test_a_withdrawal_racing_the_send_writes_nothing(tmp_sock_dir, engines
     """The abort's KV_WITHDRAW and the send cross: the offered KV_BEGIN finds no post, waits,
     and is refused; its early chunks are dropped without a byte written."""
     async with relayed_toml(tmp_sock_dir, transfer="unposted_wait_s = 0.3") as (relay, tomls):
-        relay.set_delay(20)
         async with run_agents(_chunked(tomls)) as ag:
             ea, eb, src, dst, ra, rb = await _engines(engines, tmp_sock_dir)
             await eb.post_recv("x", [rb.blocks(0, 4)], from_site="A")
             await until(lambda: "x" in offers_at(ag["A"]))
+            relay.pause()  # the KV_WITHDRAW and the offered KV_BEGIN cross in the link
             await asyncio.gather(eb.abort("x"), ea.send_kv("x", [ra.blocks(0, 4)], to=["B"]))
+            relay.resume()
             ev = await ea.wait("x", timeout=10)
             # Refused unposted, or ended by the abort's REQUEST_ABORT first (abort.v1): either way
             # the sender's engine is told, and B wrote nothing.
@@ -308,20 +309,65 @@ async def test_a_hostile_peers_offers_and_early_chunks_reach_nothing_of_anyone_e
 
 @pytest.mark.parametrize("n_blocks", [1, 5])
 async def test_an_offered_transfer_accepted_late_sends_its_chunks_again(tmp_sock_dir, engines, n_blocks):
-    """Its offer still stood at A, but its post had expired at B (the withdrawal on its way):
+    """Its offer still stood at A, but its post had expired at B (the withdrawal under way):
     the offered KV_BEGIN waits for a post, its early chunks are dropped; posted again, B matches
     it late and says KV_ACCEPT, A sends every chunk again; the data lands whole."""
     async with relayed_toml(tmp_sock_dir) as (relay, tomls):
-        relay.set_delay(30)
         async with run_agents(_chunked(tomls)) as ag:
             ea, eb, src, dst, ra, rb = await _engines(engines, tmp_sock_dir)
             await eb.post_recv("re", [rb.blocks(0, n_blocks)], from_site="A", ttl_s=0.3)
             await until(lambda: "re" in offers_at(ag["A"]))
-            assert isinstance(await eb.wait("re", timeout=10), p.TransferFailed)  # the ttl: withdrawn, 30 ms away
+            relay.pause()  # the expired post's KV_WITHDRAW and the offered KV_BEGIN cross in the link
+            assert isinstance(await eb.wait("re", timeout=10), p.TransferFailed)  # the ttl
             await ea.send_kv("re", [ra.blocks(0, n_blocks)], to=["B"], lease_s=10)
+            relay.resume()
             await until(lambda: ag["B"].kv.unposted, what="the offered KV_BEGIN waiting for a post")
             assert metric(ag["A"], "pddwire_kv_offers_total", peer="B/b1", event="taken") == 1
             await eb.post_recv("re", [rb.blocks(0, n_blocks)], from_site="A")
             assert isinstance(await eb.wait("re", timeout=10), p.KvReceived)
             assert isinstance(await ea.wait("re", timeout=10), p.KvSent)
             assert await same_bytes(dst.buf[:n_blocks * BLOCK], src.buf[:n_blocks * BLOCK])
+
+
+async def test_an_offer_taken_after_the_prefix_query_ships_only_the_suffix(tmp_sock_dir, engines):
+    """With block hashes the sender asks first (PREFIX_QUERY), then announces the suffix taking
+    the offer: the offer's sizes are the whole post's, the KV_BEGIN's the suffix's."""
+    from pdd_wire.engine.hashes import chain_hashes
+
+    async with run_agents(_toml(tmp_sock_dir)) as ag:
+        ea, eb, src, dst, ra, rb = await _engines(engines, tmp_sock_dir)
+        hashes = chain_hashes(list(range(8 * 16)), 16, model="offers")
+        await eb.kv_stored([rb.blocks(0, 5)], hashes[:5])  # MD's cache holds the first 5 blocks
+        await eb.post_recv("sfx", [rb.blocks(16, 8)], from_site="A")
+        await until(lambda: "sfx" in offers_at(ag["A"]))
+        await ea.send_kv("sfx", [ra.blocks(0, 8)], to=["B"], block_hashes=hashes)
+        ev = await eb.wait("sfx", timeout=10)
+        assert isinstance(ev, p.KvReceived) and ev.reused_blocks == 5 and ev.bytes == 3 * BLOCK
+        assert await same_bytes(dst.buf[21 * BLOCK:24 * BLOCK], src.buf[5 * BLOCK:8 * BLOCK])
+        assert metric(ag["A"], "pddwire_kv_offers_total", peer="B/b1", event="taken") == 1
+
+
+async def test_the_begin_gate_holds_only_what_may_still_be_announced(monkeypatch):
+    """The gate alone (any thread asks, the loop answers): a chunk of a transfer whose KV_BEGIN
+    was handled is never held; one held is woken once, by its KV_BEGIN or by the bound."""
+    monkeypatch.setattr(receiving, "PARK_S", 0.05)
+    counts: list[str] = []
+    gate = receiving.BeginGate(keep=2, count=counts.append)
+    woken: list[int] = []
+    assert not gate.hold(1, lambda: woken.append(1))  # not opened: the peer sends nothing early
+    gate.open(asyncio.get_running_loop())
+    assert gate.hold(1, lambda: woken.append(1)) and gate.holding == 1
+    gate.begun(1)
+    assert woken == [1] and gate.holding == 0
+    assert not gate.hold(1, lambda: woken.append(99))  # its KV_BEGIN was handled: drop it as before
+    assert gate.hold(2, lambda: woken.append(2))
+    await until(lambda: woken == [1, 2], what="the bound waking a chunk no KV_BEGIN follows")
+    assert counts == ["held", "held", "expired"]
+    gate.begun(2)
+    gate.begun(3)
+    gate.begun(4)  # keep = 2: transfer 2 is forgotten again
+    assert gate.hold(2, lambda: woken.append(22)) and not gate.hold(4, lambda: None)
+    monkeypatch.setattr(receiving, "MAX_PARKED", 2)
+    assert gate.hold(5, lambda: woken.append(5)) and not gate.hold(6, lambda: None)  # bounded
+    gate.clear()  # the peer restarted: everything held goes on (to be dropped), ids start again
+    assert sorted(woken[2:]) == [5, 22] and gate.holding == 0 and gate.hold(4, lambda: None)

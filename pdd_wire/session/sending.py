@@ -170,12 +170,12 @@ class Sender:
 
     def _announce(self, t: OutTransfer) -> None:
         remaining = max(1, int((t.deadline - asyncio.get_running_loop().time()) * 1000))
-        self.s.send_frame(FrameType.KV_BEGIN, m.KvBegin(t.request_id, t.total, t.chunk_bytes, t.n_chunks,
-                                                        t.blocks.block_bytes, t.blocks.n_blocks, remaining, t.skip,
-                                                        t.post_wait_ms, t.offered),
-                          tid=t.tid)
-        if t.offered:  # the receiver posted for it already: no KV_ACCEPT to wait for
-            self.flow.start(t.tid)
+        sent = self.s.send_frame(FrameType.KV_BEGIN, m.KvBegin(t.request_id, t.total, t.chunk_bytes, t.n_chunks,
+                                                               t.blocks.block_bytes, t.blocks.n_blocks, remaining,
+                                                               t.skip, t.post_wait_ms, t.offered),
+                                 tid=t.tid)
+        if t.offered and sent:  # the receiver posted for it already: no KV_ACCEPT to wait for (and if the
+            self.flow.start(t.tid)  # connection is down, it stays ANNOUNCED: the reconnect announces it)
             self.pump()
 
     # -- moving
