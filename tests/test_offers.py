@@ -309,16 +309,17 @@ async def test_a_hostile_peers_offers_and_early_chunks_reach_nothing_of_anyone_e
 
 @pytest.mark.parametrize("n_blocks", [1, 5])
 async def test_an_offered_transfer_accepted_late_sends_its_chunks_again(tmp_sock_dir, engines, n_blocks):
-    """Its offer still stood at A, but its post had expired at B (the withdrawal under way):
-    the offered KV_BEGIN waits for a post, its early chunks are dropped; posted again, B matches
-    it late and says KV_ACCEPT, A sends every chunk again; the data lands whole."""
+    """Its offer still stood at A, but its post was gone at B (its region deregistered; the
+    withdrawal still under way): the offered KV_BEGIN waits for a post, its early chunks are
+    dropped; posted again, B matches it late and says KV_ACCEPT, A sends every chunk again."""
     async with relayed_toml(tmp_sock_dir) as (relay, tomls):
         async with run_agents(_chunked(tomls)) as ag:
             ea, eb, src, dst, ra, rb = await _engines(engines, tmp_sock_dir)
-            await eb.post_recv("re", [rb.blocks(0, n_blocks)], from_site="A", ttl_s=0.3)
+            scratch = await eb.register(engines.memory(8 * BLOCK), block_bytes=BLOCK)
+            await eb.post_recv("re", [scratch.blocks(0, n_blocks)], from_site="A")
             await until(lambda: "re" in offers_at(ag["A"]))
-            relay.pause()  # the expired post's KV_WITHDRAW and the offered KV_BEGIN cross in the link
-            assert isinstance(await eb.wait("re", timeout=10), p.TransferFailed)  # the ttl
+            relay.pause()  # the KV_WITHDRAW and the offered KV_BEGIN cross in the link
+            await eb.deregister(scratch)  # the post goes with its region
             await ea.send_kv("re", [ra.blocks(0, n_blocks)], to=["B"], lease_s=10)
             relay.resume()
             await until(lambda: ag["B"].kv.unposted, what="the offered KV_BEGIN waiting for a post")
