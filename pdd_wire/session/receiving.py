@@ -277,10 +277,10 @@ class Receiver:
         s = self.s
         self._forget(t)
         self.ledger.completed_transfer(t.tid, t.request_id)
+        s.host.kv_received(t)  # the engine first: it waits for this, the sender only frees its pages
         s.send_frame(FrameType.KV_DONE, m.KvDone(t.request_id, t.total), tid=t.tid)
         s.metrics.child(s.metrics.transfers, s.key, "in", "done").inc()
         s.metrics.child(s.metrics.transfer_seconds, "in").observe(time.monotonic() - t.started)
-        s.host.kv_received(t)
 
     async def _quiesce(self, route: Route) -> None:
         try:
