@@ -181,14 +181,8 @@ def test_a_deferred_payload_sink_holds_the_frame_until_resumed():
         r.buffer()  # nothing may be read meanwhile
     dest = bytearray(seen[0].payload_len)
     r.resume([memoryview(dest)])
-    rest = memoryview(raw)[HEADER_SIZE + seen[0].body_len:]
-    while rest:
-        buf = r.buffer()
-        n = min(len(buf), len(rest))
-        buf[:n] = rest[:n]
-        rest = rest[n:]
-        f = r.advance(n)
-    assert f is not None and f.payload_ok and bytes(dest) == bytes.fromhex(vec["frames"][0]["payload_hex"])
+    (f,) = r.feed(memoryview(raw)[HEADER_SIZE + seen[0].body_len:])
+    assert f.payload_ok and bytes(dest) == bytes.fromhex(vec["frames"][0]["payload_hex"])
     assert not r.waiting and r.idle
     with pytest.raises(ProtocolError):
         r.resume(None)  # nothing deferred
