@@ -419,11 +419,7 @@ class UcxPeer:
         if unfinished:
             _orphans.extend(unfinished)
             clean = False
-        self.ucx.detach(self)
-        try:
-            self.ucx.event_loop().remove_reader(self.epoll_fd)
-        except (ValueError, OSError):
-            pass
+        self.ucx.detach(self)  # (its epoll fd too)
         if not clean:
             # Dropping an endpoint whose close did not finish blocks in its destructor until
             # the peer answers; keep it, and its worker, instead.

@@ -323,13 +323,27 @@ class UcxLoop:
             _resolve(w, None)
 
     def attach(self, p: Driven) -> None:
-        """Drive ``p`` from now on (loop thread)."""
+        """Drive ``p`` from now on (loop thread). Its epoll fd stays registered with the loop
+        until :meth:`detach`: a sleep costs no ``epoll_ctl``."""
         self._peers = self._peers + [p]
+        self.event_loop().add_reader(p.epoll_fd, self._on_event)
         self.kick()
 
     def detach(self, p: Driven) -> None:
         """Stop driving ``p`` (loop thread)."""
         self._peers = [q for q in self._peers if q is not p]
+        try:
+            self.event_loop().remove_reader(p.epoll_fd)
+        except (ValueError, OSError):
+            pass
+
+    def _on_event(self) -> None:
+        """A worker's epoll fd fired. Only a sleeping engine needs waking: an awake one
+        progresses anyway, and arms (which says whether events are pending) before it sleeps.
+        (The fd stays readable until the worker is armed again, so this may run each turn.)"""
+        w = self._wake
+        if w is not None:
+            _resolve(w, None)
 
     async def _progress_engine(self) -> None:
         loop = asyncio.get_running_loop()
@@ -378,9 +392,6 @@ class UcxLoop:
                      timeout: float | None) -> None:
         fut = loop.create_future()
         self._wake = fut
-        fds = [p.epoll_fd for p in peers]
-        for fd in fds:
-            loop.add_reader(fd, self.kick)
         timer = loop.call_later(timeout, _resolve, fut, "timeout") if timeout is not None else None
         try:
             why = await fut
@@ -388,11 +399,6 @@ class UcxLoop:
             self._wake = None
             if timer is not None:
                 timer.cancel()
-            for fd in fds:
-                try:
-                    loop.remove_reader(fd)
-                except (ValueError, OSError):
-                    pass
         self.stats["wakeups"] += 1
         if why == "timeout" and any(p.in_flight for p in peers):
             self.stats["safety_wakeups"] += 1

@@ -10,9 +10,9 @@ at a time and 64 MiB transfers 2 at a time from engine to engine (``send_kv`` to
 configuration with the best median, named in the figure. The same agents then measure token
 frames (engine to engine, A to a2) idle and while a 1 GiB transfer moves over UCX.
 
-Where the CPU of an agent transfer goes (``note`` of ``ucx_agent_cpu_<size>``): CPU ms per
-transfer of the sending agent, the receiving agent (whose loop also makes the shared-memory
-copy) and the engines (this process).
+Where the CPU of an agent transfer goes (``ucx_agent_cpu_<size>``): CPU ms per transfer of the
+sending agent, the receiving agent (whose loop also makes the shared-memory copy) and the
+engines (this process), from a run of ``count`` transfers less a run of one.
 """
 
 from __future__ import annotations
@@ -127,11 +127,14 @@ async def add_figures(figs, quick: bool, goodput: GoodputFn) -> None:
                     EngineClient(pair.sockets["B"], "bench-B") as eb:
                 for label, (size, _, conc) in plans.items():
                     count = TRANSFERS[label] // cut
-                    before = _cpus(pair)
-                    res = await goodput(ea, eb, size, count, conc, to=pair.dest)
-                    after = _cpus(pair)
+                    # CPU of the timed transfers: a run of `count` less one of 1 (same setup, warm-up, check)
+                    used = []
+                    for n in (1, count):
+                        before = _cpus(pair)
+                        res = await goodput(ea, eb, size, n, conc, to=pair.dest)
+                        used.append({k: v - before[k] for k, v in _cpus(pair).items()})
                     agent[label].append(res[0])
-                    cpu[label].append({k: (after[k] - before[k]) / (count + 1) * 1e3 for k in after})
+                    cpu[label].append({k: (used[1][k] - used[0][k]) / (count - 1) * 1e3 for k in used[0]})
                 if r == rounds - 1:
                     idle = await _token_rtts(ea, eb, pair.dest, "ucx-idle", 100 if quick else 300)
                     loaded, load_gbps = await _tokens_under_load(pair, ea, eb, 100 if quick else 300)
