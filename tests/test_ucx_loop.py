@@ -222,3 +222,16 @@ async def test_chunks_of_scattered_blocks_land_byte_for_byte_through_worker_thre
     finally:
         await pa.close()
         await pb.close()
+
+
+async def test_a_done_callback_that_raises_does_not_stop_the_engine(on_loop):
+    loop, a, b = on_loop
+
+    def broken(exc: BaseException | None) -> None:
+        raise RuntimeError("a caller's bug")
+    got = bytearray(8)
+    b.start_recv(21, got, broken)
+    await a.send(21, b"12345678")
+    after = bytearray(5)
+    await asyncio.wait_for(asyncio.gather(a.send(22, b"still"), b.recv(22, after)), 10)
+    assert got == b"12345678" and after == b"still" and loop.running

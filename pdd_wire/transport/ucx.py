@@ -335,7 +335,9 @@ class UcxPeer:
         if w is None:
             return False
         if self._closed:
-            w.progress()
+            clock = time.perf_counter
+            while w.progress_once() and clock() < until:
+                pass
             self._drain_arrivals()
             if self._closing is None or self._closing.completed or time.monotonic() > self._close_deadline:
                 self._teardown(time.monotonic())

@@ -55,6 +55,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from types import SimpleNamespace
 from typing import Any, Protocol, TypeVar
 
+import structlog
 import uvloop
 
 from ..errors import TransportError
@@ -69,6 +70,7 @@ SWEEP_S = 1.0            # how often unclaimed messages and discard marks are ex
 UCX_NICE = 5             # a thread of its own runs at nice +5 like the TCP bulk threads
 
 T = TypeVar("T")
+log = structlog.get_logger("pdd_wire.transport.ucx")
 
 
 class Driven(Protocol):
@@ -142,7 +144,7 @@ class UcxLoop:
         self._kicked = False
         self._stopped = False
         self._started = False
-        self.stats = {"wakeups": 0, "safety_wakeups": 0, "turns": 0}
+        self.stats = {"wakeups": 0, "safety_wakeups": 0, "turns": 0, "worker_failures": 0}
 
     # lifecycle -------------------------------------------------------------------------
     @property
@@ -355,7 +357,16 @@ class UcxLoop:
             peers = self._peers
             until = time.perf_counter() + self.turn_s
             for p in peers:
-                if p.poll(until):
+                try:
+                    if p.poll(until):
+                        busy = True
+                except Exception as exc:  # noqa: BLE001 - one worker's failure must not stop the others
+                    log.exception("UCX worker failed; closing its peer", error=str(exc))
+                    self.stats["worker_failures"] += 1
+                    if p.closed:
+                        self.detach(p)  # failing while it closes: abandoned (kept, never freed)
+                    else:
+                        p.begin_close()
                     busy = True
             self.stats["turns"] += 1
             now = time.monotonic()

@@ -44,6 +44,8 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from ..errors import ErrorCode, TransferError, TransportError
 from .ucx_lib import translate
 from .ucx_tags import INDEX_BITS
@@ -51,6 +53,7 @@ from .ucx_tags import INDEX_BITS
 if TYPE_CHECKING:
     from .ucx_loop import UcxLoop
 
+log = structlog.get_logger("pdd_wire.transport.ucx")
 WAITING, STARTED, DONE = 0, 1, 2   # Op.state: UCX never had the buffer / holds it / let go
 DRAIN_SCRATCH = 1  # bytes: unwanted messages are drained as truncated receives
 
@@ -103,7 +106,10 @@ class Op:
         if release:
             self.arr = None
             self.view.release()
-        self.done(exc)
+        try:
+            self.done(exc)
+        except Exception:  # noqa: BLE001 - a caller's bug must not stop the engine that called it
+            log.exception("UCX operation's done callback failed", kind=self.kind, tag=hex(self.tag))
         for w in self.waiters or ():
             if not w.done():
                 w.set_result(None)
