@@ -537,7 +537,12 @@ async def _run(args) -> int:
 async def _ucx_figures(figs: Figures, quick: bool) -> None:
     from . import bench_ucx_agents
 
-    await bench_ucx_agents.add_figures(figs, quick, _goodput)
+    async def goodput(ea, eb, size, count, concurrency, *, to, cpu):
+        used: list = []
+        gbps, lat = await _goodput(ea, eb, size, count, concurrency, to=to, cpu=(cpu, used))
+        return gbps, lat, used[0]
+
+    await bench_ucx_agents.add_figures(figs, quick, goodput)
 
 
 def run_bench(args) -> int:

@@ -12,7 +12,7 @@ frames (engine to engine, A to a2) idle and while a 1 GiB transfer moves over UC
 
 Where the CPU of an agent transfer goes (``ucx_agent_cpu_<size>``): CPU ms per transfer of the
 sending agent, the receiving agent (whose loop also makes the shared-memory copy) and the
-engines (this process), from a run of ``count`` transfers less a run of one.
+engines (this process), timed transfers only.
 """
 
 from __future__ import annotations
@@ -47,8 +47,15 @@ def _cpu(pid: int | None = None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _cpus(pair: AgentPair) -> dict[str, float]:
-    return {"sender": _cpu(pair.procs["A"].pid), "receiver": _cpu(pair.procs["B"].pid), "engines": _cpu()}
+class CpuClock(dict):
+    """CPU seconds so far by name: the sending agent, the receiving agent, the engines (this
+    process); two readings subtract to what was used between them."""
+
+    def __init__(self, pair: AgentPair) -> None:
+        super().__init__(sender=_cpu(pair.procs["A"].pid), receiver=_cpu(pair.procs["B"].pid), engines=_cpu())
+
+    def __sub__(self, other: dict) -> dict[str, float]:
+        return {k: v - other[k] for k, v in self.items()}
 
 
 async def _token_rtts(ea: EngineClient, eb: EngineClient, dest: str, rid: str, n: int,
@@ -99,8 +106,9 @@ async def _tokens_under_load(pair: AgentPair, ea: EngineClient, eb: EngineClient
 
 
 async def add_figures(figs, quick: bool, goodput: GoodputFn) -> None:
-    """``goodput(ea, eb, size, count, concurrency, to=...)`` -> (GB/s, per-transfer seconds,
-    ...): the engine-to-engine driver the other goodput figures use."""
+    """``goodput(ea, eb, size, count, concurrency, to=..., cpu=clock)`` -> (GB/s, per-transfer
+    seconds, CPU used by the timed transfers: ``clock()`` after less before): the
+    engine-to-engine driver the other goodput figures use."""
     from pdd_wire.transport import ucx
 
     ok, why = ucx.available()
@@ -127,14 +135,10 @@ async def add_figures(figs, quick: bool, goodput: GoodputFn) -> None:
                     EngineClient(pair.sockets["B"], "bench-B") as eb:
                 for label, (size, _, conc) in plans.items():
                     count = TRANSFERS[label] // cut
-                    # CPU of the timed transfers: a run of `count` less one of 1 (same setup, warm-up, check)
-                    used = []
-                    for n in (1, count):
-                        before = _cpus(pair)
-                        res = await goodput(ea, eb, size, n, conc, to=pair.dest)
-                        used.append({k: v - before[k] for k, v in _cpus(pair).items()})
-                    agent[label].append(res[0])
-                    cpu[label].append({k: (used[1][k] - used[0][k]) / (count - 1) * 1e3 for k in used[0]})
+                    gbps, _, used = await goodput(ea, eb, size, count, conc, to=pair.dest,
+                                                  cpu=lambda pair=pair: CpuClock(pair))
+                    agent[label].append(gbps)
+                    cpu[label].append({k: v / count * 1e3 for k, v in used.items()})
                 if r == rounds - 1:
                     idle = await _token_rtts(ea, eb, pair.dest, "ucx-idle", 100 if quick else 300)
                     loaded, load_gbps = await _tokens_under_load(pair, ea, eb, 100 if quick else 300)
