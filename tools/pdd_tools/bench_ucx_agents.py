@@ -12,14 +12,25 @@ frames (engine to engine, A to a2) idle and while a 1 GiB transfer moves over UC
 
 Where the CPU of an agent transfer goes (``ucx_agent_cpu_<size>``): CPU ms per transfer of the
 sending agent, the receiving agent (whose loop also makes the shared-memory copy) and the
-engines (this process), timed transfers only.
+engines (this process), timed transfers only. With py-spy installed (``.venv/bin/pip install
+py-spy``; it is no dependency) one more 4 MiB run is sampled (``py-spy record --gil
+--nonblocking``) and ``ucx_agent_profile_4MiB_<agent>`` say what each agent's loop spends its
+Python time on (:data:`CATEGORIES`) and how much it spends without the GIL (the copy, syscalls);
+``BENCH_PROFILE_DIR=<dir>`` keeps the raw samples there (``sender.txt``, ``receiver.txt``:
+py-spy's ``--format raw``, collapsed stacks for a flame graph).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
+import shutil
+import signal
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 
@@ -35,6 +46,18 @@ MiB = 1 << 20
 #: Transfers per round of the agent figures (quick: a quarter), by bench_ucx.PLANS label.
 TRANSFERS = {"4MiB": 256, "64MiB": 24}
 GoodputFn = Callable[..., Awaitable[tuple]]
+#: Where a sample of an agent's loop holding the GIL goes: its innermost frame that matches.
+CATEGORIES = (
+    ("prometheus metrics", ("prometheus_client",)),
+    ("control frames out (encode, TLS, write)", ("FrameProtocol.send", "SSLObject.write", "wire/frame.py:1")),
+    ("control frames in (read, TLS, decode)", ("FrameReader", "SSLObject.read", "decode_body", "buffer_updated")),
+    ("UCX engine (progress, matching, completions)", ("transport/ucx",)),
+    ("engine socket (requests, events)", ("engine_server", "engine_handlers", "engine/protocol")),
+    ("desk (posts, matching)", ("pdd_wire/desk",)),
+    ("session (transfer state, acks)", ("pdd_wire/session", "pdd_wire/transfer")),
+    ("logging", ("structlog",)),
+)
+RATE = 1000  # py-spy samples per second
 
 
 def _cpu(pid: int | None = None) -> float:
@@ -105,6 +128,65 @@ async def _tokens_under_load(pair: AgentPair, ea: EngineClient, eb: EngineClient
         dst.close()
 
 
+def _py_spy() -> str | None:
+    return shutil.which("py-spy") or next(
+        (p for p in [os.path.join(os.path.dirname(sys.executable), "py-spy")] if os.access(p, os.X_OK)), None)
+
+
+def categorize(raw: str) -> tuple[int, collections.Counter[str]]:
+    """Samples of a ``py-spy record --format raw`` file, and their count by :data:`CATEGORIES`
+    (else "event loop (uvloop, asyncio)")."""
+    total, per = 0, collections.Counter[str]()
+    for line in raw.splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not stack or not n.isdigit():
+            continue
+        total += int(n)
+        frames = stack.split(";")[1:]
+        name = next((name for fr in reversed(frames) for name, pats in CATEGORIES if any(p in fr for p in pats)),
+                    "event loop (uvloop, asyncio)")
+        per[name] += int(n)
+    return total, per
+
+
+async def _profile(figs, pair: AgentPair, goodput: GoodputFn, ea: EngineClient, eb: EngineClient,
+                   count: int) -> None:
+    """``count`` 4 MiB transfers, 8 at a time, with py-spy sampling both agents' loops."""
+    size, _, conc = bench_ucx.PLANS["4MiB"]
+    spy = _py_spy()
+    if spy is None:
+        print("# ucx_agent_profile_4MiB left out: py-spy is not installed (.venv/bin/pip install py-spy)")
+        return
+    keep = os.environ.get("BENCH_PROFILE_DIR")
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = keep or scratch
+        procs = {}
+        for name, site in (("sender", "A"), ("receiver", "B")):
+            procs[name] = subprocess.Popen(
+                [spy, "record", "--gil", "--nonblocking", "--rate", str(RATE), "--format", "raw", "--output",
+                 f"{tmp}/{name}.txt", "--pid", str(pair.procs[site].pid)],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        await asyncio.sleep(1.0)  # py-spy attaches (it says nothing when it has)
+        _, _, used = await goodput(ea, eb, size, count, conc, to=pair.dest, cpu=lambda: CpuClock(pair))
+        for pr in procs.values():
+            pr.send_signal(signal.SIGINT)   # py-spy writes its file and exits
+        for name, pr in procs.items():
+            await asyncio.to_thread(pr.wait, 30)
+            try:
+                with open(f"{tmp}/{name}.txt") as f:
+                    total, per = categorize(f.read())
+            except OSError:
+                print(f"# ucx_agent_profile_4MiB_{name} left out: py-spy wrote nothing (it needs ptrace)")
+                continue
+            cpu_ms = used[name] / count * 1e3
+            gil_ms = total / RATE / count * 1e3
+            figs.add(f"ucx_agent_profile_4MiB_{name}", gil_ms, "ms",
+                     note=f"GIL held per transfer (wall time: a loop preempted while it holds the GIL counts), "
+                          f"of {cpu_ms:.2f} ms CPU ({max(0.0, cpu_ms - gil_ms):.2f} without the GIL: the copy, "
+                          "syscalls): " + ", ".join(
+                              f"{k} {100 * v / total:.0f}%" for k, v in per.most_common()))
+
+
 async def add_figures(figs, quick: bool, goodput: GoodputFn) -> None:
     """``goodput(ea, eb, size, count, concurrency, to=..., cpu=clock)`` -> (GB/s, per-transfer
     seconds, CPU used by the timed transfers: ``clock()`` after less before): the
@@ -142,6 +224,7 @@ async def add_figures(figs, quick: bool, goodput: GoodputFn) -> None:
                 if r == rounds - 1:
                     idle = await _token_rtts(ea, eb, pair.dest, "ucx-idle", 100 if quick else 300)
                     loaded, load_gbps = await _tokens_under_load(pair, ea, eb, 100 if quick else 300)
+                    await _profile(figs, pair, goodput, ea, eb, 4 * TRANSFERS["4MiB"] // cut)
     for label, (size, messages, conc) in plans.items():
         count = TRANSFERS[label] // cut
         config, base = bench_ucx.best(bare[label])
