@@ -39,7 +39,7 @@ from pdd_wire.engine.client import EngineClient
 from pdd_wire.memory import SharedMemory
 from pdd_wire.stats import percentile
 
-from . import bench_ucx
+from . import bench_goodput, bench_ucx
 from .harness import AgentPair
 
 MiB = 1 << 20
@@ -187,10 +187,10 @@ async def _profile(figs, pair: AgentPair, goodput: GoodputFn, ea: EngineClient, 
                               f"{k} {100 * v / total:.0f}%" for k, v in per.most_common()))
 
 
-async def add_figures(figs, quick: bool, goodput: GoodputFn) -> None:
-    """``goodput(ea, eb, size, count, concurrency, to=..., cpu=clock)`` -> (GB/s, per-transfer
-    seconds, CPU used by the timed transfers: ``clock()`` after less before): the
-    engine-to-engine driver the other goodput figures use."""
+async def add_figures(figs, quick: bool, goodput: GoodputFn = bench_goodput.goodput) -> None:
+    """The group's figures into ``figs``. ``goodput(ea, eb, size, count, concurrency, to=...,
+    cpu=clock)`` -> (GB/s, per-transfer seconds, CPU used by the timed transfers: ``clock()``
+    after less before): the engine-to-engine driver the other goodput figures use."""
     from pdd_wire.transport import ucx
 
     ok, why = ucx.available()
