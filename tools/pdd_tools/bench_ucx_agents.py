@@ -235,8 +235,11 @@ async def add_figures(figs, quick: bool, goodput: GoodputFn = bench_goodput.good
         figs.add(f"ucx_goodput_{label}", statistics.median(peer[label]), "GB/s", bench_ucx.describe(config), base,
                  note=f"UcxPeer alone between two processes (pdd_tools.bench_ucx), {conc} in flight")
         ms = {k: statistics.median(c[k] for c in cpu[label]) for k in cpu[label][0]}
+        cores = os.cpu_count() or 1
+        bound = cores * size / (sum(ms.values()) / 1e3) / 1e9
         figs.add(f"ucx_agent_cpu_{label}", sum(ms.values()), "ms", note="CPU per transfer: " + ", ".join(
-            f"{k} {v:.2f}" for k, v in ms.items()) + " (the receiving agent makes the shared-memory copy)")
+            f"{k} {v:.2f}" for k, v in ms.items()) + " (the receiving agent makes the shared-memory copy); "
+            f"so at most {bound:.2f} GB/s on this host's {cores} cores, were they all free for it")
         pt = await asyncio.to_thread(bench_ucx.measure_perftest, size, max(messages, 20))
         if pt is not None:
             figs.add(f"ucx_perftest_{label}", pt, "GB/s", bench_ucx.describe(config), base,
