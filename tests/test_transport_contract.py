@@ -71,14 +71,15 @@ class Owner:
         self.path.bulk_lost(conn, stream, exc)
 
 
-def blocks(nbytes: int, fill: int | None = None) -> BlockMap:
+def blocks(nbytes: int, fill: int | None = None, order: list[int] | None = None) -> BlockMap:
+    """A memfd region of ``nbytes`` as one BlockMap: its blocks in place, or taken in ``order``."""
     fd = os.memfd_create("contract", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, nbytes)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)  # HostRegion refuses a shrinkable fd
     if fill is not None:
         os.pwrite(fd, bytes((fill + i) % 251 for i in range(nbytes)), 0)
     region = HostRegion(1, fd, nbytes, BLOCK, owner=None)
-    return BlockMap({1: region}, [Extent(1, 0, nbytes // BLOCK)])
+    return BlockMap({1: region}, [Extent(1, i, 1) for i in order] if order else [Extent(1, 0, nbytes // BLOCK)])
 
 
 def settings(name: str, dialer: bool, loop: BulkLoop | None) -> PathSettings:
