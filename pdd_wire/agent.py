@@ -7,6 +7,8 @@ Who does what (each gets its collaborators from here and never sees the agent):
 - :mod:`~pdd_wire.session` (one per peer) moves frames, KV and tokens, and calls back the
   ``SessionHost`` methods below, which route each event to its desk;
 - :mod:`~pdd_wire.engine_handlers` answers engine requests from :mod:`~pdd_wire.engine_server`;
+- :mod:`~pdd_wire.fleet` (with ``[fleet]``) registers this agent in etcd, watches the other
+  members, and opens sessions with them on first need (``Peers.discover``, ``Inbound.admit``);
 - :mod:`~pdd_wire.desk.kv` holds posts and matches them, fans sends out, ends aborted requests;
 - :mod:`~pdd_wire.desk.handoff` drives the handoff state machines; :mod:`~pdd_wire.desk.probes`
   runs link probes; :mod:`~pdd_wire.admin` serves /healthz, /metrics and /v1/status.
@@ -38,14 +40,18 @@ from .desk.probes import ProbeDesk, is_probe
 from .engine import protocol as p
 from .engine_handlers import EngineRequests
 from .engine_server import EngineServer
+from .fleet import FleetMetrics, Membership
+from .fleet.peering import FleetPeering
+from .fleet.record import EngineRec, LinkRec, Live, MemberRecord
 from .inbound import Inbound
 from .metrics import Metrics
 from .peers import Peers
-from .pki import Pki, log_tls_mode, tls_files
+from .pki import Pki, cert_fingerprint, log_tls_mode, tls_files
 from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
 from .transport.tcp import BulkLoop, client_tls_context, server_tls_context
 from .wire import messages as m
+from .wire.handshake import CAPABILITIES
 
 log = structlog.get_logger("pdd_wire.agent")
 
@@ -86,6 +92,16 @@ class Agent:
         self.admin: AdminServer | None = None
         self.wan_address: tuple[str, int] | None = None
         self._audit_task: asyncio.Task | None = None
+        self.membership: Membership | None = None
+        self.fleet: FleetPeering | None = None
+        if config.fleet.enabled:
+            fm = FleetMetrics(self.metrics.registry)
+            self.membership = Membership(config.fleet, fm, logger=self.log)
+            self.fleet = FleetPeering(config, self.peers, self.membership, fm, new_session=self._fleet_session,
+                                      busy=self._session_busy, log=self.log)
+            self.membership.on_event = self.fleet.on_event
+            self.peers.discover = self.fleet.discover
+            self.inbound.admit = self.fleet.admit
 
     @property
     def stopping(self) -> bool:
@@ -126,6 +142,9 @@ class Agent:
             s = PeerSession(self, peer)
             self.peers.add(s)
             s.start()
+        if self.membership is not None:  # etcd away at start is a state, not a failure: it is retried
+            self.membership.me = self._member_record()
+            await self.membership.start()
         self._audit_task = asyncio.create_task(self._audit_forever(), name="lease-audit")
         self.ready.set()
         self.log.info("agent ready", wan=f"{self.wan_address[0]}:{self.wan_address[1]}",
@@ -144,8 +163,11 @@ class Agent:
         grace = self.config.timeouts.shutdown_grace_s if grace_s is None else grace_s
         systemd.notify_stopping()
         self.log.info("shutting down", open_transfers=self.open_transfers(), grace_s=grace)
-        # 1. stop accepting
+        # 1. stop accepting; leave the fleet (the record goes with its lease: nobody dials us now)
         await self.inbound.stop_accepting()
+        if self.membership is not None and self.fleet is not None:
+            await self.fleet.close()
+            await self.membership.stop()
         if self._audit_task is not None:
             self._audit_task.cancel()
             await asyncio.gather(self._audit_task, return_exceptions=True)
@@ -219,6 +241,40 @@ class Agent:
     def handoff_message(self, session: PeerSession, msg) -> None:
         self.handoffs.on_message(session, msg)
 
+    # ------------------------------------------------------------------ the fleet (with [fleet])
+    def _fleet_session(self, peer, index: int) -> PeerSession:
+        s = PeerSession(self, peer, index=index)
+        self.peers.add(s)
+        s.start()
+        return s
+
+    def _session_busy(self, s: PeerSession) -> bool:
+        """Anything open with ``s``'s peer: transfers, unacknowledged or held tokens, a handoff,
+        KV waiting for its post (a fleet session is not closed as idle then)."""
+        return bool(s.out or s.inn or s.tokens.held or any(st.unacked for st in s.tokens.tok_out.values())
+                    or any(e.session is s and not e.settled for e in self.handoffs.live.values())
+                    or self.kv.unposted_per_peer.get(s.key))
+
+    def _member_record(self) -> MemberRecord:
+        cfg, f = self.config, self.config.fleet
+        assert self.wan_address is not None
+        host = parse_hostport(cfg.listen.wan, "listen.wan")[0]
+        wan = f.advertise or f"{host}:{self.wan_address[1]}"  # the bound port (listen.wan may say 0)
+        admin = self.admin.address if self.admin else ""
+        return MemberRecord(site=cfg.site, node=cfg.node, incarnation=self.incarnation, wan=wan,
+                            transport=f.transport, fingerprint=cert_fingerprint(self.pki.cert) if self.pki else "",
+                            versions=tuple(m.SUPPORTED_VERSIONS), capabilities=CAPABILITIES, admin=admin or "",
+                            engines=tuple(EngineRec(role=e.role, url=e.url, admin=admin or "",
+                                                    engine_socket=e.engine_socket or cfg.listen.engine_socket)
+                                          for e in f.engines))
+
+    def _live(self) -> Live:
+        ups = [s for s in self.peers if s.is_up]
+        links = tuple(LinkRec(s.key, float(s.est.bandwidth_Bps or s.goodput_Bps), float(s.est.rtt_s or 0.0))
+                      for s in ups)
+        return Live(transfers=self.open_transfers(), queue_bytes=sum(s.queue_bytes() for s in self.peers),
+                    engines=len(self.engine_server.engines) if self.engine_server else 0, links=links)
+
     def session_up(self, session: PeerSession) -> None:
         self.handoffs.session_up(session)
 
@@ -242,7 +298,10 @@ class Agent:
         return self.metrics.render()
 
     async def probe(self, peer: str, seconds: float = 4.0, streams: int | None = None) -> dict:
-        """Measure the link to ``peer`` (site or site/node) through the real WAN path."""
+        """Measure the link to ``peer`` (site or site/node) through the real WAN path (a fleet
+        member's session is opened first, within fleet.dial_wait_s)."""
+        if self.fleet is not None and not self.stopping:
+            await self.fleet.wait_up(peer, self.config.fleet.dial_wait_s)
         return await self.probes.probe(peer, seconds, streams)
 
     def audit(self) -> tuple[dict[str, int], int]:
@@ -265,6 +324,9 @@ class Agent:
             for kind, n in pinned.items():
                 self.metrics.pinned_blocks.labels(kind=kind).set(n)
             self.metrics.stranded_blocks.set(stranded)
+            if self.fleet is not None and self.membership is not None:
+                self.fleet.tick()
+                self.membership.set_live(self._live())
             if stranded:
                 self.log.error("blocks held past their lease", stranded=stranded, pinned=pinned)
 
@@ -284,4 +346,6 @@ class Agent:
             "unposted_waiting": self.kv.unposted_count(),
             "handoffs": self.handoffs.describe(),
             "pinned_blocks": pinned, "stranded_blocks": stranded,
+            "fleet": (self.membership.describe() | self.fleet.describe()
+                      if self.membership is not None and self.fleet is not None else None),
         }

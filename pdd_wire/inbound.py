@@ -24,12 +24,13 @@ import asyncio
 import itertools
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from .config import Config
 from .errors import ErrorCode, FatalHandshakeError, PddWireError, ProtocolError, TransportError
 from .metrics import Metrics
+from .pki import peer_fingerprint
 from .transport.bulk import BulkHandler
 from .transport.tcp import KIND_CONTROL, BulkLoop, FrameProtocol, adopt, read_preamble
 from .wire import FrameType, decode_body
@@ -99,6 +100,9 @@ class Inbound:
         self._established = 0
         self.cut = 0  # handshakes closed for a newcomer (the pool was full)
         self._cut_logged = 0.0
+        # Fleet: ``await admit(site, node)`` gives a member without a session one, if etcd knows
+        # it (its HELLO is then checked like any other, its certificate against its record).
+        self.admit: Callable[[str, str], Awaitable[object]] | None = None
 
     @property
     def open_connections(self) -> int:
@@ -218,6 +222,7 @@ class Inbound:
                 if not self._authenticated(h):
                     raise TransportError("limits.max_peer_connections authenticated connections are open")
                 established = True
+                await self._admit(frame)
                 self._on_hello(conn, frame)
                 if not conn.closed:
                     await _wait_closed(conn)
@@ -240,17 +245,41 @@ class Inbound:
                 del self._handshaking[h]
                 h.close()  # cancelled (the agent stops) while still in its handshake
 
+    async def _admit(self, frame) -> None:
+        """Fleet: a HELLO from a member this agent has no session with yet gets one first, if
+        etcd lists it (read now when the watch has not shown it yet), within handshake_s."""
+        if self.admit is None or frame.header.type != FrameType.HELLO:
+            return
+        try:
+            hello = decode_body(FrameType.HELLO, frame.body)
+        except ProtocolError:
+            return  # _on_hello refuses it
+        if self.peers.get(f"{hello.site}/{hello.node}") is None:
+            try:
+                async with asyncio.timeout(self.config.timeouts.handshake_s):
+                    await self.admit(hello.site, hello.node)
+            except TimeoutError:
+                pass  # refused below as an unknown peer
+
     def _on_hello(self, conn: FrameProtocol, frame) -> None:
         try:
             if frame.header.type != FrameType.HELLO:
                 raise ProtocolError(f"expected HELLO, got frame type {frame.header.type}", ErrorCode.UNEXPECTED_FRAME)
             hello = decode_body(FrameType.HELLO, frame.body)
-            check_peer(hello, self.config.peer_sites())
+            check_peer(hello, self.peers.sites())
             session = self.peers.get(f"{hello.site}/{hello.node}")
             if session is None:
                 raise FatalHandshakeError(f"{hello.site}/{hello.node} is not a configured peer",
                                           ErrorCode.UNKNOWN_PEER)
             self._check_cert(conn, session)
+            if self.admit is not None and session.dialer:
+                # A knock (proto/handshake.md §8): the peer needs the session, and this agent is
+                # the one that dials it.
+                session.dialer_loop.wake()
+                self.log.info("knocked: dialing back", peer=session.key)
+                conn.fail(PddWireError(f"{self.config.site}/{self.config.node} dials you: dialing now",
+                                       ErrorCode.DIAL_BACK))
+                return
             session.adopt_control(conn, hello)
         except (ProtocolError, PddWireError) as exc:
             self.metrics.error(exc.code)
@@ -263,6 +292,10 @@ class Inbound:
         want = session.peer.server_name or session.peer.node
         if want not in conn.peer_names:
             raise FatalHandshakeError(f"certificate names {sorted(conn.peer_names)} do not include {want!r}",
+                                      ErrorCode.IDENTITY_MISMATCH)
+        pinned = session.peer.fingerprint  # a fleet member's registered certificate
+        if pinned and conn.transport is not None and (got := peer_fingerprint(conn.transport)) != pinned:
+            raise FatalHandshakeError(f"{session.key}'s certificate {got} is not the one it registered ({pinned})",
                                       ErrorCode.IDENTITY_MISMATCH)
 
     async def _adopt_bulk(self, h: Handshaking, bulk: BulkLoop, main, attached: asyncio.Future) -> FrameProtocol:

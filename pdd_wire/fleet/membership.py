@@ -1,0 +1,289 @@
+"""Membership: this member's record in etcd under a lease, and every other member's, watched.
+
+:class:`Membership` runs two tasks. The **lease** task registers the record (a lease of
+``fleet.lease_ttl_s``, the record put under it), keeps the lease alive every third of its TTL,
+and writes the record again when its live figures moved enough (:func:`.record.should_refresh`);
+a lease found gone (etcd was away longer than the TTL) is replaced and the record put again. The
+**watch** task lists the members once, then watches the prefix from that revision; a watch that
+ends is resumed from the last revision seen, and one etcd has compacted past (or a store reset
+under it) is replaced by a full listing, diffed against what was known.
+
+While etcd is away nothing changes: the last membership stays (sessions and transfers with known
+members go on), and :meth:`lookup` admits no member it has not seen. ``on_event(kind, record,
+old)`` is called on the loop for every change: ``join``, ``update``, ``leave``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+
+import msgspec
+import structlog
+
+from ..config import Fleet
+from . import record as rec
+from .etcd import Compacted, EtcdClient, EtcdError, EtcdUnavailable, KeyValue, client_ssl
+from .metrics import FleetMetrics
+
+log = structlog.get_logger("pdd_wire.fleet")
+
+OnEvent = Callable[[str, rec.MemberRecord, "rec.MemberRecord | None"], None]
+FIRST_BACKOFF_S = 0.1
+
+
+class Membership:
+    """``me``: this member's record (None: watch only, as the router and benchmark watchers do)."""
+
+    def __init__(self, fleet: Fleet, metrics: FleetMetrics, *, me: rec.MemberRecord | None = None,
+                 on_event: OnEvent | None = None, client: EtcdClient | None = None, logger=None) -> None:
+        self.fleet = fleet
+        self.metrics = metrics
+        self.me = me
+        self.on_event = on_event or (lambda kind, r, old: None)
+        self.prefix = rec.members_prefix(fleet.cluster)
+        self.client = client or EtcdClient(fleet.etcd, request_s=fleet.request_s,
+                                           ssl_ctx=client_ssl(fleet.tls.ca, fleet.tls.cert, fleet.tls.key))
+        self.log = (logger or log).bind(cluster=fleet.cluster)
+        self.members: dict[str, rec.MemberRecord] = {}  # "site/node" -> record, this member excluded
+        self.revision = 0  # every change up to this one is in ``members``
+        self.lease = 0
+        self.up = False
+        self.away_since: float | None = None
+        self.listed = asyncio.Event()  # set once the first listing is in
+        self.registered = asyncio.Event()  # set once this member's record is in etcd
+        self._live = me.live if me is not None else rec.Live()
+        self._written_live = self._live
+        self._written_at = 0.0
+        self._wake = asyncio.Event()  # the lease task: figures moved
+        self._etcd_back = asyncio.Event()  # the watch task: etcd answered the other task again
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def my_key(self) -> str | None:
+        return self.me.key if self.me is not None else None
+
+    # ------------------------------------------------------------------ life cycle
+    async def start(self) -> None:
+        """Start the tasks; returns at once (etcd away at start is a state, not an error)."""
+        await self.client.open()
+        if self.me is not None:
+            self._tasks.append(asyncio.create_task(self._lease_forever(), name="fleet-lease"))
+        self._tasks.append(asyncio.create_task(self._watch_forever(), name="fleet-watch"))
+
+    async def stop(self) -> None:
+        """Leave: the record goes with its lease (revoked, so peers see it now, not in a TTL)."""
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks.clear()
+        if self.lease:
+            try:
+                await self.client.revoke(self.lease)
+                self.metrics.writes.labels(kind="revoke").inc()
+            except EtcdError as exc:
+                self.log.info("could not revoke the lease; the record goes when it expires", error=str(exc))
+            self.lease = 0
+        await self.client.close()
+
+    def set_live(self, live: rec.Live) -> None:
+        """The figures as they are now; written when :func:`.record.should_refresh` allows."""
+        self._live = live
+        if rec.figures_moved(self._written_live, live, self.fleet.refresh_change):
+            self._wake.set()
+
+    async def lookup(self, site: str, node: str) -> rec.MemberRecord | None:
+        """The member ``site/node``: as watched, else read from etcd now (it may have registered
+        a moment ago); None when it is not registered, or etcd is away."""
+        key = f"{site}/{node}"
+        if key in self.members:
+            return self.members[key]
+        if not self.up:
+            return None
+        try:
+            kv = await self.client.get(f"{self.prefix}{key}")
+        except EtcdError:
+            return None
+        if kv is None:
+            return None
+        self._put(kv)
+        return self.members.get(key)
+
+    def describe(self) -> dict:
+        return {"cluster": self.fleet.cluster, "etcd": self.fleet.etcd, "etcd_up": self.up,
+                "away_s": round(time.monotonic() - self.away_since, 3) if self.away_since is not None else None,
+                "registered": self.registered.is_set() and bool(self.lease), "lease": f"{self.lease:x}",
+                "revision": self.revision, "members": len(self.members)}
+
+    # ------------------------------------------------------------------ etcd up / away
+    def _back(self) -> None:
+        if not self.up:
+            if self.away_since is not None:
+                self.log.info("etcd answers again", away_s=round(time.monotonic() - self.away_since, 3))
+            self.up = True
+            self.away_since = None
+            self.metrics.etcd_up.set(1)
+            self._etcd_back.set()
+
+    def _away(self, exc: BaseException) -> None:
+        if self.up or self.away_since is None:
+            self.log.warning("etcd away: keeping the last membership, admitting no new member",
+                             error=str(exc), members=len(self.members))
+            if self.up:
+                self.metrics.etcd_lost.inc()
+            self.up = False
+            self.away_since = time.monotonic()
+            self.metrics.etcd_up.set(0)
+
+    # ------------------------------------------------------------------ the lease task
+    async def _register(self) -> None:
+        assert self.me is not None
+        lease = await self.client.grant(max(2, round(self.fleet.lease_ttl_s)))
+        self.metrics.writes.labels(kind="grant").inc()
+        again = self.registered.is_set()
+        self.lease = lease
+        await self._write()
+        self.metrics.registrations.labels(kind="again" if again else "first").inc()
+        self.log.info("registered" if not again else "registered again (the lease was gone)",
+                      key=f"{self.prefix}{self.me.key}", lease=f"{lease:x}")
+        self.registered.set()
+
+    async def _write(self) -> None:
+        assert self.me is not None
+        live = self._live
+        record = msgspec.structs.replace(self.me, live=live, at=time.time())
+        await self.client.put(f"{self.prefix}{self.me.key}", rec.encode(record), lease=self.lease)
+        self.metrics.writes.labels(kind="put").inc()
+        self._written_live, self._written_at = live, time.monotonic()
+
+    async def _lease_forever(self) -> None:
+        backoff = FIRST_BACKOFF_S
+        ttl = self.fleet.lease_ttl_s
+        while True:
+            try:
+                if not self.lease:
+                    await self._register()
+                else:
+                    left = await self.client.keepalive(self.lease)
+                    self.metrics.writes.labels(kind="keepalive").inc()
+                    if left == 0:
+                        self.lease = 0  # expired while etcd was away from us: register again at once
+                        self._back()
+                        continue
+                    if rec.should_refresh(self._written_live, self._live, time.monotonic() - self._written_at,
+                                          min_s=self.fleet.refresh_min_s, change=self.fleet.refresh_change):
+                        await self._write()
+                self._back()
+                backoff = FIRST_BACKOFF_S
+                wait = min(ttl / 3, max(0.05, self.fleet.refresh_min_s - (time.monotonic() - self._written_at)))
+            except EtcdUnavailable as exc:
+                self._away(exc)
+                wait, backoff = backoff * (0.5 + random.random() / 2), min(backoff * 2, ttl / 3)
+            except EtcdError as exc:  # e.g. the lease vanished between keep-alive and put
+                self.log.warning("etcd refused; registering again", error=str(exc))
+                self.lease = 0
+                wait = backoff
+            self._wake.clear()
+            try:
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+
+    # ------------------------------------------------------------------ the watch task
+    async def _watch_forever(self) -> None:
+        backoff = FIRST_BACKOFF_S
+        relist, first, lost = True, True, False
+        while True:
+            try:
+                if relist:
+                    revision, kvs = await self.client.list(self.prefix)
+                    self._reconcile(kvs)
+                    self.revision = revision
+                    self.metrics.resyncs.labels(kind="first" if first else "full").inc()
+                    relist, first, lost = False, False, False
+                    self.listed.set()
+                    self._back()
+                created = False
+                async for batch in self.client.watch(self.prefix, self.revision + 1):
+                    if not created:
+                        created = True
+                        if batch.revision < self.revision:  # a new store under the same address
+                            self.log.warning("etcd's revision went back: listing again",
+                                             revision=batch.revision, known=self.revision)
+                            relist = True
+                            break
+                        if lost:  # this watch goes on from where the one that ended stopped
+                            self.metrics.resyncs.labels(kind="resume").inc()
+                            lost = False
+                        self._back()
+                        backoff = FIRST_BACKOFF_S
+                        continue
+                    for ev in batch.events:
+                        if ev.deleted:
+                            self._delete(ev.kv.key)
+                        else:
+                            self._put(ev.kv)
+                        self.revision = max(self.revision, ev.kv.mod_revision)
+                    if not batch.events:  # a progress notification: nothing before it is missing
+                        self.revision = max(self.revision, batch.revision)
+            except Compacted as exc:
+                self.log.info("watch compacted: listing again", compact_revision=exc.compact_revision)
+                relist = True
+                continue
+            except EtcdUnavailable as exc:
+                self._away(exc)
+                lost = True
+            backoff = min(backoff * 2, 2.0)
+            self._etcd_back.clear()
+            try:  # a backoff, cut short when the lease task finds etcd back
+                async with asyncio.timeout(backoff * (0.5 + random.random() / 2)):
+                    await self._etcd_back.wait()
+            except TimeoutError:
+                pass
+
+    def _decode(self, kv: KeyValue) -> rec.MemberRecord | None:
+        try:
+            return rec.decode(kv.key, kv.value, self.prefix)
+        except rec.RecordError as exc:
+            self.metrics.ignored.labels(reason="invalid").inc()
+            self.log.warning("ignoring a record under the fleet prefix", error=str(exc))
+            return None
+
+    def _put(self, kv: KeyValue) -> None:
+        r = self._decode(kv)
+        if r is None or r.key == self.my_key:
+            return
+        old = self.members.get(r.key)
+        if old is None and len(self.members) >= self.fleet.max_members:
+            self.metrics.ignored.labels(reason="max_members").inc()
+            return
+        self.members[r.key] = r
+        self.metrics.members.set(len(self.members))
+        kind = "join" if old is None else "update"
+        self.metrics.events.labels(kind=kind).inc()
+        self.on_event(kind, r, old)
+
+    def _delete(self, key: str) -> None:
+        name = key[len(self.prefix):]
+        old = self.members.pop(name, None)
+        if old is None:
+            return
+        self.metrics.members.set(len(self.members))
+        self.metrics.events.labels(kind="leave").inc()
+        self.on_event("leave", old, old)
+
+    def _reconcile(self, kvs: list[KeyValue]) -> None:
+        """A full listing: joins and updates for what it holds, leaves for what it no longer does."""
+        seen = set()
+        for kv in kvs:
+            r = self._decode(kv)
+            if r is None:
+                continue
+            seen.add(r.key)
+            if self.members.get(r.key) != r:
+                self._put(kv)
+        for key in [k for k in self.members if k not in seen]:
+            self._delete(f"{self.prefix}{key}")

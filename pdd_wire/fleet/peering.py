@@ -1,0 +1,242 @@
+"""Lazy peering: sessions with fleet members open on first need and close when idle, and a
+member that leaves (its lease expired) is unreachable at once.
+
+* **First need** (:meth:`FleetPeering.discover`, called by :meth:`pdd_wire.peers.Peers.session_for`
+  for a name without a session): the member's record becomes a :class:`~pdd_wire.config.Peer`
+  (its registered certificate fingerprint pinned) and a session. The agent that sorts lower dials
+  as always (proto/handshake.md §1); the other *knocks* (§8): a HELLO the peer answers with
+  ``DIAL_BACK`` and a dial. Meanwhile the need waits as it would for a peer that is reconnecting:
+  its transfer or tokens queue in the session, for at most ``fleet.dial_wait_s``, after which
+  they fail ``PEER_UNREACHABLE`` and the session is dropped (the next need starts afresh).
+* **Inbound** (:meth:`FleetPeering.admit`): a HELLO from a member without a session gets one if
+  etcd lists it; then the usual checks run, the certificate against the registered fingerprint.
+* **Idle close**: the dialing side closes a session with nothing open for ``fleet.idle_close_s``
+  (GOODBYE "idle"); its peer drops its side once the connection goes, so both start afresh at
+  the next need (anything queued on the peer's side in that one round trip fails
+  ``PEER_UNREACHABLE``, naming the idle close).
+* **Leave**: the member's record is gone (lease expired: ``kill -9``, a dead node; or it left).
+  A session that is down gives up at once (transfers fail ``PEER_UNREACHABLE`` instead of after
+  ``timeouts.peer_give_up_s``); one still up (the member lost etcd, not its life: heartbeats
+  answer) goes on, and gives up the moment its connection drops.
+* A member that moved (new address, transport or name) loses its session; a new certificate
+  (same address) only changes the fingerprint pinned for the next handshake.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from ..config import Config, Peer
+from .membership import Membership
+from .metrics import FleetMetrics
+from .record import MemberRecord
+
+if TYPE_CHECKING:
+    from ..peers import Peers
+    from ..session import PeerSession
+
+
+@dataclass(eq=False)
+class Lazy:
+    """What the fleet keeps about one of its sessions."""
+
+    session: "PeerSession"
+    created: float
+    ever_up: bool = False
+    unlisted: bool = False  # its record left etcd while the session was up
+    knocking: asyncio.Task | None = None
+    busy_at: float = field(default_factory=time.monotonic)
+
+
+def peer_of(record: MemberRecord, my_site: str) -> Peer:
+    """The session settings for a member: its registered address, certificate and transport
+    (UCX only within a site)."""
+    return Peer(site=record.site, node=record.node, address=record.wan,
+                transport="ucx" if record.transport == "ucx" and record.site == my_site else "tcp",
+                server_name=record.server_name or None, fingerprint=record.fingerprint)
+
+
+class FleetPeering:
+    """``new_session(peer, index)`` makes, adds and starts a session (the agent's);
+    ``busy(session)`` says whether anything is open with it (transfers, token streams, handoffs)."""
+
+    def __init__(self, config: Config, peers: "Peers", membership: Membership, metrics: FleetMetrics, *,
+                 new_session: Callable[[Peer, int], "PeerSession"], busy: Callable[["PeerSession"], bool],
+                 log) -> None:
+        self.config = config
+        self.fleet = config.fleet
+        self.peers = peers
+        self.membership = membership
+        self.metrics = metrics
+        self.new_session = new_session
+        self.busy = busy
+        self.log = log
+        self.lazy: dict[str, Lazy] = {}
+        self._index = itertools.count(len(config.peers))
+        self._tasks: set[asyncio.Task] = set()
+        self._closing = False
+
+    # ------------------------------------------------------------------ membership changes
+    def on_event(self, kind: str, record: MemberRecord, old: MemberRecord | None) -> None:
+        entry = self.lazy.get(record.key)
+        if entry is None:
+            return
+        s = entry.session
+        if kind == "leave":
+            if s.is_up:
+                entry.unlisted = True
+                self.log.info("member left etcd while its session is up: keeping it until it drops", peer=s.key)
+            else:
+                self._retire(entry, "left", f"peer {s.key} left the fleet (its lease expired)")
+        else:  # join (back after a leave: re-registered) or update
+            entry.unlisted = False
+            want = peer_of(record, self.config.site)
+            if (want.address, want.transport, want.server_name) != (s.peer.address, s.peer.transport,
+                                                                    s.peer.server_name):
+                self._retire(entry, "moved", f"peer {s.key} moved to {record.wan}")
+            elif want.fingerprint != s.peer.fingerprint:
+                s.peer = msgspec.structs.replace(s.peer, fingerprint=want.fingerprint)
+                self.log.info("member registered a new certificate", peer=s.key, fingerprint=want.fingerprint)
+
+    # ------------------------------------------------------------------ first need, inbound
+    def discover(self, dest: str) -> "PeerSession | None":
+        """A session for ``dest`` ("site/node", or "site": its least loaded member)."""
+        if self._closing:
+            return None
+        members = self.membership.members
+        if "/" in dest:
+            record = members.get(dest)
+        else:
+            site = [r for r in members.values() if r.site == dest]
+            record = min(site, key=lambda r: (r.live.transfers, r.live.queue_bytes, r.node)) if site else None
+        if record is None:
+            return None
+        s = self._open(record)
+        if not s.dialer:
+            self._knock(self.lazy[s.key])
+        self.metrics.dials.labels(how="dial" if s.dialer else "knock").inc()
+        return s
+
+    async def admit(self, site: str, node: str) -> bool:
+        """A HELLO from ``site/node``, which has no session: open one if etcd lists it."""
+        if self._closing:
+            return False
+        record = await self.membership.lookup(site, node)
+        if record is None:
+            outcome = "unknown" if self.membership.up else "refused_etcd_away"
+            self.metrics.admissions.labels(outcome=outcome).inc()
+            self.log.info("HELLO from a member etcd does not list", peer=f"{site}/{node}", outcome=outcome)
+            return False
+        if self.peers.get(record.key) is None:  # another connection may have opened it meanwhile
+            self._open(record)
+        self.metrics.admissions.labels(outcome="admitted").inc()
+        return True
+
+    def _open(self, record: MemberRecord) -> "PeerSession":
+        s = self.new_session(peer_of(record, self.config.site), next(self._index))
+        self.lazy[s.key] = Lazy(s, created=time.monotonic())
+        self.metrics.sessions.set(len(self.lazy))
+        self.log.info("fleet session opened", peer=s.key, address=record.wan, role="dialer" if s.dialer else "listener")
+        return s
+
+    def _knock(self, entry: Lazy) -> None:
+        if entry.knocking is not None and not entry.knocking.done():
+            return
+        entry.knocking = self._spawn(self._knock_until_up(entry), f"{entry.session.key}:knock")
+
+    async def _knock_until_up(self, entry: Lazy) -> None:
+        s = entry.session
+        backoff = 0.05
+        deadline = time.monotonic() + self.fleet.dial_wait_s
+        while not s.is_up and time.monotonic() < deadline and self.lazy.get(s.key) is entry:
+            if await s.dialer_loop.knock():
+                try:  # it dials now: give that a handshake's time before knocking again
+                    async with asyncio.timeout(self.config.timeouts.connect_s + self.config.timeouts.handshake_s):
+                        await s.up.wait()
+                except TimeoutError:
+                    pass
+                continue
+            await asyncio.sleep(backoff * (0.5 + random.random() / 2))  # a retry backoff, not a readiness wait
+            backoff = min(backoff * 2, self.config.timeouts.reconnect_max_backoff_s)
+
+    async def wait_up(self, dest: str, timeout: float) -> None:
+        """Until the session for ``dest`` is up (opened now if needed), at most ``timeout`` s:
+        what a probe needs before it can measure."""
+        s = self.peers.session_for(dest)
+        if s.is_up or s.key not in self.lazy:
+            return
+        try:
+            async with asyncio.timeout(timeout):
+                await s.up.wait()
+        except TimeoutError:
+            pass
+
+    # ------------------------------------------------------------------ housekeeping (every heartbeat)
+    def tick(self) -> None:
+        now = time.monotonic()
+        for entry in list(self.lazy.values()):
+            s = entry.session
+            if s.is_up:
+                entry.ever_up = True
+            busy = self.busy(s)
+            used = max(entry.busy_at, self.peers.used_at.get(s.key, 0.0))
+            if busy:
+                entry.busy_at = used = now
+            if not entry.ever_up and now - entry.created > self.fleet.dial_wait_s:
+                self._retire(entry, "dial_timeout", f"no session with {s.key} within fleet.dial_wait_s "
+                                                    f"({self.fleet.dial_wait_s:g} s)")
+            elif entry.unlisted and not s.is_up:
+                self._retire(entry, "left", f"peer {s.key} left the fleet and its connection dropped")
+            elif s.is_up and s.dialer and not busy and now - used >= self.fleet.idle_close_s:
+                self._retire(entry, "idle", None)
+            elif not s.is_up and s.peer_goodbye == "idle":
+                # Both ends start afresh: what was queued in the one-RTT race with the close fails.
+                self._retire(entry, "idle", f"peer {s.key} closed the session as idle")
+
+    def _retire(self, entry: Lazy, reason: str, why: str | None) -> None:
+        """Drop a fleet session: no need finds it from now on; its transfers (if any) fail
+        PEER_UNREACHABLE with ``why``; it closes (GOODBYE "idle" for an idle close)."""
+        s = entry.session
+        if self.lazy.get(s.key) is not entry:
+            return
+        del self.lazy[s.key]
+        self.peers.remove(s)
+        if entry.knocking is not None:
+            entry.knocking.cancel()
+        self.metrics.closed.labels(reason=reason).inc()
+        self.metrics.sessions.set(len(self.lazy))
+        self.log.info("fleet session closed", peer=s.key, reason=reason)
+
+        async def end() -> None:
+            await s.give_up(why or f"the session with {s.key} was closed ({reason})")
+            await s.close("idle" if reason == "idle" else "shutdown")
+
+        self._spawn(end(), f"{s.key}:retire")
+
+    def _spawn(self, coro, name: str) -> asyncio.Task:
+        t = asyncio.create_task(coro, name=name)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+        return t
+
+    def describe(self) -> dict:
+        now = time.monotonic()
+        return {"sessions": [{"peer": k, "up": e.session.is_up, "role": "dialer" if e.session.dialer else "listener",
+                              "idle_s": round(now - max(e.busy_at, self.peers.used_at.get(k, 0.0)), 3),
+                              "unlisted": e.unlisted} for k, e in self.lazy.items()]}
+
+    async def close(self) -> None:
+        """The agent stops: no more fleet sessions; the retirements under way finish."""
+        self._closing = True
+        for entry in self.lazy.values():
+            if entry.knocking is not None:
+                entry.knocking.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

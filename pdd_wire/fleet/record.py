@@ -1,0 +1,147 @@
+"""What one fleet member says about itself in etcd: its key, its record, the record's bounds, and
+when it is written again. Pure: no I/O, no clock (callers pass the times).
+
+Layout, under one prefix per cluster (``fleet.cluster``)::
+
+    /pdd-wire/<cluster>/members/<site>/<node>   one MemberRecord (JSON), bound to the member's lease
+
+A record is at most :data:`MAX_RECORD_BYTES` (a member writing more is refused by its own agent;
+a bigger one read from etcd is ignored and counted). Its live figures change often; they are
+written again only when :func:`should_refresh` says so: at most once per ``fleet.refresh_min_s``
+and only when one figure moved by ``fleet.refresh_change`` (a fraction) or a link appeared or went.
+So a quiet fleet of N members writes nothing but lease keep-alives (N / (ttl/3) a second, which
+etcd's leader answers without a raft write), and a busy one at most N / refresh_min_s puts a second.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+KEY_ROOT = "/pdd-wire/"
+RECORD_VERSION = 1
+#: One record, JSON-encoded. 60 links at ~60 bytes and four engines fit in it easily; etcd's own
+#: limit on a request is 1.5 MiB, ours keeps a 10,000-member listing near 40 MB at most.
+MAX_RECORD_BYTES = 4096
+#: Link estimates a record carries: the busiest ones (by bandwidth), at most this many.
+MAX_LINKS = 16
+
+# What a figure must at least differ by before its relative change counts (noise around zero):
+# transfers 1, queue 1 MiB, bandwidth 1 MB/s, RTT 1 ms.
+_FLOORS = {"transfers": 1.0, "queue_bytes": float(1 << 20), "engines": 1.0}
+_LINK_FLOORS = {"bandwidth_Bps": 1e6, "rtt_s": 1e-3}
+
+
+class RecordError(ValueError):
+    """A record read from etcd that is not one (too big, not JSON of this shape, wrong key)."""
+
+
+class EngineRec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    role: str  # "P", "RLD" or "MD"
+    url: str  # its serving URL (vllm serve)
+    engine_socket: str = ""  # the agent's engine socket it uses, on that node
+    admin: str = ""  # that agent's admin host:port
+
+
+class LinkRec(msgspec.Struct, frozen=True, array_like=True):
+    peer: str  # "site/node"
+    bandwidth_Bps: float
+    rtt_s: float
+
+
+class Live(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Figures the agent has anyway: its load and its link estimates."""
+
+    transfers: int = 0  # open transfers, both directions
+    queue_bytes: int = 0  # KV bytes accepted and not yet acknowledged, all peers
+    engines: int = 0  # engine connections on its socket
+    links: tuple[LinkRec, ...] = ()
+
+
+class MemberRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """One member. Unknown fields are ignored (a newer agent may add some); ``v`` changes only
+    for a change an older reader must not misread."""
+
+    v: int = RECORD_VERSION
+    site: str
+    node: str
+    incarnation: int  # the agent process (HELLO's incarnation): a new one means it restarted
+    wan: str  # host:port its peers dial (control and bulk connections)
+    transport: str = "tcp"  # how members of its own site reach it: "tcp" or "ucx" (the UCX worker
+    #                         address itself is per session: HELLO.ucx_address)
+    server_name: str = ""  # the name its certificate carries, when not its node name
+    fingerprint: str = ""  # "sha256:<hex>" of its certificate (DER); "" = plaintext
+    versions: tuple[int, ...] = ()  # protocol versions it speaks (HELLO.versions)
+    capabilities: tuple[str, ...] = ()
+    admin: str = ""  # its admin host:port ("" none)
+    engines: tuple[EngineRec, ...] = ()
+    live: Live = Live()
+    at: float = 0.0  # wall-clock time of this write (seconds since the epoch)
+
+    @property
+    def key(self) -> str:
+        return f"{self.site}/{self.node}"
+
+
+def members_prefix(cluster: str) -> str:
+    return f"{KEY_ROOT}{cluster}/members/"
+
+
+def member_key(cluster: str, site: str, node: str) -> str:
+    return f"{members_prefix(cluster)}{site}/{node}"
+
+
+def _trimmed(rec: MemberRecord) -> MemberRecord:
+    links = rec.live.links
+    if len(links) <= MAX_LINKS:
+        return rec
+    busiest = tuple(sorted(links, key=lambda lk: -lk.bandwidth_Bps)[:MAX_LINKS])
+    return msgspec.structs.replace(rec, live=msgspec.structs.replace(rec.live, links=busiest))
+
+
+def encode(rec: MemberRecord) -> bytes:
+    """The record as written (links trimmed to :data:`MAX_LINKS`); ValueError past the size bound."""
+    raw = msgspec.json.encode(_trimmed(rec))
+    if len(raw) > MAX_RECORD_BYTES:
+        raise ValueError(f"member record of {len(raw)} bytes, over {MAX_RECORD_BYTES}: fewer engines, "
+                         "or shorter URLs")
+    return raw
+
+
+_decoder = msgspec.json.Decoder(MemberRecord)
+
+
+def decode(key: str, raw: bytes, prefix: str) -> MemberRecord:
+    """The record stored at ``key`` (under ``prefix``); RecordError naming what is wrong."""
+    if len(raw) > MAX_RECORD_BYTES:
+        raise RecordError(f"{key}: {len(raw)} bytes, over {MAX_RECORD_BYTES}")
+    try:
+        rec = _decoder.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise RecordError(f"{key}: not a member record ({exc})") from exc
+    if rec.v != RECORD_VERSION:
+        raise RecordError(f"{key}: record version {rec.v}, this agent reads {RECORD_VERSION}")
+    if key != f"{prefix}{rec.site}/{rec.node}":
+        raise RecordError(f"{key}: the record names {rec.site}/{rec.node}, not its key")
+    return rec
+
+
+def _moved(a: float, b: float, floor: float, change: float) -> bool:
+    return abs(a - b) > change * max(abs(a), abs(b), floor)
+
+
+def figures_moved(last: Live, new: Live, change: float) -> bool:
+    """One figure of ``new`` differs from ``last`` by more than ``change`` (relative), or the
+    set of links is not the same."""
+    for name, floor in _FLOORS.items():
+        if _moved(getattr(last, name), getattr(new, name), floor, change):
+            return True
+    old = {lk.peer: lk for lk in last.links}
+    if set(old) != {lk.peer for lk in new.links}:
+        return True
+    return any(_moved(getattr(old[lk.peer], f), getattr(lk, f), floor, change)
+               for lk in new.links for f, floor in _LINK_FLOORS.items())
+
+
+def should_refresh(last: Live, new: Live, since_s: float, *, min_s: float, change: float) -> bool:
+    """Write the live figures again now? ``since_s``: seconds since the last write."""
+    return since_s >= min_s and figures_moved(last, new, change)

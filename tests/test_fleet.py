@@ -1,0 +1,292 @@
+"""The fleet on a real etcd (three members, Debian's etcd-server) and real agents: registration,
+discovery, lazy connect (dial and knock), idle close, a certificate that is not the registered
+one, lease expiry after ``kill -9`` of an agent process, and etcd stopped and restarted while KV
+moves.
+
+One etcd cluster for the module (about 2 s to start); every test has its own key prefix
+(``fleet.cluster``), so tests see only their own members. Lease TTLs are 2 s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import msgspec
+import pytest
+
+from conftest import Engines, fill_random, metric, same_bytes, until
+from pdd_tools.etcd import EtcdCluster
+from pdd_wire import config as cfgmod
+from pdd_wire.agent import Agent
+from pdd_wire.engine import protocol as ev
+from pdd_wire.errors import EngineRequestError, ErrorCode
+from pdd_wire.fleet import EtcdClient
+from pdd_wire.fleet.record import encode, member_key
+from pdd_wire.pki import cert_fingerprint
+from support.agents import free_port
+
+MiB = 1 << 20
+_prefix = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    """A three-member etcd cluster on loopback (fails naming the package when etcd is missing)."""
+    cluster = EtcdCluster(3)
+    try:
+        asyncio.run(cluster.start())
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def cluster_name():
+    return f"t{os.getpid()}-{next(_prefix)}"
+
+
+def fleet_toml(tmp, site: str, node: str, endpoints: list[str], cluster: str, *, fleet: str = "",
+               port: int | None = None) -> str:
+    """An agent with no [[peers]]: everything it knows comes from etcd."""
+    eps = ", ".join(f'"{e}"' for e in endpoints)
+    return f"""
+site = "{site}"
+node = "{node}"
+[listen]
+wan = "127.0.0.1:{port or free_port()}"
+admin = "127.0.0.1:0"
+engine_socket = "{tmp}/{node}.sock"
+[timeouts]
+heartbeat_s = 0.2
+dead_after_s = 1.5
+reconnect_max_backoff_s = 0.2
+shutdown_grace_s = 1
+[fleet]
+etcd = [{eps}]
+cluster = "{cluster}"
+lease_ttl_s = 2
+refresh_min_s = 0.5
+{fleet if "dial_wait_s" in fleet else fleet + chr(10) + "dial_wait_s = 5"}
+[[fleet.engines]]
+role = "{'P' if site == 'A' else 'MD'}"
+url = "http://127.0.0.1:{8100 if site == 'A' else 8200}"
+"""
+
+
+class Fleet(dict):
+    """The test's agents by node name, and the engines it connected to them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.engines = Engines()
+
+    async def engine(self, node: str, name: str):
+        return await self.engines.connect(self[node].config.listen.engine_socket, name)
+
+
+@contextlib.asynccontextmanager
+async def agents(tmp, etcd, cluster, nodes, fleet: str = ""):
+    out = Fleet()
+    try:
+        for site, node in nodes:
+            a = Agent(cfgmod.loads(fleet_toml(tmp, site, node, etcd.endpoints, cluster, fleet=fleet)))
+            await a.start()
+            out[node] = a
+        for a in out.values():  # everyone sees everyone
+            await until(lambda a=a: len(a.membership.members) == len(nodes) - 1, 10, "membership")
+        yield out
+    finally:
+        for c in out.engines.clients:
+            await c.close()
+        for a in out.values():
+            await a.shutdown(0)
+
+
+@contextlib.asynccontextmanager
+async def etcd_client(etcd):
+    """A client of the test's own (to change what the agents' etcd holds behind their backs)."""
+    client = await EtcdClient(etcd.endpoints).open()
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def send_and_check(eng_a, eng_b, engines, rid: str, dest: str, size: int = 8 * MiB) -> None:
+    src, dst = engines.memory(size), engines.memory(size)
+    await fill_random(src)
+    ka = await eng_a.register(src, block_bytes=MiB)
+    kb = await eng_b.register(dst, block_bytes=MiB)
+    await eng_b.post_recv(rid, [kb.blocks(0, size // MiB)])
+    await eng_a.send_kv(rid, [ka.blocks(0, size // MiB)], to=[dest], deadline_s=20)
+    assert isinstance(await eng_a.wait(rid, timeout=20), ev.KvSent)
+    assert isinstance(await eng_b.wait(rid, timeout=20), ev.KvReceived)
+    assert await same_bytes(src.buf, dst.buf)
+    await eng_a.deregister(ka)
+    await eng_b.deregister(kb)
+
+
+async def test_registration_and_discovery(tmp_sock_dir, etcd, cluster_name):
+    async with agents(tmp_sock_dir, etcd, cluster_name, [("A", "a1"), ("B", "b1")]) as ag:
+        a, b = ag["a1"], ag["b1"]
+        rec = a.membership.members["B/b1"]
+        assert rec.wan == f"127.0.0.1:{b.wan_address[1]}" and rec.incarnation == b.incarnation
+        assert rec.fingerprint == cert_fingerprint(b.pki.cert)  # what its handshake will have to show
+        assert [(e.role, e.url) for e in rec.engines] == [("MD", "http://127.0.0.1:8200")]
+        assert rec.engines[0].engine_socket == b.config.listen.engine_socket
+        assert "kv.v1" in rec.capabilities and rec.versions
+        assert len(a.peers) == len(b.peers) == 0  # nothing needed yet: no session, no connection
+        st = a.describe()["fleet"]
+        assert st["etcd_up"] and st["registered"] and st["members"] == 1 and st["sessions"] == []
+        assert metric(a, "pddwire_fleet_registrations_total", kind="first") == 1
+        assert metric(a, "pddwire_fleet_etcd_up") == 1
+
+
+async def test_lazy_connect_dial_and_knock(tmp_sock_dir, etcd, cluster_name):
+    """A (sorts lower) dials B on its first send; B's first need of A (tokens) makes it knock."""
+    async with agents(tmp_sock_dir, etcd, cluster_name, [("A", "a1"), ("B", "b1"), ("B", "b2")]) as ag:
+        a, b1, b2 = ag["a1"], ag["b1"], ag["b2"]
+        ea, eb1 = await ag.engine("a1", "p"), await ag.engine("b1", "md")
+        await send_and_check(ea, eb1, ag.engines, "r1", "B/b1")
+        assert set(a.peers.by_key) == {"B/b1"} and set(b1.peers.by_key) == {"A/a1"}
+        assert len(b2.peers) == 0  # a fleet of three, one session: connections follow traffic
+        assert metric(a, "pddwire_fleet_lazy_sessions_total", how="dial") == 1
+        assert metric(b1, "pddwire_fleet_admissions_total", outcome="admitted") == 1
+        # b2 -> a1: b2 sorts higher, so it knocks and a1 dials it back.
+        eb2 = await ag.engine("b2", "rld")
+        await ea.expect_tokens("r2", from_site="B")
+        await eb2.send_tokens("r2", "A/a1", [1, 2, 3])
+        got = await ea.wait_tokens("r2", timeout=10)
+        assert got.tokens == [1, 2, 3] and got.peer == "B/b2"
+        assert metric(b2, "pddwire_fleet_lazy_sessions_total", how="knock") == 1
+        assert a.peers.get("B/b2").dialer and not b2.peers.get("A/a1").dialer
+
+
+async def test_idle_close_then_reopen(tmp_sock_dir, etcd, cluster_name):
+    async with agents(tmp_sock_dir, etcd, cluster_name, [("A", "a1"), ("B", "b1")],
+                      fleet="idle_close_s = 0.6") as ag:
+        a, b = ag["a1"], ag["b1"]
+        ea, eb = await ag.engine("a1", "p"), await ag.engine("b1", "md")
+        await send_and_check(ea, eb, ag.engines, "r1", "B/b1", size=4 * MiB)
+        await until(lambda: len(a.peers) == 0 and len(b.peers) == 0, 10, "both ends closed the idle session")
+        assert metric(a, "pddwire_fleet_sessions_closed_total", reason="idle") == 1
+        assert metric(b, "pddwire_fleet_sessions_closed_total", reason="idle") == 1
+        await send_and_check(ea, eb, ag.engines, "r2", "B", size=4 * MiB)  # by site: a new session
+        assert metric(a, "pddwire_fleet_lazy_sessions_total", how="dial") == 2
+
+
+async def test_certificate_not_the_registered_one_is_refused(tmp_sock_dir, etcd, cluster_name):
+    """b1's record names another certificate than the one b1 presents (a valid one of the same
+    CA, naming b1): a1 refuses the handshake, and the send fails after fleet.dial_wait_s."""
+    async with agents(tmp_sock_dir, etcd, cluster_name, [("A", "a1"), ("B", "b1"), ("B", "b2")],
+                      fleet="dial_wait_s = 1.5") as ag:
+        a, b1, b2 = ag["a1"], ag["b1"], ag["b2"]
+        forged = msgspec.structs.replace(b1.membership.me, fingerprint=cert_fingerprint(b2.pki.cert))
+        async with etcd_client(etcd) as client:
+            await client.put(member_key(cluster_name, "B", "b1"), encode(forged), lease=b1.membership.lease)
+        await until(lambda: a.membership.members["B/b1"].fingerprint == forged.fingerprint, 5, "the forged record")
+        ea = await ag.engine("a1", "p")
+        kv = await ea.register(ag.engines.memory(2 * MiB), block_bytes=MiB)
+        t0 = time.monotonic()
+        await ea.send_kv("r1", [kv.blocks(0, 2)], to=["B/b1"], deadline_s=20)
+        failed = await ea.wait("r1", timeout=10)
+        assert isinstance(failed, ev.TransferFailed) and failed.code == ErrorCode.PEER_UNREACHABLE
+        assert time.monotonic() - t0 < 5  # fleet.dial_wait_s, not the transfer's deadline
+        assert metric(a, "pddwire_errors_total", code="IDENTITY_MISMATCH") >= 1
+        assert metric(a, "pddwire_fleet_sessions_closed_total", reason="dial_timeout") == 1
+        assert metric(b1, "pddwire_peer_up", peer="A/a1") == 0  # never adopted
+
+
+def spawn_agent(tmp, toml: str, site: str, name: str) -> subprocess.Popen:
+    """``pdd-wired --config`` as a process of its own (its log: ``tmp/<name>.log``)."""
+    path = tmp / f"{name}.toml"
+    path.write_text(toml)
+    with open(tmp / f"{name}.log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "pdd_wire", "--site", site, "--config", str(path)],
+                                stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+async def test_lease_expiry_after_kill9_fails_transfers_at_once(tmp_sock_dir, etcd, cluster_name):
+    """B is a pdd-wired process, killed with SIGKILL while a transfer to it waits for its post:
+    A fails that transfer with PEER_UNREACHABLE once B's lease (2 s) expires, not after
+    timeouts.peer_give_up_s (30 s)."""
+    proc = spawn_agent(tmp_sock_dir, fleet_toml(tmp_sock_dir, "B", "b1", etcd.endpoints, cluster_name), "B", "b1")
+    try:
+        async with agents(tmp_sock_dir, etcd, cluster_name, [("A", "a1")]) as ag:
+            a = ag["a1"]
+            try:
+                await until(lambda: "B/b1" in a.membership.members, 20, "b1 registered")
+            except AssertionError:
+                raise AssertionError((tmp_sock_dir / "b1.log").read_text()[-3000:]) from None
+            ea = await ag.engine("a1", "p")
+            kv = await ea.register(ag.engines.memory(2 * MiB), block_bytes=MiB)
+            await ea.send_kv("r1", [kv.blocks(0, 2)], to=["B/b1"], deadline_s=60, lease_s=60)
+            await until(lambda: a.peers.get("B/b1") is not None and a.peers.get("B/b1").is_up, 10, "up")
+            os.kill(proc.pid, signal.SIGKILL)
+            t0 = time.monotonic()
+            failed = await ea.wait("r1", timeout=20)
+            elapsed = time.monotonic() - t0
+            assert isinstance(failed, ev.TransferFailed) and failed.code == ErrorCode.PEER_UNREACHABLE
+            assert elapsed < 8, elapsed  # the lease's 2 s (and etcd's expiry sweep), far from 30 s
+            assert "B/b1" not in a.membership.members and a.peers.get("B/b1") is None
+            assert metric(a, "pddwire_fleet_sessions_closed_total", reason="left") == 1
+            with pytest.raises(EngineRequestError) as exc:
+                await ea.send_kv("r2", [kv.blocks(0, 2)], to=["B/b1"])
+            assert exc.value.code == ErrorCode.UNKNOWN_PEER_SITE
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_etcd_restarted_mid_traffic(tmp_sock_dir, etcd, cluster_name):
+    """etcd (all three members) stops while KV moves A -> B and comes back: every transfer lands
+    byte-identical, no member is admitted while it is away, and both agents reconcile after."""
+    async with agents(tmp_sock_dir, etcd, cluster_name, [("A", "a1"), ("B", "b1")]) as ag:
+        a, b = ag["a1"], ag["b1"]
+        ea, eb = await ag.engine("a1", "p"), await ag.engine("b1", "md")
+        n = 0
+
+        async def traffic_while(job) -> None:
+            nonlocal n
+            task = asyncio.create_task(job)
+            while not task.done() or n < 3:
+                await send_and_check(ea, eb, ag.engines, f"r{n}", "B/b1", size=4 * MiB)
+                n += 1
+            await task
+
+        await traffic_while(asyncio.to_thread(etcd.stop))
+        await until(lambda: not a.membership.up and not b.membership.up, 10, "both see etcd away")
+        await send_and_check(ea, eb, ag.engines, "away-1", "B/b1", size=4 * MiB)  # the known member still
+        c = Agent(cfgmod.loads(fleet_toml(tmp_sock_dir, "B", "b9", etcd.endpoints, cluster_name)))
+        await c.start()  # starts without etcd: no record, nobody can find it
+        try:
+            with pytest.raises(EngineRequestError) as exc:
+                await ea.send_kv("to-b9", [], to=["B/b9"])
+            assert exc.value.code == ErrorCode.UNKNOWN_PEER_SITE
+            await traffic_while(etcd.start())
+            await until(lambda: a.membership.up and b.membership.up, 10, "etcd back for both")
+            await until(lambda: "B/b9" in a.membership.members, 10, "b9 registered after etcd came back")
+        finally:
+            await c.shutdown(0)
+        for x in (a, b):
+            assert metric(x, "pddwire_fleet_etcd_lost_total") >= 1
+            await until(lambda x=x: metric(x, "pddwire_fleet_resyncs_total", kind="resume")
+                        + metric(x, "pddwire_fleet_resyncs_total", kind="full") >= 1, 10, "the watch resumed")
+        assert metric(a, "pddwire_fleet_sessions_closed_total", reason="left") == 0
+        # A lease etcd no longer has (as after an outage longer than the TTL): b1 registers
+        # again; a1 saw it leave and come back, and its session with b1 never dropped.
+        async with etcd_client(etcd) as client:
+            await client.revoke(b.membership.lease)
+        await until(lambda: metric(b, "pddwire_fleet_registrations_total", kind="again") == 1, 10,
+                    "b1 registered again")
+        await until(lambda: "B/b1" in a.membership.members, 10, "a1 sees b1 back")
+        assert metric(a, "pddwire_fleet_member_events_total", kind="leave") >= 1
+        await send_and_check(ea, eb, ag.engines, "re-registered", "B/b1", size=4 * MiB)
+        assert a.peers.get("B/b1").is_up and not a.fleet.lazy["B/b1"].unlisted
