@@ -14,15 +14,12 @@ import contextlib
 import itertools
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import msgspec
 import pytest
 
 from conftest import Engines, fill_random, metric, same_bytes, until
-from pdd_tools.etcd import EtcdCluster
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as ev
@@ -31,6 +28,7 @@ from pdd_wire.fleet import EtcdClient
 from pdd_wire.fleet.record import encode, member_key
 from pdd_wire.pki import cert_fingerprint
 from support.agents import free_port
+from support.fleet import etcd_cluster, spawn_agent
 
 MiB = 1 << 20
 _prefix = itertools.count(1)
@@ -39,12 +37,7 @@ _prefix = itertools.count(1)
 @pytest.fixture(scope="module")
 def etcd():
     """A three-member etcd cluster on loopback (fails naming the package when etcd is missing)."""
-    cluster = EtcdCluster(3)
-    try:
-        asyncio.run(cluster.start())
-        yield cluster
-    finally:
-        cluster.close()
+    yield from etcd_cluster(3)
 
 
 @pytest.fixture
@@ -202,15 +195,6 @@ async def test_certificate_not_the_registered_one_is_refused(tmp_sock_dir, etcd,
         assert metric(a, "pddwire_errors_total", code="IDENTITY_MISMATCH") >= 1
         assert metric(a, "pddwire_fleet_sessions_closed_total", reason="dial_timeout") == 1
         assert metric(b1, "pddwire_peer_up", peer="A/a1") == 0  # never adopted
-
-
-def spawn_agent(tmp, toml: str, site: str, name: str) -> subprocess.Popen:
-    """``pdd-wired --config`` as a process of its own (its log: ``tmp/<name>.log``)."""
-    path = tmp / f"{name}.toml"
-    path.write_text(toml)
-    with open(tmp / f"{name}.log", "wb") as log:
-        return subprocess.Popen([sys.executable, "-m", "pdd_wire", "--site", site, "--config", str(path)],
-                                stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
 
 
 async def test_lease_expiry_after_kill9_fails_transfers_at_once(tmp_sock_dir, etcd, cluster_name):

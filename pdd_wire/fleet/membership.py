@@ -35,17 +35,22 @@ FIRST_BACKOFF_S = 0.1
 
 
 class Membership:
-    """``me``: this member's record (None: watch only, as the router and benchmark watchers do)."""
+    """``me``: this member's record (None: watch only, as the router does). ``watch`` False:
+    register only (the benchmark's simulated members). ``client``: an EtcdClient to share (its
+    owner closes it), else one of its own."""
 
     def __init__(self, fleet: Fleet, metrics: FleetMetrics, *, me: rec.MemberRecord | None = None,
-                 on_event: OnEvent | None = None, client: EtcdClient | None = None, logger=None) -> None:
+                 on_event: OnEvent | None = None, client: EtcdClient | None = None, logger=None,
+                 watch: bool = True) -> None:
         self.fleet = fleet
         self.metrics = metrics
         self.me = me
         self.on_event = on_event or (lambda kind, r, old: None)
         self.prefix = rec.members_prefix(fleet.cluster)
+        self._own_client = client is None
         self.client = client or EtcdClient(fleet.etcd, request_s=fleet.request_s,
                                            ssl_ctx=client_ssl(fleet.tls.ca, fleet.tls.cert, fleet.tls.key))
+        self.watching = watch
         self.log = (logger or log).bind(cluster=fleet.cluster)
         self.members: dict[str, rec.MemberRecord] = {}  # "site/node" -> record, this member excluded
         self.revision = 0  # every change up to this one is in ``members``
@@ -71,7 +76,8 @@ class Membership:
         await self.client.open()
         if self.me is not None:
             self._tasks.append(asyncio.create_task(self._lease_forever(), name="fleet-lease"))
-        self._tasks.append(asyncio.create_task(self._watch_forever(), name="fleet-watch"))
+        if self.watching:
+            self._tasks.append(asyncio.create_task(self._watch_forever(), name="fleet-watch"))
 
     async def stop(self) -> None:
         """Leave: the record goes with its lease (revoked, so peers see it now, not in a TTL)."""
@@ -86,7 +92,8 @@ class Membership:
             except EtcdError as exc:
                 self.log.info("could not revoke the lease; the record goes when it expires", error=str(exc))
             self.lease = 0
-        await self.client.close()
+        if self._own_client:
+            await self.client.close()
 
     def set_live(self, live: rec.Live) -> None:
         """The figures as they are now; written when :func:`.record.should_refresh` allows."""
@@ -159,28 +166,39 @@ class Membership:
         self._written_live, self._written_at = live, time.monotonic()
 
     async def _lease_forever(self) -> None:
+        """Keep-alive every third of the TTL; a put when the refresh rule allows (woken by
+        :meth:`set_live`, which never costs a keep-alive of its own)."""
         backoff = FIRST_BACKOFF_S
         ttl = self.fleet.lease_ttl_s
+        next_keepalive = 0.0
         while True:
+            now = time.monotonic()
             try:
                 if not self.lease:
                     await self._register()
+                    next_keepalive = time.monotonic() + ttl / 3
                 else:
-                    left = await self.client.keepalive(self.lease)
-                    self.metrics.writes.labels(kind="keepalive").inc()
-                    if left == 0:
-                        self.lease = 0  # expired while etcd was away from us: register again at once
-                        self._back()
-                        continue
-                    if rec.should_refresh(self._written_live, self._live, time.monotonic() - self._written_at,
+                    if now >= next_keepalive:
+                        left = await self.client.keepalive(self.lease)
+                        self.metrics.writes.labels(kind="keepalive").inc()
+                        next_keepalive = time.monotonic() + ttl / 3
+                        if left == 0:
+                            self.lease = 0  # expired while etcd was away from us: register again at once
+                            self._back()
+                            continue
+                    if rec.should_refresh(self._written_live, self._live, now - self._written_at,
                                           min_s=self.fleet.refresh_min_s, change=self.fleet.refresh_change):
                         await self._write()
                 self._back()
                 backoff = FIRST_BACKOFF_S
-                wait = min(ttl / 3, max(0.05, self.fleet.refresh_min_s - (time.monotonic() - self._written_at)))
+                until = next_keepalive
+                if rec.figures_moved(self._written_live, self._live, self.fleet.refresh_change):
+                    until = min(until, self._written_at + self.fleet.refresh_min_s)
+                wait = max(0.05, until - time.monotonic())
             except EtcdUnavailable as exc:
                 self._away(exc)
                 wait, backoff = backoff * (0.5 + random.random() / 2), min(backoff * 2, ttl / 3)
+                next_keepalive = 0.0  # the first thing to try when it answers
             except EtcdError as exc:  # e.g. the lease vanished between keep-alive and put
                 self.log.warning("etcd refused; registering again", error=str(exc))
                 self.lease = 0

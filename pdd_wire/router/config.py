@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from ..config import default_engine_socket, parse_hostport
+from ..config import EtcdTls, default_engine_socket, parse_hostport
 from ..errors import ConfigError
 
 _cfg = {"forbid_unknown_fields": True, "kw_only": True, "frozen": True}
@@ -117,6 +117,17 @@ class Log(msgspec.Struct, **_cfg):
     format: typing.Literal["auto", "json", "console"] = "auto"
 
 
+class RouterFleet(msgspec.Struct, **_cfg):
+    """The pools from the fleet's membership in etcd (router/discovery.py), besides those above."""
+
+    etcd: list[str] = []
+    """etcd client URLs; [] = the pools are the configured ones only."""
+    cluster: str = "pdd"
+    """The agents' ``fleet.cluster``."""
+    request_s: float = 2.0
+    tls: EtcdTls = EtcdTls()
+
+
 class RouterConfig(msgspec.Struct, **_cfg):
     listen: Listen = Listen()
     request: Request = Request()
@@ -124,6 +135,7 @@ class RouterConfig(msgspec.Struct, **_cfg):
     choice: Choice = Choice()
     handoff: Handoff = Handoff()
     log: Log = Log()
+    fleet: RouterFleet = RouterFleet()
 
 
 def _check_url(url: str, key: str) -> None:
@@ -140,8 +152,8 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     if cfg.request.prefill_lease_s is not None and not cfg.request.prefill_lease_s > 0:
         raise ConfigError("request.prefill_lease_s", "must be > 0")
     for role in ("P", "MD"):
-        if not getattr(cfg.pools, role):
-            raise ConfigError(f"pools.{role}", "needs at least one member")
+        if not getattr(cfg.pools, role) and not cfg.fleet.etcd:
+            raise ConfigError(f"pools.{role}", "needs at least one member (or [fleet] to find them in etcd)")
     for role in ("P", "RLD", "MD"):
         for i, m in enumerate(getattr(cfg.pools, role)):
             _check_url(m.url, f"pools.{role}[{i}].url")
