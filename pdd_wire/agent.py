@@ -22,6 +22,7 @@ memory, stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import ssl
@@ -98,7 +99,7 @@ class Agent:
             fm = FleetMetrics(self.metrics.registry)
             self.membership = Membership(config.fleet, fm, logger=self.log)
             self.fleet = FleetPeering(config, self.peers, self.membership, fm, new_session=self._fleet_session,
-                                      busy=self._session_busy, log=self.log)
+                                      busy=self._session_busy, log=self.log, forget=self._forget_gauges)
             self.membership.on_event = self.fleet.on_event
             self.peers.discover = self.fleet.discover
             self.inbound.admit = self.fleet.admit
@@ -247,6 +248,13 @@ class Agent:
         self.peers.add(s)
         s.start()
         return s
+
+    def _forget_gauges(self, key: str) -> None:
+        m = self.metrics
+        for g in (m.peer_up, m.bulk_streams, m.inflight_bytes, m.link_bandwidth, m.link_rtt, m.link_jitter,
+                  m.link_loss, m.link_queue):
+            with contextlib.suppress(KeyError):
+                g.remove(key)
 
     def _session_busy(self, s: PeerSession) -> bool:
         """Anything open with ``s``'s peer: transfers, unacknowledged or held tokens, a handoff,

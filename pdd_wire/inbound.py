@@ -1,7 +1,10 @@
 """Inbound WAN connections: accept, read the preamble, and hand each connection to its session.
 
 A control connection must say HELLO within ``timeouts.handshake_s``, naming a configured peer
-(and, with TLS, presenting a certificate for it); the session then runs the handshake. A bulk
+(and, with TLS, presenting a certificate for it); the session then runs the handshake. With a
+fleet, a member without a session is given one first if etcd lists it (``admit``), its
+registered certificate fingerprint pinned; a HELLO from a member this agent dials is a knock:
+refused with DIAL_BACK, and dialed (proto/handshake.md §8). A bulk
 connection is adopted on a bulk thread and must say BULK_HELLO with the token of a live session.
 Anything else is closed.
 

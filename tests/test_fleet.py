@@ -171,6 +171,8 @@ async def test_idle_close_then_reopen(tmp_sock_dir, etcd, cluster_name):
         await until(lambda: len(a.peers) == 0 and len(b.peers) == 0, 10, "both ends closed the idle session")
         assert metric(a, "pddwire_fleet_sessions_closed_total", reason="idle") == 1
         assert metric(b, "pddwire_fleet_sessions_closed_total", reason="idle") == 1
+        await until(lambda: a.metrics.registry.get_sample_value("pddwire_peer_up", {"peer": "B/b1"}) is None, 5,
+                    "the closed session's gauges dropped")
         await send_and_check(ea, eb, ag.engines, "r2", "B", size=4 * MiB)  # by site: a new session
         assert metric(a, "pddwire_fleet_lazy_sessions_total", how="dial") == 2
 

@@ -66,11 +66,13 @@ def peer_of(record: MemberRecord, my_site: str) -> Peer:
 
 class FleetPeering:
     """``new_session(peer, index)`` makes, adds and starts a session (the agent's);
-    ``busy(session)`` says whether anything is open with it (transfers, token streams, handoffs)."""
+    ``busy(session)`` says whether anything is open with it (transfers, token streams, handoffs);
+    ``forget(key)`` drops a closed session's per-peer gauges (their labels would grow with
+    every member ever met)."""
 
     def __init__(self, config: Config, peers: "Peers", membership: Membership, metrics: FleetMetrics, *,
                  new_session: Callable[[Peer, int], "PeerSession"], busy: Callable[["PeerSession"], bool],
-                 log) -> None:
+                 log, forget: Callable[[str], None] = lambda key: None) -> None:
         self.config = config
         self.fleet = config.fleet
         self.peers = peers
@@ -78,6 +80,7 @@ class FleetPeering:
         self.metrics = metrics
         self.new_session = new_session
         self.busy = busy
+        self.forget = forget
         self.log = log
         self.lazy: dict[str, Lazy] = {}
         self._index = itertools.count(len(config.peers))
@@ -218,6 +221,8 @@ class FleetPeering:
         async def end() -> None:
             await s.give_up(why or f"the session with {s.key} was closed ({reason})")
             await s.close("idle" if reason == "idle" else "shutdown")
+            if s.key not in self.lazy:  # not opened again meanwhile
+                self.forget(s.key)
 
         self._spawn(end(), f"{s.key}:retire")
 
