@@ -415,6 +415,15 @@ engine_socket = "{sock}"
 [transfer]
 chunk_bytes = 4194304
 streams = 4
+
+# Many nodes: let them find each other in etcd instead of listing [[peers]] (docs/operator.md,
+# "A fleet"); sessions then open on first need and close when idle.
+# [fleet]
+# etcd = ["http://127.0.0.1:2379"]
+# cluster = "pdd"
+# [[fleet.engines]]
+# role = "P"
+# url = "http://127.0.0.1:8100"
 """
 
 
