@@ -18,13 +18,14 @@ import time
 
 import msgspec
 import pytest
+from prometheus_client import CollectorRegistry
 
 from conftest import Engines, fill_random, metric, same_bytes, until
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as ev
 from pdd_wire.errors import EngineRequestError, ErrorCode
-from pdd_wire.fleet import EtcdClient
+from pdd_wire.fleet import EtcdClient, FleetMetrics, Membership
 from pdd_wire.fleet.record import encode, member_key
 from pdd_wire.pki import cert_fingerprint
 from support.agents import free_port
@@ -136,6 +137,14 @@ async def test_registration_and_discovery(tmp_sock_dir, etcd, cluster_name):
         assert rec.engines[0].engine_socket == b.config.listen.engine_socket
         assert "kv.v1" in rec.capabilities and rec.versions
         assert len(a.peers) == len(b.peers) == 0  # nothing needed yet: no session, no connection
+        assert a.membership.live == {}  # an agent does not watch everyone's figures ...
+        router_like = Membership(a.config.fleet, FleetMetrics(CollectorRegistry()), watch_live=True)
+        await router_like.start()  # ... who needs load does
+        try:
+            await until(lambda: "B/b1" in router_like.live, 5, "b1's live record")
+            assert router_like.live["B/b1"].engines == 0 and router_like.members.keys() == {"A/a1", "B/b1"}
+        finally:
+            await router_like.stop()
         st = a.describe()["fleet"]
         assert st["etcd_up"] and st["registered"] and st["members"] == 1 and st["sessions"] == []
         assert metric(a, "pddwire_fleet_registrations_total", kind="first") == 1

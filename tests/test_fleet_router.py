@@ -80,6 +80,7 @@ async def test_pools_follow_the_fleet(tmp_sock_dir, etcd):
             await until(lambda: urls(router, "P") == {"http://127.0.0.1:18100", "http://127.0.0.1:18101"}
                         and urls(router, "RLD") == {"http://127.0.0.1:18102"}
                         and urls(router, "MD") == {"http://127.0.0.1:18200"}, 10, "every engine in its pool")
+            await until(lambda: "B/m1" in d.membership.live, 5, "the router reads the members' live figures too")
             md = router.pools["MD"].members[0].member
             assert (md.site, md.node, md.engine_socket) == ("B", "m1", agents[1].config.listen.engine_socket)
             # p2 leaves (its lease is revoked as it stops); p1 is killed (its lease expires)

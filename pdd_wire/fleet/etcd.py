@@ -171,6 +171,12 @@ class EtcdClient:
             body["lease"] = str(lease)
         return _revision(await self.call("kv/put", body))
 
+    async def put_all(self, items: list[tuple[str, bytes]], lease: int = 0) -> int:
+        """Several puts in one transaction (one raft write)."""
+        ops = [{"request_put": {"key": _b64(k), "value": _b64(v), **({"lease": str(lease)} if lease else {})}}
+               for k, v in items]
+        return _revision(await self.call("kv/txn", {"success": ops}))
+
     async def get(self, key: str) -> KeyValue | None:
         kvs = (await self.call("kv/range", {"key": _b64(key)})).get("kvs") or []
         return _kv(kvs[0]) if kvs else None

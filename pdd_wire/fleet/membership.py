@@ -1,12 +1,14 @@
 """Membership: this member's record in etcd under a lease, and every other member's, watched.
 
-:class:`Membership` runs two tasks. The **lease** task registers the record (a lease of
-``fleet.lease_ttl_s``, the record put under it), keeps the lease alive every third of its TTL,
-and writes the record again when its live figures moved enough (:func:`.record.should_refresh`);
-a lease found gone (etcd was away longer than the TTL) is replaced and the record put again. The
-**watch** task lists the members once, then watches the prefix from that revision; a watch that
-ends is resumed from the last revision seen, and one etcd has compacted past (or a store reset
-under it) is replaced by a full listing, diffed against what was known.
+:class:`Membership` runs two tasks. The **lease** task registers (a lease of
+``fleet.lease_ttl_s``; the member record and the live record put under it in one transaction),
+keeps the lease alive every third of its TTL, and writes the live record again when its figures
+moved enough (:func:`.record.should_refresh`); a lease found gone (etcd was away longer than the
+TTL) is replaced and both records put again. The **watch** task lists the members once, then
+watches the prefix from that revision; a watch that ends is resumed from the last revision seen,
+and one etcd has compacted past (or a store reset under it) is replaced by a full listing,
+diffed against what was known. With ``watch_live`` a third task does the same for the live
+records (``live``: the router's, for load; agents do not need every member's figures).
 
 While etcd is away nothing changes: the last membership stays (sessions and transfers with known
 members go on), and :meth:`lookup` admits no member it has not seen. ``on_event(kind, record,
@@ -19,6 +21,7 @@ import asyncio
 import random
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import msgspec
 import structlog
@@ -34,32 +37,48 @@ OnEvent = Callable[[str, rec.MemberRecord, "rec.MemberRecord | None"], None]
 FIRST_BACKOFF_S = 0.1
 
 
+@dataclass(eq=False)
+class View:
+    """What one watch keeps up to date: a prefix, and what to do with its keys."""
+
+    name: str
+    prefix: str
+    put: Callable[[KeyValue], None]
+    delete: Callable[[str], None]
+    reconcile: Callable[[list[KeyValue]], None]
+    revision: int = 0  # every change up to this one is applied
+    listed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
 class Membership:
     """``me``: this member's record (None: watch only, as the router does). ``watch`` False:
-    register only (the benchmark's simulated members). ``client``: an EtcdClient to share (its
-    owner closes it), else one of its own."""
+    register only (the benchmark's simulated members); ``watch_live``: the live records too.
+    ``client``: an EtcdClient to share (its owner closes it), else one of its own."""
 
     def __init__(self, fleet: Fleet, metrics: FleetMetrics, *, me: rec.MemberRecord | None = None,
                  on_event: OnEvent | None = None, client: EtcdClient | None = None, logger=None,
-                 watch: bool = True) -> None:
+                 watch: bool = True, watch_live: bool = False) -> None:
         self.fleet = fleet
         self.metrics = metrics
         self.me = me
         self.on_event = on_event or (lambda kind, r, old: None)
         self.prefix = rec.members_prefix(fleet.cluster)
+        self.live_prefix = rec.live_prefix(fleet.cluster)
         self._own_client = client is None
         self.client = client or EtcdClient(fleet.etcd, request_s=fleet.request_s,
                                            ssl_ctx=client_ssl(fleet.tls.ca, fleet.tls.cert, fleet.tls.key))
-        self.watching = watch
         self.log = (logger or log).bind(cluster=fleet.cluster)
         self.members: dict[str, rec.MemberRecord] = {}  # "site/node" -> record, this member excluded
-        self.revision = 0  # every change up to this one is in ``members``
+        self.live: dict[str, rec.Live] = {}  # "site/node" -> figures (with watch_live)
+        self.views = ([View("members", self.prefix, self._put, self._delete, self._reconcile)] if watch else []) + \
+            ([View("live", self.live_prefix, self._put_live, self._delete_live, self._reconcile_live)]
+             if watch_live else [])
         self.lease = 0
         self.up = False
         self.away_since: float | None = None
-        self.listed = asyncio.Event()  # set once the first listing is in
+        self.listed = self.views[0].listed if self.views else asyncio.Event()  # the first listing is in
         self.registered = asyncio.Event()  # set once this member's record is in etcd
-        self._live = me.live if me is not None else rec.Live()
+        self._live = rec.Live()
         self._written_live = self._live
         self._written_at = 0.0
         self._wake = asyncio.Event()  # the lease task: figures moved
@@ -76,8 +95,8 @@ class Membership:
         await self.client.open()
         if self.me is not None:
             self._tasks.append(asyncio.create_task(self._lease_forever(), name="fleet-lease"))
-        if self.watching:
-            self._tasks.append(asyncio.create_task(self._watch_forever(), name="fleet-watch"))
+        for view in self.views:
+            self._tasks.append(asyncio.create_task(self._watch_forever(view), name=f"fleet-watch-{view.name}"))
 
     async def stop(self) -> None:
         """Leave: the record goes with its lease (revoked, so peers see it now, not in a TTL)."""
@@ -118,6 +137,11 @@ class Membership:
         self._put(kv)
         return self.members.get(key)
 
+    @property
+    def revision(self) -> int:
+        """The members' watch is current to this revision."""
+        return self.views[0].revision if self.views else 0
+
     def describe(self) -> dict:
         return {"cluster": self.fleet.cluster, "etcd": self.fleet.etcd, "etcd_up": self.up,
                 "away_s": round(time.monotonic() - self.away_since, 3) if self.away_since is not None else None,
@@ -151,17 +175,26 @@ class Membership:
         self.metrics.writes.labels(kind="grant").inc()
         again = self.registered.is_set()
         self.lease = lease
-        await self._write()
+        me = self.me
+        live = self._live
+        await self.client.put_all([(f"{self.prefix}{me.key}", rec.encode(msgspec.structs.replace(me, at=time.time()))),
+                                   (f"{self.live_prefix}{me.key}", self._live_record(live))], lease=lease)
+        self.metrics.writes.labels(kind="put").inc()
+        self._written_live, self._written_at = live, time.monotonic()
         self.metrics.registrations.labels(kind="again" if again else "first").inc()
         self.log.info("registered" if not again else "registered again (the lease was gone)",
                       key=f"{self.prefix}{self.me.key}", lease=f"{lease:x}")
         self.registered.set()
 
+    def _live_record(self, live: rec.Live) -> bytes:
+        assert self.me is not None
+        return rec.encode(rec.LiveRecord(site=self.me.site, node=self.me.node, live=live, at=time.time()))
+
     async def _write(self) -> None:
+        """The live record again (the member record is written once per lease)."""
         assert self.me is not None
         live = self._live
-        record = msgspec.structs.replace(self.me, live=live, at=time.time())
-        await self.client.put(f"{self.prefix}{self.me.key}", rec.encode(record), lease=self.lease)
+        await self.client.put(f"{self.live_prefix}{self.me.key}", self._live_record(live), lease=self.lease)
         self.metrics.writes.labels(kind="put").inc()
         self._written_live, self._written_at = live, time.monotonic()
 
@@ -211,44 +244,45 @@ class Membership:
                 pass
 
     # ------------------------------------------------------------------ the watch task
-    async def _watch_forever(self) -> None:
+    async def _watch_forever(self, view: View) -> None:
         backoff = FIRST_BACKOFF_S
         relist, first, lost = True, True, False
         while True:
             try:
                 if relist:
-                    revision, kvs = await self.client.list(self.prefix)
-                    self._reconcile(kvs)
-                    self.revision = revision
-                    self.metrics.resyncs.labels(kind="first" if first else "full").inc()
+                    revision, kvs = await self.client.list(view.prefix)
+                    view.reconcile(kvs)
+                    view.revision = revision
+                    if view is self.views[0]:
+                        self.metrics.resyncs.labels(kind="first" if first else "full").inc()
                     relist, first, lost = False, False, False
-                    self.listed.set()
+                    view.listed.set()
                     self._back()
                 created = False
-                async for batch in self.client.watch(self.prefix, self.revision + 1):
+                async for batch in self.client.watch(view.prefix, view.revision + 1):
                     if not created:
                         created = True
-                        if batch.revision < self.revision:  # a new store under the same address
-                            self.log.warning("etcd's revision went back: listing again",
-                                             revision=batch.revision, known=self.revision)
+                        if batch.revision < view.revision:  # a new store under the same address
+                            self.log.warning("etcd's revision went back: listing again", watch=view.name,
+                                             revision=batch.revision, known=view.revision)
                             relist = True
                             break
-                        if lost:  # this watch goes on from where the one that ended stopped
+                        if lost and view is self.views[0]:  # goes on from where the one that ended stopped
                             self.metrics.resyncs.labels(kind="resume").inc()
-                            lost = False
+                        lost = False
                         self._back()
                         backoff = FIRST_BACKOFF_S
                         continue
                     for ev in batch.events:
                         if ev.deleted:
-                            self._delete(ev.kv.key)
+                            view.delete(ev.kv.key)
                         else:
-                            self._put(ev.kv)
-                        self.revision = max(self.revision, ev.kv.mod_revision)
+                            view.put(ev.kv)
+                        view.revision = max(view.revision, ev.kv.mod_revision)
                     if not batch.events:  # a progress notification: nothing before it is missing
-                        self.revision = max(self.revision, batch.revision)
+                        view.revision = max(view.revision, batch.revision)
             except Compacted as exc:
-                self.log.info("watch compacted: listing again", compact_revision=exc.compact_revision)
+                self.log.info("watch compacted: listing again", watch=view.name, compact_revision=exc.compact_revision)
                 relist = True
                 continue
             except EtcdUnavailable as exc:
@@ -262,9 +296,9 @@ class Membership:
             except TimeoutError:
                 pass
 
-    def _decode(self, kv: KeyValue) -> rec.MemberRecord | None:
+    def _decode(self, kv: KeyValue, kind: type = rec.MemberRecord):
         try:
-            return rec.decode(kv.key, kv.value, self.prefix)
+            return rec.decode(kv.key, kv.value, self.prefix if kind is rec.MemberRecord else self.live_prefix, kind)
         except rec.RecordError as exc:
             self.metrics.ignored.labels(reason="invalid").inc()
             self.log.warning("ignoring a record under the fleet prefix", error=str(exc))
@@ -305,3 +339,16 @@ class Membership:
                 self._put(kv)
         for key in [k for k in self.members if k not in seen]:
             self._delete(f"{self.prefix}{key}")
+
+    def _put_live(self, kv: KeyValue) -> None:
+        r = self._decode(kv, rec.LiveRecord)
+        if r is not None and r.key != self.my_key and (r.key in self.live or len(self.live) < self.fleet.max_members):
+            self.live[r.key] = r.live
+
+    def _delete_live(self, key: str) -> None:
+        self.live.pop(key[len(self.live_prefix):], None)
+
+    def _reconcile_live(self, kvs: list[KeyValue]) -> None:
+        self.live.clear()
+        for kv in kvs:
+            self._put_live(kv)

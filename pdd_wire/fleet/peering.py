@@ -119,7 +119,9 @@ class FleetPeering:
             record = members.get(dest)
         else:
             site = [r for r in members.values() if r.site == dest]
-            record = min(site, key=lambda r: (r.live.transfers, r.live.queue_bytes, r.node)) if site else None
+            load = self.membership.live  # watched by routers; an agent spreads its picks at random
+            record = min(site, key=lambda r: (load[r.key].transfers if r.key in load else 0, random.random())) \
+                if site else None
         if record is None:
             return None
         s = self._open(record)

@@ -1,19 +1,27 @@
-"""What one fleet member says about itself in etcd: its key, its record, the record's bounds, and
-when it is written again. Pure: no I/O, no clock (callers pass the times).
+"""What one fleet member says about itself in etcd: its keys, its records, their bounds, and
+when they are written again. Pure: no I/O, no clock (callers pass the times).
 
-Layout, under one prefix per cluster (``fleet.cluster``)::
+Layout, under one prefix per cluster (``fleet.cluster``), both keys bound to the member's lease::
 
-    /pdd-wire/<cluster>/members/<site>/<node>   one MemberRecord (JSON), bound to the member's lease
+    /pdd-wire/<cluster>/members/<site>/<node>   MemberRecord: who it is, where, what it runs
+    /pdd-wire/<cluster>/live/<site>/<node>      LiveRecord: its load and link estimates
+
+Two keys because they change at different rates and interest different readers: every agent
+watches ``members/`` (it changes when a member joins, leaves or restarts), so a live figure
+written by one member is not sent to every other one of thousands; only who needs load (the
+router) watches ``live/``. Both are written in one transaction at registration.
 
 A record is at most :data:`MAX_RECORD_BYTES` (a member writing more is refused by its own agent;
-a bigger one read from etcd is ignored and counted). Its live figures change often; they are
-written again only when :func:`should_refresh` says so: at most once per ``fleet.refresh_min_s``
-and only when one figure moved by ``fleet.refresh_change`` (a fraction) or a link appeared or went.
-So a quiet fleet of N members writes nothing but lease keep-alives (N / (ttl/3) a second, which
-etcd's leader answers without a raft write), and a busy one at most N / refresh_min_s puts a second.
+a bigger one read from etcd is ignored and counted). Live figures are written again only when
+:func:`should_refresh` says so: at most once per ``fleet.refresh_min_s`` and only when one
+figure moved by ``fleet.refresh_change`` (a fraction) or a link appeared or went. So a quiet
+fleet of N members writes nothing but lease keep-alives (N / (ttl/3) a second, which etcd's
+leader answers without a raft write), and a busy one at most N / refresh_min_s puts a second.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import msgspec
 
@@ -59,7 +67,7 @@ class Live(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 class MemberRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
     """One member. Unknown fields are ignored (a newer agent may add some); ``v`` changes only
-    for a change an older reader must not misread."""
+    for a change an older reader must not misread. Written once per lease (registration)."""
 
     v: int = RECORD_VERSION
     site: str
@@ -74,8 +82,21 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     capabilities: tuple[str, ...] = ()
     admin: str = ""  # its admin host:port ("" none)
     engines: tuple[EngineRec, ...] = ()
+    at: float = 0.0  # wall-clock time of the registration (seconds since the epoch)
+
+    @property
+    def key(self) -> str:
+        return f"{self.site}/{self.node}"
+
+
+class LiveRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=False):
+    """One member's live figures, written again under the refresh rule."""
+
+    v: int = RECORD_VERSION
+    site: str
+    node: str
     live: Live = Live()
-    at: float = 0.0  # wall-clock time of this write (seconds since the epoch)
+    at: float = 0.0  # wall-clock time of this write
 
     @property
     def key(self) -> str:
@@ -86,19 +107,26 @@ def members_prefix(cluster: str) -> str:
     return f"{KEY_ROOT}{cluster}/members/"
 
 
+def live_prefix(cluster: str) -> str:
+    return f"{KEY_ROOT}{cluster}/live/"
+
+
 def member_key(cluster: str, site: str, node: str) -> str:
     return f"{members_prefix(cluster)}{site}/{node}"
 
 
-def _trimmed(rec: MemberRecord) -> MemberRecord:
-    links = rec.live.links
-    if len(links) <= MAX_LINKS:
+def live_key(cluster: str, site: str, node: str) -> str:
+    return f"{live_prefix(cluster)}{site}/{node}"
+
+
+def _trimmed(rec: MemberRecord | LiveRecord) -> MemberRecord | LiveRecord:
+    if not isinstance(rec, LiveRecord) or len(rec.live.links) <= MAX_LINKS:
         return rec
-    busiest = tuple(sorted(links, key=lambda lk: -lk.bandwidth_Bps)[:MAX_LINKS])
+    busiest = tuple(sorted(rec.live.links, key=lambda lk: -lk.bandwidth_Bps)[:MAX_LINKS])
     return msgspec.structs.replace(rec, live=msgspec.structs.replace(rec.live, links=busiest))
 
 
-def encode(rec: MemberRecord) -> bytes:
+def encode(rec: MemberRecord | LiveRecord) -> bytes:
     """The record as written (links trimmed to :data:`MAX_LINKS`); ValueError past the size bound."""
     raw = msgspec.json.encode(_trimmed(rec))
     if len(raw) > MAX_RECORD_BYTES:
@@ -107,17 +135,18 @@ def encode(rec: MemberRecord) -> bytes:
     return raw
 
 
-_decoder = msgspec.json.Decoder(MemberRecord)
+_decoders: dict[type, Any] = {MemberRecord: msgspec.json.Decoder(MemberRecord),
+                              LiveRecord: msgspec.json.Decoder(LiveRecord)}
 
 
-def decode(key: str, raw: bytes, prefix: str) -> MemberRecord:
-    """The record stored at ``key`` (under ``prefix``); RecordError naming what is wrong."""
+def decode(key: str, raw: bytes, prefix: str, kind: type = MemberRecord):
+    """The record (a ``kind``) stored at ``key`` under ``prefix``; RecordError naming what is wrong."""
     if len(raw) > MAX_RECORD_BYTES:
         raise RecordError(f"{key}: {len(raw)} bytes, over {MAX_RECORD_BYTES}")
     try:
-        rec = _decoder.decode(raw)
+        rec = _decoders[kind].decode(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise RecordError(f"{key}: not a member record ({exc})") from exc
+        raise RecordError(f"{key}: not a {kind.__name__} ({exc})") from exc
     if rec.v != RECORD_VERSION:
         raise RecordError(f"{key}: record version {rec.v}, this agent reads {RECORD_VERSION}")
     if key != f"{prefix}{rec.site}/{rec.node}":

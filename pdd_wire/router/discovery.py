@@ -88,8 +88,9 @@ class PoolDiscovery:
     def __init__(self, cfg: RouterFleet, sink: PoolSink, registry: CollectorRegistry | None = None) -> None:
         self.sink = sink
         fleet = Fleet(etcd=list(cfg.etcd), cluster=cfg.cluster, request_s=cfg.request_s, tls=cfg.tls)
+        # watch_live: the members' load and link figures (membership.live), for the router to read
         self.membership = Membership(fleet, FleetMetrics(registry or CollectorRegistry()), on_event=self._event,
-                                     logger=log)
+                                     logger=log, watch_live=True)
         self.engines: dict[str, list[tuple[str, Member]]] = {}  # member key -> what it put in the pools
 
     async def start(self) -> None:

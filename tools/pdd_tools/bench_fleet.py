@@ -10,6 +10,9 @@ real watch code, each with its own client and watch stream. Per fleet size N:
 * ``fleet_visible_p50_ms_N`` / ``_p99_``: from a new member's registration (its lease grant and
   put) until *every* watcher has it, over probe registrations made one at a time while the N
   are registered. Baseline: one bare etcd put's round trip, measured in the same run.
+Watchers watch ``members/`` only, as agents do (live figures go to ``live/``, which only the
+router watches), so what reaches them is joins and leaves, not every member's figures.
+
 * ``fleet_etcd_writes_per_s_N``: puts (raft writes) per second at steady state, while every
   member's live figures change at every 1 s tick (a busy fleet: transfers, queue and link
   figures random-walk by up to 40 %). Baseline: the puts a member would make without the
@@ -143,7 +146,7 @@ async def one_size(endpoints: list[str], n: int, watchers: int, probes: int, ste
             while rec.key not in w.seen:
                 await asyncio.sleep(0.0005)
             visible.append((w.seen[rec.key] - t0) * 1e3)
-            members.append(m)
+            await m.stop()  # the steady state below has exactly n members
         base = await put_rtt(shared, 50)
         # steady state: every member's figures move at every tick
         rngs = [random.Random(i) for i in range(len(members))]
