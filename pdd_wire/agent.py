@@ -99,7 +99,7 @@ class Agent:
             fm = FleetMetrics(self.metrics.registry)
             self.membership = Membership(config.fleet, fm, logger=self.log)
             self.fleet = FleetPeering(config, self.peers, self.membership, fm, new_session=self._fleet_session,
-                                      busy=self._session_busy, log=self.log, forget=self._forget_gauges)
+                                      busy=self._busy_sessions, log=self.log, forget=self._forget_gauges)
             self.membership.on_event = self.fleet.on_event
             self.peers.discover = self.fleet.discover
             self.inbound.admit = self.fleet.admit
@@ -256,12 +256,13 @@ class Agent:
             with contextlib.suppress(KeyError):
                 g.remove(key)
 
-    def _session_busy(self, s: PeerSession) -> bool:
-        """Anything open with ``s``'s peer: transfers, unacknowledged or held tokens, a handoff,
-        KV waiting for its post (a fleet session is not closed as idle then)."""
-        return bool(s.out or s.inn or s.tokens.held or any(st.unacked for st in s.tokens.tok_out.values())
-                    or any(e.session is s and not e.settled for e in self.handoffs.live.values())
-                    or self.kv.unposted_per_peer.get(s.key))
+    def _busy_sessions(self) -> set[str]:
+        """The peers with anything open: transfers, unacknowledged or held tokens, a handoff, KV
+        waiting for its post (a fleet session is not closed as idle then). One pass a tick."""
+        busy = {s.key for s in self.peers
+                if s.out or s.inn or s.tokens.held or any(st.unacked for st in s.tokens.tok_out.values())}
+        busy |= {e.session.key for e in self.handoffs.live.values() if not e.settled}
+        return busy | {k for k, n in self.kv.unposted_per_peer.items() if n}
 
     def _member_record(self) -> MemberRecord:
         cfg, f = self.config, self.config.fleet

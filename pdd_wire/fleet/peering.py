@@ -66,12 +66,12 @@ def peer_of(record: MemberRecord, my_site: str) -> Peer:
 
 class FleetPeering:
     """``new_session(peer, index)`` makes, adds and starts a session (the agent's);
-    ``busy(session)`` says whether anything is open with it (transfers, token streams, handoffs);
+    ``busy()`` names the peers with anything open (transfers, token streams, handoffs);
     ``forget(key)`` drops a closed session's per-peer gauges (their labels would grow with
     every member ever met)."""
 
     def __init__(self, config: Config, peers: "Peers", membership: Membership, metrics: FleetMetrics, *,
-                 new_session: Callable[[Peer, int], "PeerSession"], busy: Callable[["PeerSession"], bool],
+                 new_session: Callable[[Peer, int], "PeerSession"], busy: Callable[[], set[str]],
                  log, forget: Callable[[str], None] = lambda key: None) -> None:
         self.config = config
         self.fleet = config.fleet
@@ -187,11 +187,12 @@ class FleetPeering:
     # ------------------------------------------------------------------ housekeeping (every heartbeat)
     def tick(self) -> None:
         now = time.monotonic()
+        busy_keys = self.busy() if self.lazy else set()
         for entry in list(self.lazy.values()):
             s = entry.session
             if s.is_up:
                 entry.ever_up = True
-            busy = self.busy(s)
+            busy = s.key in busy_keys
             used = max(entry.busy_at, self.peers.used_at.get(s.key, 0.0))
             if busy:
                 entry.busy_at = used = now
