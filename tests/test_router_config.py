@@ -39,9 +39,14 @@ timeout_s = 0.5
 
 
 def test_a_full_config_reads_back():
-    cfg = rcfg.loads(GOOD + "[handoff]\nmin_rld_tokens = 2\nmax_rld_tokens = 2\n")
+    cfg = rcfg.loads(GOOD + "[handoff]\nmin_rld_tokens = 2\nmax_rld_tokens = 2\nmode = \"catch-up\"\n"
+                     "[handoff.policy]\ncatchup_gap_tokens = 8\n[rld_load]\ninterval_s = 0.25\n")
     assert (cfg.handoff.min_rld_tokens, cfg.handoff.max_rld_tokens, cfg.handoff.md_ready_s) == (2, 2, 30.0)
-    assert rcfg.loads(GOOD).handoff.max_rld_tokens is None
+    assert cfg.handoff.mode == "catch-up" and cfg.handoff.policy.catchup_gap_tokens == 8
+    assert cfg.handoff.policy.busy_load == 0.8 and cfg.rld_load.interval_s == 0.25
+    dflt = rcfg.loads(GOOD)
+    assert dflt.handoff.max_rld_tokens is None and dflt.handoff.mode == "auto" and dflt.handoff.non_streamed
+    assert cfg.pools.RLD[0].max_num_seqs == 0 and dflt.choice.md_candidates == 4
     assert cfg.listen.address == "127.0.0.1:9000" and cfg.request.deadline_s == 30
     assert [m.url for m in cfg.pools.MD] == ["http://10.1.0.1:8200", "http://10.1.0.2:8200"]
     assert cfg.pools.RLD[0].node == "a2" and cfg.pools.P[0].engine_socket.endswith("A.sock")
@@ -68,6 +73,13 @@ def test_the_embedded_default_is_valid_and_fronts_sites_a_and_b():
     (GOOD + "[handoff]\nmin_rld_tokens = 8\nmax_rld_tokens = 4\n", "handoff.max_rld_tokens",
      "at least handoff.min_rld_tokens"),
     (GOOD + "[handoff]\nmd_ready = 3\n", "handoff.md_ready", "did you mean 'md_ready_s'"),
+    (GOOD + "[handoff]\nmode = \"later\"\n", "handoff.mode", "valid: auto, one-shot, catch-up"),
+    (GOOD + "[handoff.policy]\ncatchup_gap = 3\n", "handoff.policy.catchup_gap", "did you mean 'catchup_gap_tokens'"),
+    (GOOD + "[handoff.policy]\nmax_catchup_rounds = 0\n", "handoff.policy", "max_catchup_rounds: must be >= 1"),
+    (GOOD + "[handoff]\nabsorb_s = 0\n", "handoff.absorb_s", "must be > 0"),
+    (GOOD + "[rld_load]\ninterval_s = -1\n", "rld_load.interval_s", "must be > 0"),
+    (GOOD.replace('node = "a2"', 'node = "a2"\nmax_num_seqs = -4'), "pools.RLD[0].max_num_seqs", "must be >= 0"),
+    (GOOD + "[choice]\n", "(file)", "not valid TOML"),
     ("listen = 3", "listen", "Expected `object`"),
     ("[listen", "(file)", "not valid TOML"),
 ])

@@ -1,21 +1,28 @@
-"""``pdd-wire router`` P-RLD-MD with a one-shot handoff, over real ``vllm serve`` instances.
+"""``pdd-wire router`` P-RLD-MD (one-shot and catch-up handoff) and P-RLD over real ``vllm serve``.
 
     client -> Router -> P   (vllm serve, kv_producer, node A/a1)  sends the KV to RLD and MD
-                     -> RLD (vllm serve, kv_consumer, node A/a2)  streams at once
+                     -> RLD (vllm serve, kv_consumer, prefix caching, node A/a2)  streams at once
                      -> MD  (vllm serve, kv_consumer, prefix caching, node B/b1)
+                     -> MD2 (vllm serve, kv_consumer, prefix caching, node B/b2)  a second MD
 
-The agents' policy sends every request P-RLD-MD (a TTFT budget of 0). RLD streams; once MD
-answers the prompt with P's KV (``max_tokens=1``), RLD is stopped at position m and MD continues
-from the prompt and the m emitted tokens. The user's stream must be a single server's greedy
-stream: every position once, in order, one id, one ending. ``handoff.min_rld_tokens`` and
-``max_rld_tokens`` force the switch at chosen positions (0, inside a block, past a block).
+The agents' policy sends every request P-RLD-MD (a TTFT budget of 0), except long input with
+short output (the anomalous filter, scaled down: 250 tokens in, under 8 out), which is P-RLD.
+RLD streams; once MD answers the prompt with P's KV (``max_tokens=1``), RLD is stopped at
+position m and MD continues from the prompt and the m emitted tokens (one-shot), or first
+absorbs RLD's tokens into its prefix cache in rounds (catch-up). The user's stream must be a
+single server's greedy stream: every position once, in order, one id, one ending.
+``handoff.min_rld_tokens`` and ``max_rld_tokens`` force the switch at chosen positions.
+
+MD2 is SIGKILLed by the test that kills MD during a handoff, and RLD by the last test.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -25,6 +32,7 @@ import pytest
 import pytest_asyncio
 
 from pdd_tools.vllm.serve import (
+    BLOCK,
     VllmServer,
     complete,
     completion_body,
@@ -40,34 +48,46 @@ from test_vllm_serve import Cluster
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 N = 96  # tokens generated per request: room for a clean text boundary in the tiny model's output
+SALT = "tiny-llama/torch.float32"
 
 
 class Pdd:
     def __init__(self, tmp: Path, agents: dict, P: VllmServer, RLD: VllmServer, MD: VllmServer,
-                 http: aiohttp.ClientSession) -> None:
-        self.tmp, self.agents, self.P, self.RLD, self.MD, self.http = tmp, agents, P, RLD, MD, http
-        # Cluster.settled checks every agent and two vLLMs: one for RLD, one for MD.
-        self._checks = [Cluster(tmp, agents, P, RLD, None, http), Cluster(tmp, agents, P, MD, None, http)]
+                 MD2: VllmServer, http: aiohttp.ClientSession) -> None:
+        self.tmp, self.agents, self.P, self.RLD, self.MD, self.MD2, self.http = tmp, agents, P, RLD, MD, MD2, http
 
-    async def baseline(self, prompt: list[int], n: int = N) -> dict:
+    async def baseline(self, prompt: list[int], n: int = N, **extra) -> dict:
         """A single server's greedy answer (P, no KV transfer)."""
-        return await complete(self.http, self.P.url, completion_body(prompt, n))
+        return await complete(self.http, self.P.url, completion_body(prompt, n, **extra))
 
     async def settled(self) -> None:
-        for c in self._checks:
-            await c.settled()
+        """No request or KV block left in any live vLLM, nothing pinned at any agent."""
+        for D in (self.RLD, self.MD, self.MD2):
+            if alive(D) and alive(self.P):
+                await Cluster(self.tmp, self.agents, self.P, D, None, self.http).settled()
 
-    def router(self, *, pos: int | None = None, rld: str | None = None, **handoff) -> Router:
-        """A router over P, RLD and MD; ``rld``: another RLD URL, named without site or node (P
-        then sends the KV to MD only)."""
+    def router(self, *, pos: int | None = None, rld: str | None = None, md: VllmServer | None = None,
+               md2: bool = False, rld_seqs: int = 64, policy: dict | None = None, lease_s: float = 30.0,
+               **handoff) -> Router:
+        """A router over P, RLD and MD (``md``: that server instead, at B/b2; ``md2``: MD2 as a
+        second MD member); ``rld``: another RLD URL, named without site or node (P then sends
+        the KV to MD only)."""
         rld_member = f'url = "{rld}"' if rld else f'url = "{self.RLD.url}"\nsite = "A"\nnode = "a2"'
+        mds = [(self.MD, "b1")] if md is None else [(md, "b2" if md is self.MD2 else "b1")]
+        if md2:
+            mds.append((self.MD2, "b2"))
+        md_members = "".join(f'[[pools.MD]]\nurl = "{u.url}"\nsite = "B"\nnode = "{n}"\n' for u, n in mds)
         h = dict(handoff)
         if pos is not None:
             h |= {"min_rld_tokens": pos, "max_rld_tokens": pos}
-        lines = "".join(f"{k} = {v}\n" for k, v in h.items())
+        lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in h.items())
+        plines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (policy or {}).items())
         return Router(loads(f"""
 [listen]
 address = "127.0.0.1:0"
+[request]
+deadline_s = 120
+prefill_lease_s = {lease_s}
 [[pools.P]]
 url = "{self.P.url}"
 engine_socket = "{self.tmp}/a1.sock"
@@ -75,12 +95,44 @@ site = "A"
 node = "a1"
 [[pools.RLD]]
 {rld_member}
-[[pools.MD]]
-url = "{self.MD.url}"
-site = "B"
-node = "b1"
+max_num_seqs = {rld_seqs}
+{md_members}
+[choice]
+block_tokens = {BLOCK}
+prefix_salt = "{SALT}"
+[rld_load]
+interval_s = 0.05
 [handoff]
-{lines}"""))
+{lines}
+[handoff.policy]
+{plines}"""))
+
+
+def alive(s: VllmServer) -> bool:
+    return s.proc is not None and s.proc.returncode is None
+
+
+async def kill(s: VllmServer) -> None:
+    """SIGKILL the server's whole process group (API server and engine core)."""
+    assert s.proc is not None
+    os.killpg(s.proc.pid, signal.SIGKILL)
+    await s.proc.wait()
+
+
+async def stream_killing(pdd: Pdd, router: Router, body: dict, victim: VllmServer, pool: str, after: int) -> list[dict]:
+    """A streamed request during which ``victim`` is SIGKILLed once the router has relayed
+    ``after`` tokens from ``pool``: the chunks the client got (one ``[DONE]``, at the end)."""
+    async with pdd.http.post(f"{router.url}/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status == 200
+        buf = b""
+        async for data in r.content.iter_any():
+            buf += data
+            if alive(victim) and sample(router, "pddwire_router_output_tokens_total", pool=pool) >= after:
+                await kill(victim)
+    raw = buf.split(b"\n\n")
+    assert not alive(victim)
+    assert raw[-1] == b"" and raw[-2] == b"data: [DONE]" and b"data: [DONE]" not in raw[:-2]
+    return [json.loads(e[6:]) for e in raw[:-2]]
 
 
 async def stream(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[list[dict], list[bytes]]:
@@ -91,14 +143,22 @@ async def stream(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[lis
     return [json.loads(e[6:]) for e in raw[:-2]], raw
 
 
-def check_one_stream(chunks: list[dict], base: dict, n: int = N) -> None:
+def check_one_stream(chunks: list[dict], base: dict, n: int = N, *, text: bool = True) -> None:
     """One server's stream: the same tokens and text, one id, one ending, at the end."""
+    assert all("error" not in c for c in chunks), chunks
     ids = [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()]
     assert ids == tokens(base)
-    assert "".join(ch.get("text") or "" for c in chunks for ch in c["choices"]) == base["choices"][0]["text"]
+    if text:
+        assert "".join(ch.get("text") or "" for c in chunks for ch in c["choices"]) == base["choices"][0]["text"]
     assert len({c["id"] for c in chunks}) == 1
     ends = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch.get("finish_reason")]
     assert ends == ["length"] and chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def cached_at_switch(L: int, m: int, absorbed: int) -> int:
+    """Prompt tokens MD's prefix cache gives its continuation (prompt + m emitted): the full
+    blocks of the prompt (loaded from P) and of what it absorbed, never the last token."""
+    return min(max(L // BLOCK, (L + absorbed) // BLOCK), (L + m - 1) // BLOCK) * BLOCK
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -107,22 +167,25 @@ async def pdd():
     if why:
         pytest.fail(f"the vLLM venv is needed for this test ({why}): run scripts/vllm-env", pytrace=False)
     tmp = Path(tempfile.mkdtemp(prefix="pdw-router-pdd-"))
-    policy = "[policy.pipeline]\nttft_budget_s = 0\n"  # every request P-RLD-MD
-    tomls = cluster_toml(tmp, [("A", "a1"), ("A", "a2"), ("B", "b1")], streams=2, extra=policy)
+    # Every request P-RLD-MD, except the anomalous filter's (scaled to the tiny model).
+    policy = "[policy.pipeline]\nttft_budget_s = 0\nanomaly_min_input_tokens = 250\nanomaly_max_output_tokens = 8\n"
+    tomls = cluster_toml(tmp, [("A", "a1"), ("A", "a2"), ("B", "b1"), ("B", "b2")], streams=2, extra=policy)
     servers: list[VllmServer] = []
     async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
         try:
             P = VllmServer("P", tmp / "P.log", cpu="0",
                            kv=connector_config("kv_producer", f"{tmp}/a1.sock", lease_s=30.0))
-            RLD = VllmServer("RLD", tmp / "RLD.log", cpu="1", failure_policy="recompute",
+            RLD = VllmServer("RLD", tmp / "RLD.log", cpu="1", prefix_caching=True, failure_policy="recompute",
                              kv=connector_config("kv_consumer", f"{tmp}/a2.sock", recv_slack_s=2.0))
             MD = VllmServer("MD", tmp / "MD.log", cpu="1", prefix_caching=True, failure_policy="recompute",
                             kv=connector_config("kv_consumer", f"{tmp}/b1.sock", recv_slack_s=2.0))
-            servers = [P, RLD, MD]
+            MD2 = VllmServer("MD2", tmp / "MD2.log", cpu="0", prefix_caching=True, failure_policy="recompute",
+                             kv=connector_config("kv_consumer", f"{tmp}/b2.sock", recv_slack_s=2.0))
+            servers = [P, RLD, MD, MD2]
             t0 = time.monotonic()
             await asyncio.gather(*(s.start() for s in servers))
             print(f"vLLM servers ready in {time.monotonic() - t0:.1f} s")
-            yield Pdd(tmp, agents, P, RLD, MD, http)
+            yield Pdd(tmp, agents, P, RLD, MD, MD2, http)
         finally:
             await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
             for s in servers:
@@ -130,24 +193,42 @@ async def pdd():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.mark.parametrize("pos", [0, 5, 40])
-async def test_the_handoff_at_a_chosen_position_gives_one_servers_stream(pdd, pos):
-    """Forced at position 0 (MD makes every token), 5 (inside the first block of output) and 40
-    (past a block boundary of prompt + output) or the first clean text boundary after it (RLD's
-    last 5 tokens each whole text; the tiny model's text is mostly byte tokens): the stream is a
-    single server's."""
-    prompt = prompt_for(pos + 1, 75)
+@pytest.mark.parametrize(("mode", "pos"), [("one-shot", 0), ("one-shot", 5), ("one-shot", 21), ("one-shot", 40),
+                                           ("catch-up", 0), ("catch-up", 21), ("catch-up", 40)])
+async def test_the_handoff_at_a_chosen_position_gives_one_servers_stream(pdd, mode, pos):
+    """Forced at position 0 (MD makes every token), 5 (inside the prompt's last block), 21 (at a
+    block boundary: 75 + 21 = 3 blocks) and 40 (inside the next block), or the first clean text
+    boundary after it (RLD's last token one event of whole text; the tiny model's text is mostly
+    byte tokens): the stream is a single server's. Catch-up absorbs up to the last block boundary
+    before the switch (forced, the round runs at the position); MD's continuation then takes
+    every full block it absorbed from its prefix cache: its extend is the rest (vLLM's usage)."""
+    L = 75
+    prompt = prompt_for(pos + 1 + (100 if mode == "catch-up" else 0), L)
     base = await pdd.baseline(prompt)
     wire_rld0, wire_md0 = await pdd.RLD.wire_tokens(pdd.http), await pdd.MD.wire_tokens(pdd.http)
-    async with pdd.router(pos=pos) as router:
+    async with pdd.router(pos=pos, mode=mode, policy={"catchup_gap_tokens": 2}) as router:
         chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
         check_one_stream(chunks, base)
         assert sample(router, "pddwire_router_pipeline_choices_total", pipeline="P-RLD-MD") == 1
-        assert sample(router, "pddwire_router_handoffs_total", mode="one-shot", outcome="switched") == 1
+        assert sample(router, "pddwire_router_handoff_modes_total", mode=mode, reason="configured") == 1
+        assert sample(router, "pddwire_router_handoffs_total", mode=mode, outcome="switched") == 1
         m = sample(router, "pddwire_router_output_tokens_total", pool="RLD")
         assert pos <= m < N
         assert sample(router, "pddwire_router_output_tokens_total", pool="MD") == N - m
-        assert sample(router, "pddwire_router_handoff_stall_seconds_count", mode="one-shot") == 1
+        assert sample(router, "pddwire_router_handoff_stall_seconds_count", mode=mode) == 1
+        absorbed = sample(router, "pddwire_router_catchup_absorbed_tokens_total")
+        rounds = sample(router, "pddwire_router_catchup_rounds_sum")
+        if mode == "catch-up" and pos:
+            # one round at the position (21, or past it where one event carried several tokens),
+            # up to the last block boundary
+            assert rounds == 1 and 21 <= absorbed <= m and (L + absorbed) % BLOCK == 0
+        elif mode == "catch-up":
+            assert rounds == absorbed == 0
+        else:
+            assert absorbed == 0 and sample(router, "pddwire_router_catchup_rounds_count") == 0
+        extend = sample(router, "pddwire_router_handoff_extend_tokens_sum", mode=mode)
+        assert extend == L + m - cached_at_switch(L, int(m), int(absorbed))
+        assert sample(router, "pddwire_router_rld_share_sum") == pytest.approx(m / N)
     # MD took the prompt's KV from the wire (P sent it to RLD and MD); RLD did too when it was
     # not stopped before its first token.
     assert await pdd.MD.wire_tokens(pdd.http) - wire_md0 == len(prompt)
@@ -156,46 +237,148 @@ async def test_the_handoff_at_a_chosen_position_gives_one_servers_stream(pdd, po
     await pdd.settled()
 
 
+@pytest.mark.parametrize("mode", ["one-shot", "catch-up"])
+async def test_p_rld_md_gives_the_single_server_output_streamed_and_not(pdd, mode):
+    """Prompts of 5, 75 and 300 tokens, each streamed and not (a non-streamed request is run
+    from the streams and answered whole: the single server's body, field for field)."""
+    for length in (5, 75, 300):
+        prompt = prompt_for(1000 + length + (1 if mode == "catch-up" else 0), length)
+        base = await pdd.baseline(prompt)
+        async with pdd.router(pos=24, mode=mode, policy={"catchup_gap_tokens": 2}) as router:
+            chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+            check_one_stream(chunks, base)
+            async with pdd.http.post(f"{router.url}/v1/completions", json=completion_body(prompt, N)) as r:
+                assert r.status == 200
+                whole = await r.json()
+            assert sample(router, "pddwire_router_handoffs_total", mode=mode) == 2
+        assert whole.keys() == base.keys() and whole["choices"][0].keys() == base["choices"][0].keys()
+        assert whole["object"] == base["object"] and whole["model"] == base["model"]
+        for k in ("text", "token_ids", "finish_reason", "stop_reason", "prompt_token_ids", "logprobs"):
+            assert whole["choices"][0][k] == base["choices"][0][k], k
+        for k in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            assert whole["usage"][k] == base["usage"][k], k
+    await pdd.settled()
+
+
 async def test_token_ids_stay_out_of_the_stream_unless_asked(pdd):
-    """The router asks RLD and MD for token ids (it continues from them); a client that did not
-    ask gets the stream without them, as from vllm serve."""
+    """The router asks RLD and MD for token ids (it continues from them) and for usage; a client
+    that asked neither gets the stream without them, as from vllm serve; one that asked for
+    usage gets it counted as one request's."""
     prompt = prompt_for(21, 60)
     base = await pdd.baseline(prompt)
     body = {k: v for k, v in completion_body(prompt, N).items() if k != "return_token_ids"}
     async with pdd.router(pos=7) as router:
         chunks, _ = await stream(pdd.http, router.url, body)
-        assert sample(router, "pddwire_router_handoffs_total", outcome="switched") == 1
+        with_usage, _ = await stream(pdd.http, router.url, {**body, "stream_options": {"include_usage": True}})
+        assert sample(router, "pddwire_router_handoffs_total", outcome="switched") == 2
     assert all("token_ids" not in ch and "prompt_token_ids" not in ch for c in chunks for ch in c["choices"])
+    assert all("usage" not in c or c["usage"] is None for c in chunks)
     assert "".join(ch["text"] for c in chunks for ch in c["choices"]) == base["choices"][0]["text"]
+    usage = with_usage[-1]["usage"]
+    assert with_usage[-1]["choices"] == [] and len([c for c in with_usage if c.get("usage")]) == 1
+    assert (usage["prompt_tokens"], usage["completion_tokens"]) == (60, N)
     await pdd.settled()
 
 
-async def test_unforced_handoffs_under_concurrency_give_the_single_server_streams(pdd):
-    """No forcing: each request switches whenever MD holds its KV (or RLD finishes first). Six at
-    once: every stream is the single server's, RLD's and MD's tokens add up."""
-    prompts = [prompt_for(300 + i, 40 + 23 * i) for i in range(6)]
-    bases = [await pdd.baseline(pr) for pr in prompts]
-    async with pdd.router() as router:
-        outs = await asyncio.gather(*(stream(pdd.http, router.url, completion_body(pr, N)) for pr in prompts))
-        for (chunks, _), base in zip(outs, bases):
+async def test_the_mode_follows_rlds_live_load(pdd):
+    """``handoff.mode = "auto"``: RLD's load from its own /metrics (running + waiting over its
+    max_num_seqs) decides once MD holds the KV and the gap is above ``catchup_gap_tokens``:
+    declared with one sequence, RLD running this request is busy (one-shot, ``rld_busy``); with
+    64 it has headroom (catch-up, ``rld_headroom``)."""
+    for seqs, mode, reason in ((1, "one-shot", "rld_busy"), (64, "catch-up", "rld_headroom")):
+        prompt = prompt_for(30 + seqs, 70)
+        base = await pdd.baseline(prompt)
+        async with pdd.router(rld_seqs=seqs, min_rld_tokens=24, policy={"catchup_gap_tokens": 8}) as router:
+            chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
             check_one_stream(chunks, base)
+            assert sample(router, "pddwire_router_handoff_modes_total", mode=mode, reason=reason) == 1
+            assert sample(router, "pddwire_router_rld_load_scrapes_total", outcome="ok") >= 1
+            assert sample(router, "pddwire_router_handoffs_total", mode=mode) == 1
+    await pdd.settled()
+
+
+async def test_md_is_the_member_holding_the_longest_prefix(pdd):
+    """Two MD members: the prompt's first 96 tokens are in MD2's prefix cache (a request to MD2
+    left them there; its connector reported them to agent b2 with its next step). The choice
+    asks P's agent for both members: MD2 holds 3 blocks, MD none, so MD2 gets the request (the
+    least-loaded rule alone, both idle, takes them in turn)."""
+    prompt = prompt_for(40, 110)
+    base = await pdd.baseline(prompt)
+    await complete(pdd.http, pdd.MD2.url, completion_body(prompt[:96] + [5], 1))
+    await complete(pdd.http, pdd.MD2.url, completion_body(prompt_for(41, 8), 1))  # the report's step
+    done2 = (await pdd.MD2.metrics(pdd.http)).get("vllm:request_success_total", 0)
+    done1 = (await pdd.MD.metrics(pdd.http)).get("vllm:request_success_total", 0)
+    async with pdd.router(md2=True, pos=10) as router:
+        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+        check_one_stream(chunks, base)
+        assert sample(router, "pddwire_router_prompt_tokens_total", source="md_prefix") == 96
+        assert sample(router, "pddwire_router_handoffs_total", outcome="switched") == 1
+    # MD2 answered the warm request and the continuation; MD nothing.
+    assert (await pdd.MD2.metrics(pdd.http)).get("vllm:request_success_total", 0) - done2 == 2
+    assert (await pdd.MD.metrics(pdd.http)).get("vllm:request_success_total", 0) == done1
+    await pdd.settled()
+
+
+async def test_the_anomalous_filter_finishes_on_an_rld_member(pdd):
+    """300 tokens in, 4 out: P-RLD. P's KV goes to the RLD member (same site), RLD decodes;
+    nothing to MD, nothing over the WAN."""
+    prompt = prompt_for(50, 300)
+    base = await pdd.baseline(prompt, 4)
+    wire_rld0, wire_md0 = await pdd.RLD.wire_tokens(pdd.http), await pdd.MD.wire_tokens(pdd.http)
+    async with pdd.router() as router:
+        out = await complete(pdd.http, router.url, completion_body(prompt, 4))
+        assert tokens(out) == tokens(base)
+        assert sample(router, "pddwire_router_pipeline_choices_total", pipeline="P-RLD",
+                      reason="anomalous_long_input_short_output") == 1
+        assert sample(router, "pddwire_router_output_tokens_total", pool="RLD") == 4
+        assert sample(router, "pddwire_router_wan_kv_bytes_sum") == 0
+    assert await pdd.RLD.wire_tokens(pdd.http) - wire_rld0 == 300
+    assert await pdd.MD.wire_tokens(pdd.http) == wire_md0
+    await pdd.settled()
+
+
+async def test_sixteen_concurrent_mixed_requests(pdd):
+    """16 at once, streamed and not, 20 to 300 prompt tokens, two MD members, the mode from
+    RLD's load (catch-up with headroom): every answer is the single server's, RLD's and MD's
+    tokens add up, nothing is left anywhere."""
+    prompts = [prompt_for(400 + i, 20 + 19 * i) for i in range(16)]
+    bases = [await pdd.baseline(pr, 48) for pr in prompts]
+    async with pdd.router(md2=True, policy={"catchup_gap_tokens": 4}) as router:
+        async def one(i: int, pr: list[int]) -> list[int]:
+            if i % 2:
+                chunks, _ = await stream(pdd.http, router.url, completion_body(pr, 48))
+                return [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()]
+            return tokens(await complete(pdd.http, router.url, completion_body(pr, 48)))
+
+        outs = await asyncio.gather(*(one(i, pr) for i, pr in enumerate(prompts)))
+        assert outs == [tokens(b) for b in bases]
+        # Each request P-RLD-MD, with one handoff outcome, unless the choice took longer than
+        # choice.timeout_s under this load (then P-MD: a fallback, the same answer).
         ended = {o: sample(router, "pddwire_router_handoffs_total", outcome=o)
-                 for o in ("switched", "rld_finished", "md_failed", "md_not_ready")}
-        assert ended["switched"] + ended["rld_finished"] == 6 and ended["md_failed"] == ended["md_not_ready"] == 0
+                 for o in ("switched", "rld_finished", "md_failed", "md_not_ready", "rld_failed")}
+        chosen = sample(router, "pddwire_router_pipeline_choices_total", pipeline="P-RLD-MD")
+        assert ended["switched"] + ended["rld_finished"] == chosen, ended
+        assert chosen + sample(router, "pddwire_router_fallbacks_total", kind="choice_failed") == 16
         assert (sample(router, "pddwire_router_output_tokens_total", pool="RLD")
-                + sample(router, "pddwire_router_output_tokens_total", pool="MD")) == 6 * N
+                + sample(router, "pddwire_router_output_tokens_total", pool="MD")) == 16 * 48
+        assert all(u.inflight == 0 for u in router.pools)
     await pdd.settled()
 
 
 async def test_requests_the_handoff_cannot_splice_run_p_md(pdd):
-    """Not streamed: P-MD (fallback counted), the single server's answer."""
+    """With ``handoff.non_streamed = false``, and for a penalty counting output tokens (which
+    a continuation would count as prompt): P-MD, the fallback counted, the single server's
+    answer."""
     prompt = prompt_for(22, 50)
     base = await pdd.baseline(prompt)
-    async with pdd.router() as router:
-        async with pdd.http.post(f"{router.url}/v1/completions", json=completion_body(prompt, N)) as r:
-            assert tokens(await r.json()) == tokens(base)
+    pen = await pdd.baseline(prompt, presence_penalty=0.5)
+    async with pdd.router(non_streamed=False) as router:
+        assert tokens(await complete(pdd.http, router.url, completion_body(prompt, N))) == tokens(base)
+        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N, presence_penalty=0.5))
+        check_one_stream(chunks, pen)
         assert sample(router, "pddwire_router_fallbacks_total", kind="p_rld_md_not_streamed") == 1
-        assert sample(router, "pddwire_router_output_tokens_total", pool="MD") == N
+        assert sample(router, "pddwire_router_fallbacks_total", kind="p_rld_md_penalties") == 1
+        assert sample(router, "pddwire_router_output_tokens_total", pool="MD") == 2 * N
     await pdd.settled()
 
 
@@ -215,11 +398,12 @@ async def test_a_client_gone_mid_handoff_leaves_nothing_held(pdd):
         async with asyncio.timeout(30):
             while sample(router, "pddwire_router_requests_total", outcome="client_gone") < 1:
                 await asyncio.sleep(0.05)
+        assert all(u.inflight == 0 for u in router.pools)
 
 
 async def test_rld_failing_before_its_first_token_leaves_the_output_to_md(pdd):
     """RLD refuses the connection: MD, once it holds the KV, makes every token (fallback
-    ``rld_failed``); the stream is still a single server's."""
+    ``rld_failed``: P-MD); the stream is still a single server's."""
     prompt = prompt_for(24, 70)
     base = await pdd.baseline(prompt)
     async with pdd.router(rld=f"http://127.0.0.1:{free_port()}") as router:
@@ -249,17 +433,52 @@ async def test_md_not_ready_in_time_leaves_the_request_on_rld(pdd):
     await pdd.settled()
 
 
+async def test_md_killed_after_the_switch_hands_the_output_back_to_rld(pdd):
+    """MD2 (the MD member here) is SIGKILLed while it streams, after a switch at 5: RLD
+    continues from where MD2 left it (``md_failed_after_switch``); the client sees the single
+    server's token ids, one ending. MD2 stays down for the next test."""
+    prompt = prompt_for(27, 70)
+    n = 400
+    base = await pdd.baseline(prompt, n)
+    async with pdd.router(md=pdd.MD2, pos=5) as router:
+        chunks = await stream_killing(pdd, router, completion_body(prompt, n), pdd.MD2, "MD", 5)
+        check_one_stream(chunks, base, n, text=sample(router, "pddwire_router_unclean_splices_total") == 0)
+        assert sample(router, "pddwire_router_fallbacks_total", kind="md_failed_after_switch") == 1
+        assert sample(router, "pddwire_router_handoffs_total", outcome="switched") == 1
+        by = {p: sample(router, "pddwire_router_output_tokens_total", pool=p) for p in ("RLD", "MD")}
+        assert by["MD"] >= 5 and by["RLD"] >= 5 and by["RLD"] + by["MD"] == n
+    await pdd.settled()
+
+
 async def test_md_down_leaves_the_request_on_rld(pdd):
-    """Last in this module: MD's server is stopped. MD's request fails before any switch, RLD
-    keeps the request to its end (fallback ``md_failed``), the stream is a single server's. P's
-    KV for MD waits out its lease (30 s) at the agents, then nothing is pinned anywhere."""
+    """MD2's server is down (killed above): MD's warm request fails before any switch, RLD keeps
+    the request to its end (fallback ``md_failed``), the stream is a single server's."""
     prompt = prompt_for(26, 70)
     base = await pdd.baseline(prompt)
-    await pdd.MD.stop()
-    async with pdd.router() as router:
+    assert not alive(pdd.MD2)
+    async with pdd.router(md=pdd.MD2, lease_s=3.0) as router:
         chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
         check_one_stream(chunks, base)
         assert sample(router, "pddwire_router_fallbacks_total", kind="md_failed") == 1
         assert sample(router, "pddwire_router_handoffs_total", outcome="md_failed") == 1
         assert sample(router, "pddwire_router_output_tokens_total", pool="RLD") == N
-    await pdd._checks[0].settled()  # every agent, P and RLD (MD is gone)
+    # P's KV for MD2 waits out its lease (3 s, asked by the router) at the agents; then nothing is
+    # pinned anywhere.
+    await Cluster(pdd.tmp, pdd.agents, pdd.P, pdd.RLD, None, pdd.http).settled(timeout=90)
+
+
+async def test_rld_killed_mid_stream_leaves_the_output_to_md(pdd):
+    """Last in this module: RLD is SIGKILLed while it streams (MD may not take over before 60
+    tokens): MD, holding the KV, continues from where RLD left it (``rld_failed``); the client
+    sees the single server's token ids, one ending."""
+    prompt = prompt_for(28, 70)
+    n = 200
+    base = await pdd.baseline(prompt, n)
+    async with pdd.router(min_rld_tokens=60) as router:
+        chunks = await stream_killing(pdd, router, completion_body(prompt, n), pdd.RLD, "RLD", 20)
+        check_one_stream(chunks, base, n, text=sample(router, "pddwire_router_unclean_splices_total") == 0)
+        assert sample(router, "pddwire_router_fallbacks_total", kind="rld_failed") == 1
+        assert sample(router, "pddwire_router_handoffs_total", outcome="rld_failed") == 1
+        m = sample(router, "pddwire_router_output_tokens_total", pool="RLD")
+        assert 20 <= m < 60 and sample(router, "pddwire_router_output_tokens_total", pool="MD") == n - m
+    await Cluster(pdd.tmp, pdd.agents, pdd.P, pdd.MD, None, pdd.http).settled(timeout=90)

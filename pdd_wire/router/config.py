@@ -36,6 +36,7 @@ import msgspec
 
 from ..config import EtcdTls, default_engine_socket, parse_hostport
 from ..errors import ConfigError
+from ..policy import HandoffPolicy
 
 _cfg = {"forbid_unknown_fields": True, "kw_only": True, "frozen": True}
 
@@ -54,6 +55,10 @@ class Member(msgspec.Struct, **_cfg):
     """The agent's site (MD: where P's KV is sent, ``send_to``); "" = not named."""
     node: str = ""
     """The agent's node (RLD: ``send_to`` names ``site/node``); "" = not named."""
+    max_num_seqs: int = 0
+    """RLD: the server's ``--max-num-seqs``. Its live load is (running + waiting requests) over
+    this, or its KV cache use when higher (``rld_load``). 0 = not known: the KV cache use alone,
+    and 1 whenever requests wait."""
 
 
 class Pools(msgspec.Struct, **_cfg):
@@ -95,12 +100,27 @@ class Choice(msgspec.Struct, **_cfg):
     timeout_s: float = 2.0
     """Tokenizing the prompt (P's ``/tokenize``) and the agent's answer together; past it the
     request runs P-MD (fallback ``choice_failed``)."""
+    md_candidates: int = 4
+    """With several MD members and block hashes: the agent is asked the prefix each of the
+    this many least-loaded members holds, and the longest wins (least-loaded among equals)."""
 
 
 class Handoff(msgspec.Struct, **_cfg):
     """P-RLD-MD: when RLD's output is handed to MD (one-shot: RLD stops at position m, MD
-    continues from the prompt and the m emitted tokens)."""
+    continues from the prompt and the m emitted tokens; catch-up: MD first absorbs RLD's tokens
+    in batches while RLD goes on, so that its last extend is small)."""
 
+    mode: typing.Literal["auto", "one-shot", "catch-up"] = "auto"
+    """``auto``: chosen per request from RLD's live load and MD's gap
+    (:func:`pdd_wire.policy.choose_handoff_mode`); the others force one mode."""
+    policy: HandoffPolicy = HandoffPolicy()
+    """``busy_load``, ``catchup_gap_tokens``, ``max_catchup_rounds`` (pdd_wire.policy)."""
+    absorb_s: float = 10.0
+    """Catch-up: one absorb request to MD; not answered by then, MD is too slow (fallback
+    ``md_not_ready``) and RLD keeps the request."""
+    non_streamed: bool = True
+    """Run non-streamed completions P-RLD-MD too (the router streams them from RLD and MD and
+    answers with the whole body). False: they run P-MD (fallback ``p_rld_md_not_streamed``)."""
     min_rld_tokens: int = 0
     """RLD emits at least this many tokens before MD may take over."""
     max_rld_tokens: int | None = None
@@ -110,6 +130,19 @@ class Handoff(msgspec.Struct, **_cfg):
     md_ready_s: float = 30.0
     """MD not holding the prompt's KV by then (counted from the request's start): RLD keeps the
     request to its end (fallback ``md_not_ready``)."""
+
+
+class RldLoad(msgspec.Struct, **_cfg):
+    """RLD's live load for the handoff mode, read from each RLD member's vLLM ``/metrics``
+    (``vllm:num_requests_running``, ``..._waiting``, ``vllm:kv_cache_usage_perc``): it counts
+    every router's requests and any other client's."""
+
+    interval_s: float = 0.5
+    """At most one scrape per RLD member per this, and only while P-RLD-MD requests run."""
+    timeout_s: float = 1.0
+    """One scrape."""
+    max_age_s: float = 5.0
+    """An older figure is no figure: the load is unknown and the handoff one-shot."""
 
 
 class Log(msgspec.Struct, **_cfg):
@@ -134,6 +167,7 @@ class RouterConfig(msgspec.Struct, **_cfg):
     pools: Pools = Pools()
     choice: Choice = Choice()
     handoff: Handoff = Handoff()
+    rld_load: RldLoad = RldLoad()
     log: Log = Log()
     fleet: RouterFleet = RouterFleet()
 
@@ -159,6 +193,8 @@ def validate(cfg: RouterConfig) -> RouterConfig:
             _check_url(m.url, f"pools.{role}[{i}].url")
             if m.admin:
                 parse_hostport(m.admin, f"pools.{role}[{i}].admin")
+            if m.max_num_seqs < 0:
+                raise ConfigError(f"pools.{role}[{i}].max_num_seqs", "must be >= 0 (0: not known)")
     h = cfg.handoff
     if h.min_rld_tokens < 0:
         raise ConfigError("handoff.min_rld_tokens", "must be >= 0")
@@ -166,6 +202,13 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         raise ConfigError("handoff.max_rld_tokens", "must be at least handoff.min_rld_tokens (unset: no limit)")
     if not h.md_ready_s > 0:
         raise ConfigError("handoff.md_ready_s", "must be > 0")
+    if not h.absorb_s > 0:
+        raise ConfigError("handoff.absorb_s", "must be > 0")
+    for key in ("interval_s", "timeout_s", "max_age_s"):
+        if not getattr(cfg.rld_load, key) > 0:
+            raise ConfigError(f"rld_load.{key}", f"must be > 0, got {getattr(cfg.rld_load, key)}")
+    if cfg.choice.md_candidates < 1:
+        raise ConfigError("choice.md_candidates", "must be >= 1")
     if cfg.choice.kv_bytes_per_token <= 0:
         raise ConfigError("choice.kv_bytes_per_token", "must be > 0")
     if not cfg.choice.timeout_s > 0:
@@ -191,21 +234,32 @@ def _key_and_hint(msg: str) -> tuple[str, str]:
     missing = re.search(r"missing required field `([^`]+)`", msg)
     leaf = (unknown or missing).group(1) if (unknown or missing) else ""
     key = ".".join(x for x in (path, leaf) if x) or "(top level)"
+    if "Invalid enum value" in msg:
+        values = typing.get_args(_type_at(path))
+        return key, f"; valid: {', '.join(map(str, values))}" if values else ""
     if not unknown:
         return key, ""
-    t: typing.Any = RouterConfig
-    for part in re.sub(r"\[\d+\]", "", path).split(".") if path else []:
-        t = {f.name: f.type for f in msgspec.structs.fields(t)}.get(part)
-        args = typing.get_args(t)
-        if typing.get_origin(t) is list and args:
-            t = args[0]
-        if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
-            return key, ""
+    t = _type_at(path)
+    if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
+        return key, ""
     names = [f.name for f in msgspec.structs.fields(t)]
     close = difflib.get_close_matches(leaf, names, n=3, cutoff=0.6)
     if close:
         return key, f"; did you mean {' or '.join(repr(c) for c in close)}?"
     return key, f"; valid keys here: {', '.join(names)}"
+
+
+def _type_at(path: str) -> typing.Any:
+    """The type of the config field at a dotted path (list items for ``[i]``); None: none."""
+    t: typing.Any = RouterConfig
+    for part in re.sub(r"\[\d+\]", "", path).split(".") if path else []:
+        if not (isinstance(t, type) and issubclass(t, msgspec.Struct)):
+            return None
+        t = {f.name: f.type for f in msgspec.structs.fields(t)}.get(part)
+        args = typing.get_args(t)
+        if typing.get_origin(t) is list and args:
+            t = args[0]
+    return t
 
 
 def loads(text: str | bytes) -> RouterConfig:

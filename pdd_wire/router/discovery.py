@@ -4,20 +4,15 @@ engine socket) is a member of that role's pool while the member's record is in e
 joining or leaving change the pools without a restart. Pools configured in the file stay.
 
 The router only watches (it registers nothing): :class:`pdd_wire.fleet.Membership` without a
-record of its own. While etcd is away the pools stay as they were.
-
-The seam into the pools is :class:`PoolSink` (``add(role, member)``, ``remove(role, url)``).
-Until the router's pools are a runtime object of their own, :func:`sink_for` adapts today's
-``Router.pools`` (a dict of :class:`~.upstream.Pool`), and an empty pool answers 503 instead of
-failing the request with a division by zero.
+record of its own, watching the live records too (``membership.live``: each member's load and
+link figures). While etcd is away the pools stay as they were. The pools are the router's live
+:class:`~.pools.Pools` (``add(role, member)``, ``remove(role, url)``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 from collections.abc import AsyncIterator
-from typing import Protocol
 
 import structlog
 from prometheus_client import CollectorRegistry
@@ -26,53 +21,9 @@ from ..config import Fleet
 from ..fleet import FleetMetrics, Membership
 from ..fleet.record import MemberRecord
 from .config import Member, RouterFleet
-from .upstream import Pool, Upstream, UpstreamError
+from .pools import Pools
 
 log = structlog.get_logger("pdd_wire.router")
-
-
-class PoolSink(Protocol):
-    def add(self, role: str, member: Member) -> object: ...
-    def remove(self, role: str, url: str) -> object: ...
-
-
-class DiscoveredPool(Pool):
-    """A pool that may be empty while the fleet has no engine of its role."""
-
-    def pick(self) -> Upstream:
-        if not self.members:
-            body = json.dumps({"error": {"message": f"pool {self.name} has no member (none registered in the fleet)",
-                                         "type": "ServiceUnavailableError", "param": None, "code": 503}})
-            raise UpstreamError(503, body.encode(), "application/json")
-        return super().pick()
-
-
-class DictPools:
-    """:class:`PoolSink` over ``{role: Pool}`` (the router's pools today)."""
-
-    def __init__(self, pools: dict[str, Pool]) -> None:
-        for name, pool in list(pools.items()):
-            if not isinstance(pool, DiscoveredPool):
-                pools[name] = DiscoveredPool(name, pool.members)
-        self.pools = pools
-
-    def add(self, role: str, member: Member) -> Upstream:
-        self.remove(role, member.url)
-        u = Upstream(role, member)
-        self.pools[role].members.append(u)
-        return u
-
-    def remove(self, role: str, url: str) -> Upstream | None:
-        members = self.pools[role].members
-        u = next((u for u in members if u.url == url.rstrip("/")), None)
-        if u is not None:
-            members.remove(u)  # requests that hold it finish on it; new ones do not pick it
-        return u
-
-
-def sink_for(router) -> PoolSink:
-    pools = router.pools
-    return pools if hasattr(pools, "add") and hasattr(pools, "remove") else DictPools(pools)
 
 
 def members_of(record: MemberRecord) -> list[tuple[str, Member]]:
@@ -83,10 +34,10 @@ def members_of(record: MemberRecord) -> list[tuple[str, Member]]:
 
 
 class PoolDiscovery:
-    """Keeps ``sink`` in step with the fleet's engines."""
+    """Keeps the router's ``pools`` in step with the fleet's engines."""
 
-    def __init__(self, cfg: RouterFleet, sink: PoolSink, registry: CollectorRegistry | None = None) -> None:
-        self.sink = sink
+    def __init__(self, cfg: RouterFleet, pools: Pools, registry: CollectorRegistry | None = None) -> None:
+        self.pools = pools
         fleet = Fleet(etcd=list(cfg.etcd), cluster=cfg.cluster, request_s=cfg.request_s, tls=cfg.tls)
         # watch_live: the members' load and link figures (membership.live), for the router to read
         self.membership = Membership(fleet, FleetMetrics(registry or CollectorRegistry()), on_event=self._event,
@@ -104,11 +55,11 @@ class PoolDiscovery:
         now = [] if kind == "leave" else members_of(record)
         for role, m in before:
             if (role, m) not in now:
-                self.sink.remove(role, m.url)
+                self.pools.remove(role, m.url)
                 log.info("pool_member_left", pool=role, url=m.url, member=record.key)
         for role, m in now:
             if (role, m) not in before:
-                self.sink.add(role, m)
+                self.pools.add(role, m)
                 log.info("pool_member_joined", pool=role, url=m.url, member=record.key)
         if now:
             self.engines[record.key] = now
@@ -120,7 +71,7 @@ async def discovered(router, cfg: RouterFleet | None) -> AsyncIterator[PoolDisco
     if cfg is None or not cfg.etcd:
         yield None
         return
-    d = PoolDiscovery(cfg, sink_for(router), router.metrics.registry)
+    d = PoolDiscovery(cfg, router.pools, router.metrics.registry)
     await d.start()
     try:
         yield d

@@ -1,19 +1,14 @@
 """The router: an OpenAI-compatible HTTP front (aiohttp) over unmodified ``vllm serve`` instances.
 
-A request a user would send to ``vllm serve`` is sent here unchanged. The router runs it as P-MD,
-the way vLLM's own P/D proxies do: it asks a prefill instance (pool P) for the prompt with
-``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}`` (P's PddWireConnector
-sends the prompt's KV through the agents), then sends the user's request to a main-decode
-instance (pool MD) with the ``kv_transfer_params`` prefill returned, unchanged, and relays MD's
-answer, streamed (SSE, event by event) or not. Each pool member is picked least-loaded (requests
-in flight through this router).
+A request a user would send to ``vllm serve`` is sent here unchanged. P's agent chooses its
+pipeline (:mod:`.choice`): P-MD, the way vLLM's own P/D proxies do it (prefill on a P member
+with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode": true}``, whose
+PddWireConnector sends the prompt's KV through the agents; then the user's request to an MD
+member with the params prefill returned, its answer relayed as it came); P-RLD (finished in
+site A); or P-RLD-MD, RLD streaming at once and handing the output to MD (:mod:`.handoff`).
 
 Bounded: every request ends by ``request.deadline_s``; a client that goes away cancels its
-handler, which closes the upstream connections. docs/router.md has the whole story.
-
-Each request's pipeline is P's agent's choice (``choose_pipeline``, as engine "router"): P-MD;
-P-RLD (long input, short output) in site A; P-RLD-MD, RLD streaming at once and handing the
-output to MD once MD holds the KV (one-shot, :meth:`Router._p_rld_md`).
+handler, which closes every upstream connection it holds. docs/router.md has the whole story.
 """
 
 from __future__ import annotations
@@ -28,54 +23,38 @@ import aiohttp
 import msgspec
 import structlog
 from aiohttp import web
-from prometheus_client import (
-    CONTENT_TYPE_LATEST,
-    generate_latest,
-)
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..config import parse_hostport
-from ..engine.client import EngineClient
-from ..engine.hashes import chain_hashes, layer_hashes
-from ..errors import PddWireError
+from .choice import Chooser
 from .config import RouterConfig
-from .upstream import (
-    COMPLETIONS_MAX_TOKENS,
-    Pool,
-    RouterMetrics,
-    Trace,
-    Upstream,
-    UpstreamError,
-    batched,
-    dest,
-    error_response,
-    expected_output,
-    sse_events,
-    token_count,
-    tokenize_request,
-    without,
-)
+from .core import SSE_HEADERS, Core, Req
+from .handoff import Handoff, unfit
+from .load import LoadReader
+from .metrics import RouterMetrics
+from .output import STREAM, ClientGone, CollectSink, Output, SegmentFailed, StreamSink
+from .pools import Pools, Upstream
+from .upstream import Trace, UpstreamError, dest, error_response, sse_events, token_count
 
 log = structlog.get_logger("pdd_wire.router")
-
-_STREAM = web.RequestKey("pdd_stream", web.StreamResponse)  # the client's stream, once started
-_WHOLE_RUN = 5  # see _rld_then_md: trailing tokens with whole text before MD may take over
 
 
 class Router:
     """``Router(cfg)``; ``await start()`` binds ``cfg.listen.address`` (port 0: see ``port``);
-    ``await stop()``."""
+    ``await stop()``. ``pools`` is live: add and remove members while it runs."""
 
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
-        self.pools = {name: Pool(name, [Upstream(name, m) for m in getattr(cfg.pools, name)])
-                      for name in ("P", "RLD", "MD")}
         self.metrics = RouterMetrics()
+        self.pools = Pools.from_config(cfg.pools, self.metrics.inflight, self._member_changed)
         self.port = 0
         self._http: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._decoder = msgspec.json.Decoder()
-        self._engines: dict[Upstream, EngineClient] = {}  # P member -> its agent, as engine "router"
-        self._engine_lock = asyncio.Lock()
+        self._core: Core | None = None
+        self._chooser: Chooser | None = None
+        self._loads: LoadReader | None = None
+        self._closing: set[asyncio.Task] = set()  # agent connections of removed P members
 
     # ------------------------------------------------------------------ life cycle
     def app(self) -> web.Application:
@@ -91,6 +70,9 @@ class Router:
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.request.connect_s),
             connector=aiohttp.TCPConnector(limit=0))
+        self._loads = LoadReader(self.cfg.rld_load, self._http, self.metrics)
+        self._core = Core(self.cfg, self._http, self.pools, self.metrics, self._loads, self._decoder)
+        self._chooser = Chooser(self._core)
         # handler_cancellation: a client that goes away cancels its handler, which closes the
         # upstream connections it holds (vLLM then aborts those requests).
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
@@ -99,8 +81,14 @@ class Router:
         await web.TCPSite(self._runner, host, port).start()
         self.port = self._runner.addresses[0][1]
         log.info("router_listening", address=f"{host}:{self.port}",
-                 pools={k: [u.url for u in p.members] for k, p in self.pools.items()})
+                 pools={r: [u.url for u in self.pools.members(r)] for r in ("P", "RLD", "MD")})
         return self
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        if self._http is None:
+            raise RuntimeError("the router is not started")
+        return self._http
 
     @property
     def url(self) -> str:
@@ -108,11 +96,13 @@ class Router:
         return f"http://{host}:{self.port}"
 
     async def stop(self) -> None:
-        for eng in self._engines.values():
-            await eng.close()
-        self._engines.clear()
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._chooser is not None:
+            await self._chooser.close()
+        if self._loads is not None:
+            await self._loads.close()
+        await asyncio.gather(*self._closing, return_exceptions=True)
         if self._http is not None:
             await self._http.close()
 
@@ -122,24 +112,23 @@ class Router:
     async def __aexit__(self, *exc) -> None:
         await self.stop()
 
-    @contextlib.contextmanager
-    def _using(self, u: Upstream):
-        u.inflight += 1
-        g = self.metrics.inflight.labels(pool=u.pool, member=u.url)
-        g.inc()
-        try:
-            yield u
-        finally:
-            u.inflight -= 1
-            g.dec()
+    def _member_changed(self, role: str, u: Upstream, added: bool) -> None:
+        log.info("router_member_" + ("added" if added else "removed"), pool=role, member=u.url)
+        if added:
+            return
+        if role == "RLD" and self._loads is not None:
+            self._loads.forget(u)
+        if role == "P" and self._chooser is not None:
+            t = asyncio.get_running_loop().create_task(self._chooser.forget(u))
+            self._closing.add(t)
+            t.add_done_callback(self._closing.discard)
 
     # ------------------------------------------------------------------ small endpoints
     async def _models(self, request: web.Request) -> web.Response:
-        members = self.pools["P"].members + self.pools["MD"].members
         last = "no pool member answered"
-        for u in members:
+        for u in self.pools.members("P") + self.pools.members("MD"):
             try:
-                async with self._http.get(f"{u.url}/v1/models") as r:
+                async with self.http.get(f"{u.url}/v1/models") as r:
                     body = await r.read()
                     if r.status == 200:
                         return web.Response(body=body, status=200, content_type="application/json")
@@ -152,12 +141,12 @@ class Router:
         async def probe(u: Upstream) -> bool:
             try:
                 async with asyncio.timeout(self.cfg.request.connect_s):
-                    async with self._http.get(f"{u.url}/health") as r:
+                    async with self.http.get(f"{u.url}/health") as r:
                         return r.status == 200
             except (aiohttp.ClientError, OSError, TimeoutError):
                 return False
 
-        ups = [u for p in self.pools.values() for u in p.members]
+        ups = list(self.pools)
         ok = await asyncio.gather(*(probe(u) for u in ups))
         members = {f"{u.pool} {u.url}": h for u, h in zip(ups, ok)}
         healthy = all(any(h for u, h in zip(ups, ok) if u.pool == name) for name in ("P", "MD"))
@@ -182,28 +171,35 @@ class Router:
             return error_response(400, f"the body is not JSON: {exc}")
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
-        rid = f"rtr-{uuid.uuid4().hex[:16]}"
-        trace = Trace("none")
-        out: web.StreamResponse | None = None
+        assert self._chooser is not None
+        req = Req(request, path, body, f"rtr-{uuid.uuid4().hex[:16]}", Trace("none"))
+        trace, rid = req.trace, req.rid
         outcome = "error"
         try:
             async with asyncio.timeout(self.cfg.request.deadline_s):
-                trace.pipeline, trace.prompt_ids = await self._choose(path, body, rid)
-                out = await self._run(request, path, body, rid, trace)
+                await self._chooser.choose(req)
+                out = await self._run(req)
             outcome = "ok" if out.status == 200 else f"http_{out.status}"
             return out
         except UpstreamError as exc:
             outcome = f"http_{exc.status}"
-            return web.Response(body=exc.body, status=exc.status, content_type=exc.content_type)
+            if request.get(STREAM) is None:  # vLLM's error, as it gave it
+                return web.Response(body=exc.body, status=exc.status, content_type=exc.content_type)
+            return await self._fail(request, 502, f"upstream answered HTTP {exc.status}: "
+                                    f"{exc.body[:300].decode(errors='replace')}", "BadGatewayError")
         except TimeoutError:
             outcome = "deadline"
             log.warning("router_deadline", request_id=rid, deadline_s=self.cfg.request.deadline_s)
             return await self._fail(request, 504, f"deadline of {self.cfg.request.deadline_s} s passed",
                                     "TimeoutError")
-        except (aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError, SegmentFailed, LookupError) as exc:
             outcome = "upstream_failed"
             log.warning("router_upstream_failed", request_id=rid, error=repr(exc))
             return await self._fail(request, 502, f"upstream failed: {exc}", "BadGatewayError")
+        except ClientGone:
+            outcome = "client_gone"
+            log.info("router_client_gone", request_id=rid)
+            return request.get(STREAM) or web.Response(status=499)  # nobody reads it
         except asyncio.CancelledError:
             outcome = "client_gone"
             raise
@@ -211,7 +207,7 @@ class Router:
             pipeline = trace.pipeline
             self.metrics.requests.labels(endpoint=path, pipeline=pipeline, outcome=outcome).inc()
             self.metrics.latency.labels(pipeline=pipeline).observe(time.monotonic() - trace.t0)
-            if trace.first is not None:
+            if trace.first is not None and trace.last is not None:
                 self.metrics.ttft.labels(pipeline=pipeline).observe(trace.first - trace.t0)
                 if trace.tokens > 1:
                     self.metrics.tpot.labels(pipeline=pipeline).observe(
@@ -220,7 +216,7 @@ class Router:
     async def _fail(self, request: web.Request, status: int, message: str, kind: str) -> web.StreamResponse:
         """An error for the client: a JSON error before the stream started, else a last SSE
         event with the error and ``[DONE]`` (what vLLM sends when a stream fails)."""
-        resp = request.get(_STREAM)
+        resp = request.get(STREAM)
         if resp is None:
             return error_response(status, message, kind)
         with contextlib.suppress(ConnectionError, RuntimeError):
@@ -229,7 +225,63 @@ class Router:
             await resp.write_eof()
         return resp
 
-    # ------------------------------------------------------------------ P-MD
+    # ------------------------------------------------------------------ running a pipeline
+    async def _run(self, req: Req) -> web.StreamResponse:
+        core, pipeline = self._core, req.trace.pipeline
+        assert core is not None
+        if pipeline == "MD":
+            with self.pools.using(self._md(req)) as MD:
+                return await self._relay(req, MD, req.body)
+        if pipeline == "P-RLD":
+            if self.pools.members("RLD"):
+                return await self._disaggregated(req, "RLD")
+            # No relay decoder: P itself finishes it, in site A; nothing crosses the WAN.
+            self.metrics.wan_bytes.labels(pipeline="P-RLD").observe(0)
+            with self.pools.using(self.pools.pick("P")) as P:
+                return await self._relay(req, P, req.body)
+        if pipeline == "P-RLD-MD":
+            why = unfit(core, req)
+            if why is None:
+                return await self._p_rld_md(req)
+            # MD decodes once the KV is there.
+            core.fallback(req.rid, f"p_rld_md_{why}")
+        return await self._disaggregated(req, "MD")
+
+    def _md(self, req: Req) -> Upstream:
+        """The MD member the choice was made for (if still in its pool), else the least-loaded."""
+        return req.md if req.md is not None and not req.md.removed else self.pools.pick("MD")
+
+    async def _disaggregated(self, req: Req, decode: str) -> web.StreamResponse:
+        """Prefill on P (its KV sent to the decode member's site/node), decode on pool ``decode``."""
+        with self.pools.using(self._md(req) if decode == "MD" else self.pools.pick(decode)) as D:
+            to = dest(D.member)
+            params = await self._prefill(req, send_to=[to] if to else None)
+            self._wan(req, params if decode == "MD" else None)
+            body = {**req.body, "kv_transfer_params": params} if params is not None else req.body
+            return await self._relay(req, D, body)
+
+    async def _p_rld_md(self, req: Req) -> web.StreamResponse:
+        """P sends the KV to RLD (same site) and MD (across the WAN); :class:`Handoff` runs the
+        rest."""
+        assert self._core is not None
+        with self.pools.using(self.pools.pick("RLD")) as R, self.pools.using(self._md(req)) as M:
+            dests = [d for d in (dest(R.member), dest(M.member)) if d]
+            params = await self._prefill(req, send_to=dests or None)
+            self._wan(req, params)
+            if not params or not params.get("do_remote_prefill"):  # nothing sent: MD computes it
+                body = {**req.body, "kv_transfer_params": params} if params is not None else req.body
+                return await self._relay(req, M, body)
+            sink = StreamSink(req.request) if req.body.get("stream") else CollectSink()
+            return await Handoff(self._core, req, Output(self._core, req, sink), R, M, params).run()
+
+    def _wan(self, req: Req, params: dict | None) -> None:
+        """The KV bytes this request's prefill sends to MD's site, as planned at the choice."""
+        h = self.metrics.wan_bytes.labels(pipeline=req.trace.pipeline)
+        if not (params and params.get("do_remote_prefill")):
+            h.observe(0)
+        elif req.planned_wan_bytes is not None:
+            h.observe(req.planned_wan_bytes)  # else not known (no choice asked): not observed
+
     def _prefill_body(self, body: dict, params: dict) -> dict:
         pre = {**body, "max_tokens": 1, "n": 1, "stream": False, "kv_transfer_params": params}
         if "max_completion_tokens" in pre:
@@ -238,345 +290,31 @@ class Router:
             pre.pop(k, None)
         return pre
 
-    async def _prefill(self, path: str, body: dict, rid: str, *, send_to: list[str] | None = None) -> dict | None:
+    async def _prefill(self, req: Req, *, send_to: list[str] | None = None) -> dict | None:
         """Ask P for the prompt's KV; the ``kv_transfer_params`` it returned (None: P is
         unreachable, and decode computes the prompt)."""
-        params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "pdd_request_id": rid}
+        assert self._core is not None
+        params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False, "pdd_request_id": req.rid}
         if send_to:
             params["send_to"] = send_to
         if self.cfg.request.prefill_lease_s is not None:
             params["lease_s"] = self.cfg.request.prefill_lease_s
-        with self._using(self.pools["P"].pick()) as P:
+        chosen = req.p if req.p is not None and not req.p.removed else self.pools.pick("P")
+        with self.pools.using(chosen) as P:
             try:
-                async with self._http.post(f"{P.url}{path}", json=self._prefill_body(body, params)) as r:
-                    data = await r.read()
-                    if r.status != 200:
-                        raise UpstreamError(r.status, data, r.content_type or "application/json")
+                got = await self._core.post_json(P, req.path, self._prefill_body(req.body, params))
             except (aiohttp.ClientError, OSError) as exc:
-                self._fallback(rid, "prefill_unreachable", member=P.url, error=repr(exc))
+                self._core.fallback(req.rid, "prefill_unreachable", member=P.url, error=repr(exc))
                 return None
-        got = self._decoder.decode(data).get("kv_transfer_params") or {}
-        if not got.get("do_remote_prefill"):
-            self._fallback(rid, "kv_not_sent", reason=got.get("pdd_error"))
-        return got
+        kv = got.get("kv_transfer_params") or {}
+        if not kv.get("do_remote_prefill"):
+            self._core.fallback(req.rid, "kv_not_sent", reason=kv.get("pdd_error"))
+        return kv
 
-    # ------------------------------------------------------------------ the pipeline choice
-    def _fallback(self, rid: str, kind: str, **fields) -> None:
-        self.metrics.fallbacks.labels(kind=kind).inc()
-        log.warning("router_fallback", request_id=rid, kind=kind, **fields)
-
-    async def _choose(self, path: str, body: dict, rid: str) -> tuple[str, list[int] | None]:
-        """The request's pipeline, logged and counted with its reason. P's agent decides
-        (``choose_pipeline``: MD's matched prefix, the live link, the anomalous-traffic filter);
-        without an answer the request runs P-MD."""
-        toks = None
-        if batched(body):
-            # Several prompts in one request would share one transfer name: MD computes them.
-            pipeline, reason, fields = "MD", "batched_prompts", {}
-        elif not self.cfg.choice.ask_agent:
-            pipeline, reason, fields = "P-MD", "ask_agent_off", {}
-        else:
-            pipeline, reason, fields, toks = await self._ask_agent(path, body, rid)
-        self.metrics.pipelines.labels(pipeline=pipeline, reason=reason).inc()
-        log.info("router_pipeline", request_id=rid, pipeline=pipeline, reason=reason, **fields)
-        return pipeline, toks
-
-    async def _ask_agent(self, path: str, body: dict, rid: str) -> tuple[str, str, dict, list[int] | None]:
-        ch = self.cfg.choice
-        P = self.pools["P"].pick()
-        if not P.member.engine_socket:
-            return "P-MD", "no_engine_socket", {}, None
-        MD = self.pools["MD"].pick()
-        try:
-            async with asyncio.timeout(ch.timeout_s):
-                toks, max_len = await self._prompt_tokens(P, path, body)
-                expected = expected_output(path, body, len(toks), max_len)
-                # PddWireConnector names one agent block per vLLM block and layer; a vLLM block
-                # is in MD's prefix inventory when its layer 0 is (a match counts whole blocks).
-                hashes = layer_hashes(chain_hashes(toks, ch.block_tokens, model=ch.prefix_salt), 1) \
-                    if ch.block_tokens and ch.prefix_salt else []
-                eng = await self._engine(P)
-                try:
-                    d = await eng.choose_pipeline(
-                        rid, to=dest(MD.member), input_tokens=len(toks), expected_output_tokens=expected,
-                        kv_bytes_per_token=ch.kv_bytes_per_token, block_hashes=hashes or None,
-                        block_tokens=ch.block_tokens if hashes else 0)
-                except OSError:  # the agent went away: connect again next time
-                    await self._drop_engine(P)
-                    raise
-        except (PddWireError, aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError,
-                UpstreamError) as exc:
-            self._fallback(rid, "choice_failed", error=repr(exc))
-            return "P-MD", "choice_failed", {}, None
-        hit = int(d.get("prefix_hit_tokens") or 0)
-        self.metrics.prompt_tokens.labels(source="md_prefix").inc(hit)
-        self.metrics.prompt_tokens.labels(source="missing").inc(len(toks) - hit)
-        return d["pipeline"], d["reason"], {
-            "input_tokens": len(toks), "expected_output_tokens": expected, "md": MD.url,
-            "prefix_hit_tokens": hit, "prefix_source": d.get("prefix_source"),
-            "predicted_wan_s": d.get("predicted_wan_s")}, toks
-
-    async def _engine(self, P: Upstream) -> EngineClient:
-        """P's agent, as engine "router" (one connection per P member, opened when first asked)."""
-        async with self._engine_lock:
-            eng = self._engines.get(P)
-            if eng is None:
-                eng = self._engines[P] = await EngineClient(P.member.engine_socket, "router").connect()
-            return eng
-
-    async def _drop_engine(self, P: Upstream) -> None:
-        eng = self._engines.pop(P, None)
-        if eng is not None:
-            await eng.close()
-
-    async def _prompt_tokens(self, P: Upstream, path: str, body: dict) -> tuple[list[int], int | None]:
-        """The prompt's token ids (asked of P's ``/tokenize`` unless the request gives them), and
-        the model's context length when P told it."""
-        ids, req = tokenize_request(path, body)
-        if ids is not None:
-            return ids, None
-        async with self._http.post(f"{P.url}/tokenize", json=req) as r:
-            data = await r.read()
-            if r.status != 200:
-                raise UpstreamError(r.status, data, r.content_type or "application/json")
-        got = self._decoder.decode(data)
-        return list(got["tokens"]), got.get("max_model_len")
-
-    # ------------------------------------------------------------------ running a pipeline
-    async def _run(self, request: web.Request, path: str, body: dict, rid: str,
-                   trace: Trace) -> web.StreamResponse:
-        pipeline = trace.pipeline
-        if pipeline == "MD":
-            with self._using(self.pools["MD"].pick()) as MD:
-                return await self._relay(request, MD, path, body, trace)
-        if pipeline == "P-RLD":
-            if self.pools["RLD"].members:
-                return await self._disaggregated(request, path, body, rid, trace, "RLD")
-            # No relay decoder: P itself finishes it, in site A; nothing crosses the WAN.
-            with self._using(self.pools["P"].pick()) as P:
-                return await self._relay(request, P, path, body, trace)
-        if pipeline == "P-RLD-MD":
-            unfit = self._handoff_unfit(path, body, trace)
-            if unfit is None:
-                return await self._p_rld_md(request, path, body, rid, trace)
-            # MD decodes once the KV is there.
-            self._fallback(rid, f"p_rld_md_{unfit}")
-        return await self._disaggregated(request, path, body, rid, trace, "MD")
-
-    async def _disaggregated(self, request: web.Request, path: str, body: dict, rid: str, trace: Trace,
-                             decode: str) -> web.StreamResponse:
-        """Prefill on P (its KV sent to the decode member's site/node), decode on pool ``decode``."""
-        with self._using(self.pools[decode].pick()) as D:
-            to = dest(D.member)
-            params = await self._prefill(path, body, rid, send_to=[to] if to else None)
-            dec = {**body, "kv_transfer_params": params} if params is not None else body
-            return await self._relay(request, D, path, dec, trace)
-
-    # ------------------------------------------------------------------ P-RLD-MD
-    def _handoff_unfit(self, path: str, body: dict, trace: Trace) -> str | None:
-        """Why this request cannot be handed from RLD to MD here (None: it can). MD continues
-        from token ids, so the prompt's must be known, and only a streamed completion's output
-        can be spliced event by event."""
-        if not self.pools["RLD"].members:
-            return "no_rld_member"
-        if path != "/v1/completions":
-            return "chat"
-        if not body.get("stream"):
-            return "not_streamed"
-        if trace.prompt_ids is None:
-            return "no_prompt_ids"
-        if (body.get("n") or 1) != 1 or (body.get("best_of") or 1) != 1:
-            return "n"
-        if body.get("echo") or body.get("stop"):
-            return "echo_or_stop"  # a stop string may straddle the switch
-        return None
-
-    async def _md_holds_kv(self, M: Upstream, path: str, body: dict) -> bool:
-        """MD loads the prompt's KV: asked the prompt with P's params and ``max_tokens=1``, it
-        answers once the KV is verified and in its cache (prefix caching keeps its blocks)."""
-        try:
-            async with self._http.post(f"{M.url}{path}", json=body) as r:
-                await r.read()
-                return r.status == 200
-        except (aiohttp.ClientError, OSError):
-            return False
-
-    async def _p_rld_md(self, request: web.Request, path: str, body: dict, rid: str,
-                        trace: Trace) -> web.StreamResponse:
-        """P sends the KV to RLD (same site) and MD (across the WAN); RLD streams to the user at
-        once; when MD holds the KV, RLD is stopped at position m (its stream closed: vLLM aborts
-        it) and MD continues from the prompt and the m emitted tokens (their KV computed in one
-        extend step, the prompt's from its prefix cache). Every position is relayed once, in
-        order: RLD's events up to m, MD's after, as one stream (RLD's id)."""
-        with self._using(self.pools["RLD"].pick()) as R, self._using(self.pools["MD"].pick()) as M:
-            dests = [d for d in (dest(R.member), dest(M.member)) if d]
-            params = await self._prefill(path, body, rid, send_to=dests or None)
-            if not params or not params.get("do_remote_prefill"):  # nothing sent: MD computes it
-                dec = {**body, "kv_transfer_params": params} if params is not None else body
-                return await self._relay(request, M, path, dec, trace)
-            warm = asyncio.get_running_loop().create_task(
-                self._md_holds_kv(M, path, self._prefill_body(body, params)))
-            try:
-                return await self._rld_then_md(request, path, body, rid, trace, R, M, params, warm)
-            finally:
-                if not warm.done():
-                    warm.cancel()  # closes MD's request: vLLM aborts it, its receive is cancelled
-                await asyncio.gather(warm, return_exceptions=True)
-
-    async def _rld_then_md(self, request: web.Request, path: str, body: dict, rid: str, trace: Trace,
-                           R: Upstream, M: Upstream, params: dict, warm: asyncio.Task) -> web.StreamResponse:
-        h = self.cfg.handoff
-        want_ids = bool(body.get("return_token_ids"))
-        max_tokens = body.get("max_tokens") or COMPLETIONS_MAX_TOKENS
-        emitted: list[int] = []
-        head: dict = {}  # RLD's stream id and created: MD's events carry them too
-        finished = switch = False  # finished: RLD's last token came
-        stay = False  # MD failed or was not ready in time: RLD keeps the request to its end
-        # MD detokenizes from token ids: it primes its detokenizer with the shortest suffix (4
-        # tokens or more) of its prompt that decodes without U+FFFD, else with the whole prompt,
-        # whose undecodable tail it may then emit as text. So MD takes over at position 0 (its
-        # prompt is the user's, as for a single server) or where each of RLD's last 5 tokens
-        # ended on a whole character (the last 4 then decode cleanly on their own).
-        whole_run = 0
-        out: web.StreamResponse | None = None
-
-        async def md_ready() -> bool:
-            """Whether MD holds the KV now; at the cap, wait for it (bounded)."""
-            nonlocal stay
-            m = len(emitted)
-            if m < h.min_rld_tokens or m >= max_tokens:
-                return False
-            capped = h.max_rld_tokens is not None and m >= h.max_rld_tokens
-            if not warm.done() and capped:
-                left = h.md_ready_s - (time.monotonic() - trace.t0)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(warm), max(0.0, left))
-            if not warm.done():
-                if capped or time.monotonic() - trace.t0 > h.md_ready_s:
-                    self._fallback(rid, "md_not_ready", position=m)
-                    self.metrics.handoffs.labels(mode="one-shot", outcome="md_not_ready").inc()
-                    stay = True
-                return False
-            if not warm.result():
-                self._fallback(rid, "md_failed", position=m)
-                self.metrics.handoffs.labels(mode="one-shot", outcome="md_failed").inc()
-                stay = True
-                return False
-            return m == 0 or whole_run >= _WHOLE_RUN  # else a later token boundary
-
-        rld_body = {**body, "kv_transfer_params": params, "return_token_ids": True}
-        rld_failed: BaseException | None = None
-        try:
-            r: aiohttp.ClientResponse | None = await self._http.post(f"{R.url}{path}", json=rld_body)
-        except (aiohttp.ClientError, OSError) as exc:
-            r, rld_failed = None, exc
-        if r is not None:
-            async with r:  # leaving it closes RLD's stream: vLLM aborts the request there
-                if r.status != 200:
-                    rld_failed = UpstreamError(r.status, await r.read(), r.content_type or "application/json")
-                else:
-                    out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                                  "Cache-Control": "no-cache"})
-                    await out.prepare(request)
-                    request[_STREAM] = out
-                    events = sse_events(r.content)
-                    while True:
-                        if not (finished or stay) and await md_ready():
-                            switch = True
-                            break
-                        try:
-                            event = await anext(events, None)
-                        except (aiohttp.ClientError, OSError) as exc:
-                            rld_failed = exc
-                            break
-                        if event is None:
-                            if not finished:
-                                rld_failed = aiohttp.ClientPayloadError("RLD's stream ended before its last token")
-                            break
-                        if event.startswith(b"data: {"):
-                            ev = self._decoder.decode(event[6:])
-                            head = head or {"id": ev.get("id"), "created": ev.get("created")}
-                            ids = [t for c in ev.get("choices") or () for t in c.get("token_ids") or ()]
-                            finished = finished or any(c.get("finish_reason") for c in ev.get("choices") or ())
-                            if ids:
-                                text = "".join(c.get("text") or "" for c in ev.get("choices") or ())
-                                whole = len(ids) == 1 and bool(text) and "\ufffd" not in text
-                                whole_run = whole_run + 1 if whole else 0
-                            if not want_ids:
-                                event = without(ev, ("token_ids", "prompt_token_ids"))
-                            emitted += ids
-                            trace.saw(len(ids))
-                        await out.write(event)
-        self.metrics.output_tokens.labels(pool="RLD").inc(len(emitted))
-        outcome = "switched"
-        if rld_failed is not None and not finished:
-            if stay:  # MD cannot take it either
-                raise rld_failed
-            # RLD failed: MD takes the output over from where RLD left it, once it holds the KV.
-            self._fallback(rid, "rld_failed", position=len(emitted), error=repr(rld_failed))
-            left = h.md_ready_s - (time.monotonic() - trace.t0)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(warm), max(0.0, left))
-            if not (warm.done() and warm.result()):
-                raise rld_failed
-            switch, outcome = True, "rld_failed"
-        if not switch:
-            if not stay:
-                self.metrics.handoffs.labels(mode="one-shot", outcome="rld_finished").inc()
-            await out.write_eof()
-            return out
-        if out is None:
-            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                          "Cache-Control": "no-cache"})
-            await out.prepare(request)
-            request[_STREAM] = out
-        return await self._md_continues(out, path, body, rid, trace, M, emitted, head, want_ids, max_tokens,
-                                        outcome)
-
-    async def _md_continues(self, out: web.StreamResponse, path: str, body: dict, rid: str, trace: Trace,
-                            M: Upstream, emitted: list[int], head: dict, want_ids: bool,
-                            max_tokens: int, outcome: str) -> web.StreamResponse:
-        m = len(emitted)
-        cont = {**body, "prompt": trace.prompt_ids + emitted, "max_tokens": max_tokens - m, "return_token_ids": True}
-        cont.pop("kv_transfer_params", None)
-        if body.get("min_tokens"):
-            cont["min_tokens"] = max(0, body["min_tokens"] - m)
-        t_switch = trace.last if trace.last is not None else time.monotonic()
-        log.info("router_handoff", request_id=rid, mode="one-shot", position=m, md=M.url, outcome=outcome)
-        self.metrics.handoffs.labels(mode="one-shot", outcome=outcome).inc()
-        first = True
-        n = 0
-        async with self._http.post(f"{M.url}{path}", json=cont) as r:
-            if r.status != 200:
-                raise aiohttp.ClientResponseError(r.request_info, r.history, status=r.status,
-                                                  message=(await r.read()).decode(errors="replace")[:500])
-            async for event in sse_events(r.content):
-                if event.startswith(b"data: {"):
-                    ev = self._decoder.decode(event[6:])
-                    ids = [t for c in ev.get("choices") or () for t in c.get("token_ids") or ()]
-                    if ids and first:
-                        first = False
-                        stall = time.monotonic() - t_switch
-                        self.metrics.stall.labels(mode="one-shot").observe(stall)
-                        log.info("router_handoff_stall", request_id=rid, mode="one-shot", position=m,
-                                 stall_ms=round(stall * 1e3, 3))
-                    ev.update({k: v for k, v in head.items() if v is not None})
-                    if ev.get("usage"):  # as one request: m more output tokens, m fewer prompt tokens
-                        u = ev["usage"]
-                        u["prompt_tokens"] = u.get("prompt_tokens", 0) - m
-                        u["completion_tokens"] = u.get("completion_tokens", 0) + m
-                    event = without(ev, ("prompt_token_ids",) if want_ids else ("token_ids", "prompt_token_ids"))
-                    n += len(ids)
-                    trace.saw(len(ids))
-                await out.write(event)
-        self.metrics.output_tokens.labels(pool="MD").inc(n)
-        await out.write_eof()
-        return out
-
-    async def _relay(self, request: web.Request, up: Upstream, path: str, body: dict,
-                     trace: Trace) -> web.StreamResponse:
+    async def _relay(self, req: Req, up: Upstream, body: dict) -> web.StreamResponse:
         """Send ``body`` to ``up`` and relay its answer: SSE event by event, or whole."""
-        async with self._http.post(f"{up.url}{path}", json=body) as r:
+        trace = req.trace
+        async with self.http.post(f"{up.url}{req.path}", json=body) as r:
             if r.status != 200:
                 raise UpstreamError(r.status, await r.read(), r.content_type or "application/json")
             if not body.get("stream"):
@@ -585,10 +323,9 @@ class Router:
                     n = int((self._decoder.decode(data).get("usage") or {}).get("completion_tokens") or 0)
                     self.metrics.output_tokens.labels(pool=up.pool).inc(n)
                 return web.Response(body=data, status=200, content_type="application/json")
-            out = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream",
-                                                          "Cache-Control": "no-cache"})
-            await out.prepare(request)
-            request[_STREAM] = out
+            out = web.StreamResponse(status=200, headers=SSE_HEADERS)
+            await out.prepare(req.request)
+            req.request[STREAM] = out
             n0 = trace.tokens
             async for event in sse_events(r.content):
                 if event.startswith(b"data: {"):

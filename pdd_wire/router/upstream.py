@@ -1,85 +1,20 @@
-"""The router's pieces around its request handling: the upstream ``vllm serve`` members and
-their pools, its metrics, the per-request trace, and helpers for OpenAI bodies and SSE streams."""
+"""Helpers of the router's request handling: errors from upstream, the per-request trace, and
+OpenAI bodies and SSE streams."""
 
 from __future__ import annotations
 
-import itertools
 import time
-from dataclasses import dataclass, field
 
 import aiohttp
 import msgspec
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from .config import Member
 
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 30, 60)
-TPOT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.2, 0.5, 1, 2)
 COMPLETIONS_MAX_TOKENS = 16  # vLLM's default max_tokens for /v1/completions
 # Fields of a chat request that change its prompt's tokens (passed to /tokenize).
 CHAT_PROMPT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
                       "tools", "documents", "add_special_tokens")
-
-
-class RouterMetrics:
-    """The router's Prometheus metrics, in a registry of its own (``/metrics``)."""
-
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter("pddwire_router_requests", "Requests by endpoint, pipeline and outcome",
-                                ["endpoint", "pipeline", "outcome"], registry=r)
-        self.ttft = Histogram("pddwire_router_ttft_seconds", "Time to the first output token (streamed requests)",
-                              ["pipeline"], buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram("pddwire_router_time_per_output_token_seconds",
-                              "Mean time between output tokens after the first, one sample per streamed request",
-                              ["pipeline"], buckets=TPOT_BUCKETS, registry=r)
-        self.latency = Histogram("pddwire_router_request_seconds", "Whole request, arrival to last byte",
-                                 ["pipeline"], buckets=TTFT_BUCKETS, registry=r)
-        self.output_tokens = Counter("pddwire_router_output_tokens", "Output tokens relayed, by pool that made them",
-                                     ["pool"], registry=r)
-        self.pipelines = Counter("pddwire_router_pipeline_choices", "Pipeline chosen per request, with its reason",
-                                 ["pipeline", "reason"], registry=r)
-        self.fallbacks = Counter("pddwire_router_fallbacks", "Requests that left their pipeline's path, by kind",
-                                 ["kind"], registry=r)
-        self.handoffs = Counter("pddwire_router_handoffs", "P-RLD-MD requests by how their output ended: "
-                                "switched (RLD to MD, one-shot), rld_finished, md_failed, md_not_ready, "
-                                "rld_failed (MD took over)",
-                                ["mode", "outcome"], registry=r)
-        self.stall = Histogram("pddwire_router_handoff_stall_seconds",
-                               "Between RLD's last token relayed and MD's first", ["mode"],
-                               buckets=TTFT_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("pddwire_router_prompt_tokens",
-                                     "Prompt tokens of requests whose pipeline P's agent chose: held in MD's "
-                                     "prefix cache (md_prefix) or not (missing)", ["source"], registry=r)
-        self.inflight = Gauge("pddwire_router_inflight", "Requests in flight per pool member",
-                              ["pool", "member"], registry=r)
-
-
-@dataclass(eq=False)
-class Upstream:
-    """A pool member at run time."""
-
-    pool: str
-    member: Member
-    inflight: int = 0
-
-    @property
-    def url(self) -> str:
-        return self.member.url.rstrip("/")
-
-
-@dataclass
-class Pool:
-    name: str
-    members: list[Upstream]
-    _turn: itertools.count = field(default_factory=itertools.count)
-
-    def pick(self) -> Upstream:
-        """The member with the fewest requests in flight; ties go round-robin."""
-        start = next(self._turn) % len(self.members)
-        ring = self.members[start:] + self.members[:start]
-        return min(ring, key=lambda u: u.inflight)
 
 
 class UpstreamError(Exception):
