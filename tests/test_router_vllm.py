@@ -68,6 +68,7 @@ site = "B"
 kv_bytes_per_token = 1024
 block_tokens = {BLOCK}
 prefix_salt = "tiny-llama/torch.float32"
+timeout_s = 10
 """
 
 

@@ -3,7 +3,9 @@ the per-request context (:class:`Req`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -20,6 +22,7 @@ from .upstream import Trace, UpstreamError
 log = structlog.get_logger("pdd_wire.router")
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+MAX_DRAINING = 1024  # upstream requests left to finish after their client's request ended
 
 
 @dataclass(eq=False)
@@ -30,6 +33,31 @@ class Core:
     metrics: RouterMetrics
     loads: LoadReader
     decoder: msgspec.json.Decoder
+    draining: set[asyncio.Future] = field(default_factory=set)
+
+    def drain(self, task: asyncio.Future, timeout_s: float) -> None:
+        """Let ``task`` (an upstream request whose answer nobody needs any more) finish within
+        ``timeout_s``, then cancel it; at most :data:`MAX_DRAINING` at once (past it: cancelled
+        now). ``close_drains`` cancels the rest."""
+        if task.done():
+            return
+        if len(self.draining) >= MAX_DRAINING:
+            task.cancel()
+            return
+
+        async def bounded() -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(task, timeout_s)
+
+        t = asyncio.ensure_future(bounded())
+        self.draining.add(t)
+        t.add_done_callback(self.draining.discard)
+
+    async def close_drains(self) -> None:
+        tasks = list(self.draining)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def fallback(self, rid: str, kind: str, **fields: Any) -> None:
         """A request left its pipeline's path: counted and logged with ``kind``."""

@@ -73,9 +73,18 @@ class Handoff:
         for k in ("stream_options", "min_tokens", "max_completion_tokens"):
             prefill_like.pop(k, None)
         self.warm = asyncio.ensure_future(self._ok(self.M, prefill_like))
+        ended = False
         try:
-            return await self._run()
+            out = await self._run()
+            ended = True
+            return out
         finally:
+            if ended and not self.warm.done():
+                # RLD finished first or MD was too slow: MD's receive goes on, so that P's KV is
+                # delivered (not pinned until its lease ends) and MD's prefix cache keeps the
+                # prompt for the next turn (PDD's DRC); bounded by what P holds the KV for.
+                self.core.drain(self.warm, float(self.params.get("lease_s") or self.h.md_ready_s) + 5.0)
+                self.warm = None
             for t in (self.warm, self.absorb):
                 if t is not None and not t.done():
                     t.cancel()  # closes MD's request: vLLM aborts it (a receive is cancelled)
@@ -175,6 +184,8 @@ class Handoff:
         self.stay = True
         self.core.fallback(self.req.rid, kind, position=len(self.out.ids), **fields)
         self._count(kind)
+        if self.absorb is not None and not self.absorb.done():
+            self.absorb.cancel()  # closed now (awaited when the request ends)
 
     # ------------------------------------------------------------------ MD's side
     def _step(self) -> bool:
@@ -210,6 +221,8 @@ class Handoff:
             p = h.policy
             if m - self.absorbed <= p.catchup_gap_tokens or self.rounds >= p.max_catchup_rounds:
                 self.committed = True
+            elif self._capped() and h.mode == "auto":
+                self.committed = True  # RLD waits at its cap: another round would only delay the switch
             elif (k := self._target(m)) > self.absorbed:
                 self._start_round(k)
                 return False

@@ -102,6 +102,8 @@ class Router:
             await self._chooser.close()
         if self._loads is not None:
             await self._loads.close()
+        if self._core is not None:
+            await self._core.close_drains()
         await asyncio.gather(*self._closing, return_exceptions=True)
         if self._http is not None:
             await self._http.close()

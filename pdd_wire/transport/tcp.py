@@ -9,7 +9,8 @@ socket to the event loop that will own it before any TLS state exists:
 * **bulk** connections live on :class:`BulkLoop` threads, each with its own uvloop, so KV
   I/O never holds the main loop. Measured here: bulk sends on the control loop delay a
   64-byte ping by p99 0.3-0.5 s; on another thread, whose socket calls and xxh3 release
-  the GIL, the ping keeps p99 in the tens of microseconds.
+  the GIL (a bulk thread holds it ~8% of its CPU), the ping waits only for a core and for
+  the main loop's own ack work (docs/benchmarks.md, "Token frames under load").
 
 Receiving bulk frames uses :class:`asyncio.BufferedProtocol` with the frame reader's
 payload sink, so KV bytes go from the kernel straight into the receiver's registered memory.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import os
 import socket
 import ssl
@@ -107,8 +109,21 @@ def peer_certificate_names(transport: asyncio.BaseTransport) -> set[str]:
     return names
 
 
+PR_SET_NAME = 15
+
+
+def name_os_thread(name: str) -> None:
+    """Give the calling thread ``name`` in ``top -H``, ``ps -L`` and ``/proc/<pid>/task/*/comm``
+    (at most 15 bytes; Python 3.11 names only its own Thread object)."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
 class BulkLoop:
-    """A thread running its own uvloop, for bulk connections."""
+    """A thread running its own uvloop, for bulk connections (named ``name`` for the OS too:
+    ``pdd-bulk-N``, so ``top -H`` and the benchmarks tell bulk CPU from the main loop's)."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -117,6 +132,7 @@ class BulkLoop:
         self._started = threading.Event()
 
     def _run(self) -> None:
+        name_os_thread(self.name)
         # Bulk threads yield the CPU to the control loop: on a saturated host the kernel runs
         # the main thread (token and control frames) first. Per-thread on Linux.
         try:

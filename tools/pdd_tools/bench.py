@@ -18,7 +18,7 @@ from pdd_wire.engine.client import EngineClient
 from pdd_wire.memory import SharedMemory
 from pdd_wire.stats import percentile
 
-from .benchpipe import bare_pipe, bare_pipe_goodput, iperf3_goodput
+from . import bench_goodput
 from .harness import AgentPair, metric_value
 
 MiB = 1 << 20
@@ -52,129 +52,6 @@ class Figures:
         else:
             extra = f"   {row['ratio']:.2f}x {baseline} ({baseline_value:.3f} {unit})" if "ratio" in row else ""
             print(f"{figure:32s} {value:10.3f} {unit:5s}{extra}{'   ' + note if note else ''}", flush=True)
-
-
-async def _goodput(ea: EngineClient, eb: EngineClient, size: int, count: int, concurrency: int,
-                   to: str = "B", cpu: tuple | None = None) -> tuple[float, list]:
-    """GB/s and each transfer's seconds; ``cpu`` = (a clock of the agents' CPU seconds, a list
-    that gets the CPU seconds the timed transfers took)."""
-    block = MiB
-    nb = size // block
-    src = SharedMemory(size)
-    dst = SharedMemory(size * concurrency)
-    try:
-        src.buf[:] = os.urandom(size)
-        dst.buf[:] = bytes(dst.size)  # fault the pages in before timing
-        ra = await ea.register(src, block_bytes=block)
-        rb = await eb.register(dst, block_bytes=block)
-        tag = f"g{size}-{time.monotonic_ns()}"
-
-        async def one(i: int, slot: int) -> float:
-            rid = f"{tag}-{i}"
-            t0 = time.perf_counter()
-            await eb.post_recv(rid, [rb.blocks(slot * nb, nb)])
-            await ea.send_kv(rid, [ra.blocks(0, nb)], to=[to])
-            ev = await eb.wait(rid, timeout=120)
-            if not isinstance(ev, p.KvReceived):
-                raise RuntimeError(f"transfer failed: {ev}")
-            sent.append(rid)  # the receiving slot is free now; the sender's kv_sent is checked at the end
-            return time.perf_counter() - t0
-
-        sent: list[str] = []
-
-        await one(-1, 0)  # warm-up
-        slots = asyncio.Queue()
-        for s in range(concurrency):
-            slots.put_nowait(s)
-        lat = []
-
-        async def worker(i: int) -> None:
-            s = await slots.get()
-            try:
-                lat.append(await one(i, s))
-            finally:
-                slots.put_nowait(s)
-
-        t0, cpu0 = time.perf_counter(), cpu[0]() if cpu else 0.0
-        await asyncio.gather(*(worker(i) for i in range(count)))
-        elapsed = time.perf_counter() - t0
-        if cpu:
-            cpu[1].append(cpu[0]() - cpu0)
-        for rid in sent:
-            ev = await ea.wait(rid, timeout=120)
-            if not isinstance(ev, p.KvSent):
-                raise RuntimeError(f"sender saw {ev}")
-        ok = bytes(dst.buf[:size]) == bytes(src.buf)
-        if not ok:
-            raise RuntimeError("received bytes differ from the sent ones")
-        await ea.deregister(ra)
-        await eb.deregister(rb)
-        return size * count / elapsed / 1e9, lat
-    finally:
-        src.close()
-        dst.close()
-
-
-async def _token_latency(ea: EngineClient, eb: EngineClient, n: int, rid: str, until=None) -> list[float]:
-    await eb.expect_tokens(rid, "A")  # B's engine takes rid's tokens from site A (not timed)
-    out = []
-    for i in range(n):
-        if until is not None and until():
-            break
-        t0 = time.perf_counter()
-        await ea.send_tokens(rid, "B", [i])
-        await eb.wait_tokens(rid, timeout=10)
-        out.append((time.perf_counter() - t0) * 1e3)
-        await asyncio.sleep(0.002)
-    return out
-
-
-async def _relay_bytes(pair: AgentPair, ea: EngineClient, eb: EngineClient, per_frame: int) -> float:
-    """Bytes on A's token lane per relayed token (from A's metrics), token IDs as a 150K vocab gives."""
-    rid = f"relay-{per_frame}"
-    before = metric_value(pair.metrics("A"), "pddwire_bytes_total", lane="token", direction="tx")
-    tokens = [100_000 + 37 * i for i in range(100)]
-    for i in range(0, 100, per_frame):
-        await ea.send_tokens(rid, "B", tokens[i:i + per_frame])
-    got = 0
-    while got < 100:
-        got += len((await eb.wait_tokens(rid, timeout=10)).tokens)
-    after = metric_value(pair.metrics("A"), "pddwire_bytes_total", lane="token", direction="tx")
-    return (after - before) / 100
-
-
-async def _latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, samples: int) -> tuple[list, float]:
-    size = gib << 30
-    src, dst = SharedMemory(size), SharedMemory(size)
-    lat: list[float] = []
-    try:
-        chunk = os.urandom(64 * MiB)
-        for off in range(0, size, len(chunk)):
-            src.buf[off:off + len(chunk)] = chunk
-        dst.buf[:] = bytes(size)
-        ra = await ea.register(src, block_bytes=4 * MiB)
-        rb = await eb.register(dst, block_bytes=4 * MiB)
-        nb = size // (4 * MiB)
-        seconds = []
-        k = 0
-        while len(lat) < samples and k < 20:
-            rid = f"load-{k}"
-            k += 1
-            await eb.post_recv(rid, [rb.blocks(0, nb)])
-            t0 = time.perf_counter()
-            await ea.send_kv(rid, [ra.blocks(0, nb)], to=["B"])
-            done = asyncio.ensure_future(eb.wait(rid, timeout=300))
-            await asyncio.sleep(0.02)  # let the bulk stream get going
-            lat += await _token_latency(ea, eb, samples - len(lat), f"tok-{rid}", until=done.done)
-            ev = await done
-            seconds.append(time.perf_counter() - t0)
-            if not isinstance(ev, p.KvReceived):
-                raise RuntimeError(f"load transfer failed: {ev}")
-            await ea.wait(rid, timeout=60)
-        return lat, size / statistics.median(seconds) / 1e9
-    finally:
-        src.close()
-        dst.close()
 
 
 async def _handoff_latency(ep: EngineClient, er: EngineClient, em: EngineClient, mode: str, reps: int,
@@ -449,16 +326,7 @@ async def _run(args) -> int:
     base = None
     if "goodput" in groups:
         figs.step("goodput baselines: iperf3 and a bare Python pipe")
-        base = iperf3_goodput(2 if quick else 3)
-        if base is None:
-            print("# iperf3 not found: goodput ratios are left out (apt-get install iperf3)")
-        pipe, pipe_cpu = bare_pipe(reps=8 if quick else 16)
-        _, pipe4_cpu = bare_pipe(4 * MiB, reps=64 if quick else 256)
-        hot = bare_pipe_goodput(MiB, reps=1024 if quick else 4096)
-        figs.add("bare_pipe_hot_1MiB", hot, "GB/s", "iperf3 -l 1M", base,
-                 note="one 1 MiB buffer, in cache: the Python I/O path reaches iperf3")
-        figs.add("bare_pipe_cold_64MiB", pipe, "GB/s", "iperf3 -l 1M", base,
-                 note="64 MiB memfd pools, as KV moves: bytes no longer come from cache")
+        base = bench_goodput.baselines(figs, quick)
     if "ucx" in groups:
         figs.step("ucx: bare ucxx, then two agents of one site")
         await _ucx_figures(figs, quick)
@@ -494,35 +362,11 @@ async def _run(args) -> int:
     async with AgentPair() as pair:
         async with EngineClient(pair.sockets["A"], "bench-A") as ea, EngineClient(pair.sockets["B"], "bench-B") as eb:
             if "goodput" in groups:
-                figs.step("goodput: KV between two agents")
-                for size, count, conc in ((4 * MiB, 64 if quick else 256, 8), (64 * MiB, 8 if quick else 24, 2)):
-                    used: list[float] = []
-                    gbps, lat = await _goodput(ea, eb, size, count, conc, cpu=(pair.cpu_seconds, used))
-                    per_gb = used[0] / (size * count / 1e9)
-                    label = f"{size // MiB}MiB"
-                    figs.add(f"cpu_per_gb_{label}", per_gb, "s/GB", "bare python pipe",
-                             pipe4_cpu if size == 4 * MiB else pipe_cpu,
-                             note=f"CPU seconds of both agents per GB moved, timed transfers only; "
-                                  f"12.5 GB/s (100 Gbit/s) would need {per_gb * 12.5:.1f} cores here")
-                    figs.add(f"kv_goodput_{label}", gbps, "GB/s", "iperf3 -l 1M", base,
-                             note=f"{count} transfers, {conc} at a time, "
-                             f"median {statistics.median(lat) * 1e3:.1f} ms each")
-                    figs.add(f"kv_goodput_{label}_vs_bare_pipe", gbps, "GB/s", "bare python pipe", pipe,
-                             note="memfd to memfd, no framing or checksums (pdd_tools.benchpipe)")
+                figs.step("goodput: KV between two agents, interleaved with the bare pipe")
+                await bench_goodput.goodput_figures(figs, pair, ea, eb, base, quick)
             if "latency" in groups:
                 figs.step("latency: token IDs, idle and under load")
-                idle = await _token_latency(ea, eb, 100 if quick else 300, "idle")
-                figs.add("token_latency_idle_p50", percentile(idle, 50), "ms")
-                figs.add("token_latency_idle_p99", percentile(idle, 99), "ms")
-                for per_frame in (1, 100):
-                    figs.add(f"relay_bytes_per_token{'' if per_frame == 1 else '_batched'}",
-                             await _relay_bytes(pair, ea, eb, per_frame), "B",
-                             note=f"TOKENS frames A->B for 100 tokens sent {per_frame} per call, "
-                                  "header and msgpack body (PDD: 1.5 KB per 100 tokens)")
-                loaded, gbps = await _latency_under_load(ea, eb, 1, 100 if quick else 300)
-                figs.add("token_latency_under_load_p50", percentile(loaded, 50), "ms")
-                figs.add("token_latency_under_load_p99", percentile(loaded, 99), "ms", "idle p99", percentile(idle, 99),
-                         note=f"{len(loaded)} samples during 1 GiB transfers at {gbps:.2f} GB/s")
+                await bench_goodput.latency_figures(figs, pair, ea, eb, quick)
             if "prefix" in groups:
                 figs.step("prefix: the decode-side inventory")
                 await _prefix_figures(figs, pair, ea, eb, quick)
@@ -555,7 +399,7 @@ async def _ucx_figures(figs: Figures, quick: bool) -> None:
     async with AgentPair(same_site_ucx=True) as pair:
         async with EngineClient(pair.sockets["A"], "bench-A") as ea, EngineClient(pair.sockets["B"], "bench-B") as eb:
             for size, count, conc in ((4 * MiB, 64 if quick else 256, 8), (64 * MiB, 8 if quick else 24, 2)):
-                gbps, lat = await _goodput(ea, eb, size, count, conc, to=pair.dest)
+                gbps, lat, _ = await bench_goodput.goodput(ea, eb, size, count, conc, to=pair.dest)
                 label = f"{size // MiB}MiB"
                 row = bare.get(f"ucx_goodput_{label}", {})
                 figs.add(f"ucx_agent_goodput_{label}", gbps, "GB/s", row.get("baseline"), row.get("baseline_value"),

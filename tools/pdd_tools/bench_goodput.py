@@ -1,0 +1,267 @@
+"""The goodput, CPU-per-byte and token-latency figures of ``scripts/bench`` (groups ``goodput`` and
+``latency``), between two ``pdd-wired`` processes on loopback, each beside its baseline measured in
+the same run:
+
+* ``kv_goodput_{4,64}MiB`` against iperf3 and against the bare Python pipe (``benchpipe``);
+* ``cpu_per_gb_{4,64}MiB``: CPU seconds of both agents per GB moved against the bare pipe's sender
+  and receiver, with each agent's main loop and bulk threads apart (what scales with bulk threads
+  and what one event loop must carry) and the projection for a 100 Gbit/s line;
+* ``token_latency_under_load_p99``: token frames while 1 GiB transfers run, against idle samples
+  taken between those transfers (so both see the same machine).
+
+Bare-pipe and agent rounds are interleaved (``rounds``), and each figure is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+from pdd_wire.engine import protocol as p
+from pdd_wire.engine.client import EngineClient
+from pdd_wire.memory import SharedMemory
+from pdd_wire.stats import percentile
+
+from .benchpipe import bare_pipe, bare_pipe_goodput, iperf3_goodput
+from .harness import AgentPair, metric_value
+
+MiB = 1 << 20
+#: 100 Gbit/s, the line the CPU figures are projected to.
+LINE_GBPS = 12.5
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of each thread of ``pid`` by kind: ``bulk`` (threads named
+    ``pdd-bulk-N``, as :class:`~pdd_wire.transport.tcp.BulkLoop` names them) and ``main`` (the rest:
+    the event loop, and the short-lived registration and UCX threads)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"main": 0.0, "bulk": 0.0}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                comm, _, rest = f.read().partition(") ")
+        except OSError:  # the thread ended meanwhile
+            continue
+        fields = rest.split()
+        kind = "bulk" if comm.rpartition("(")[2].startswith("pdd-bulk") else "main"
+        out[kind] += (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def agents_cpu(pair: AgentPair) -> dict[str, float]:
+    """CPU seconds so far by agent and kind: ``A.main``, ``A.bulk``, ``B.main``, ``B.bulk``."""
+    return {f"{s}.{k}": v for s, pr in pair.procs.items() for k, v in thread_cpu(pr.pid).items()}
+
+
+async def goodput(ea: EngineClient, eb: EngineClient, size: int, count: int, concurrency: int,
+                  to: str = "B", cpu: Callable[[], dict[str, float]] | None = None) -> tuple[float, list, dict]:
+    """GB/s, each transfer's seconds, and (with ``cpu``, a clock of CPU seconds by name) the CPU
+    seconds the timed transfers took by name."""
+    block = MiB
+    nb = size // block
+    src = SharedMemory(size)
+    dst = SharedMemory(size * concurrency)
+    try:
+        src.buf[:] = os.urandom(size)
+        dst.buf[:] = bytes(dst.size)  # fault the pages in before timing
+        ra = await ea.register(src, block_bytes=block)
+        rb = await eb.register(dst, block_bytes=block)
+        tag = f"g{size}-{time.monotonic_ns()}"
+        sent: list[str] = []
+
+        async def one(i: int, slot: int) -> float:
+            rid = f"{tag}-{i}"
+            t0 = time.perf_counter()
+            await eb.post_recv(rid, [rb.blocks(slot * nb, nb)])
+            await ea.send_kv(rid, [ra.blocks(0, nb)], to=[to])
+            ev = await eb.wait(rid, timeout=120)
+            if not isinstance(ev, p.KvReceived):
+                raise RuntimeError(f"transfer failed: {ev}")
+            sent.append(rid)  # the receiving slot is free now; the sender's kv_sent is checked at the end
+            return time.perf_counter() - t0
+
+        await one(-1, 0)  # warm-up
+        slots: asyncio.Queue[int] = asyncio.Queue()
+        for s in range(concurrency):
+            slots.put_nowait(s)
+        lat: list[float] = []
+
+        async def worker(i: int) -> None:
+            s = await slots.get()
+            try:
+                lat.append(await one(i, s))
+            finally:
+                slots.put_nowait(s)
+
+        cpu0 = cpu() if cpu else {}
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(count)))
+        elapsed = time.perf_counter() - t0
+        used = {k: v - cpu0[k] for k, v in cpu().items()} if cpu else {}
+        for rid in sent:
+            ev = await ea.wait(rid, timeout=120)
+            if not isinstance(ev, p.KvSent):
+                raise RuntimeError(f"sender saw {ev}")
+        if bytes(dst.buf[:size]) != bytes(src.buf):
+            raise RuntimeError("received bytes differ from the sent ones")
+        await ea.deregister(ra)
+        await eb.deregister(rb)
+        return size * count / elapsed / 1e9, lat, used
+    finally:
+        src.close()
+        dst.close()
+
+
+async def token_latency(ea: EngineClient, eb: EngineClient, n: int, rid: str, until=None) -> list[float]:
+    """Engine A to engine B through both agents, ms, one token every 2 ms."""
+    await eb.expect_tokens(rid, "A")  # B's engine takes rid's tokens from site A (not timed)
+    out = []
+    for i in range(n):
+        if until is not None and until():
+            break
+        t0 = time.perf_counter()
+        await ea.send_tokens(rid, "B", [i])
+        await eb.wait_tokens(rid, timeout=10)
+        out.append((time.perf_counter() - t0) * 1e3)
+        await asyncio.sleep(0.002)
+    return out
+
+
+async def relay_bytes(pair: AgentPair, ea: EngineClient, eb: EngineClient, per_frame: int) -> float:
+    """Bytes on A's token lane per relayed token (from A's metrics), token IDs as a 150K vocab gives."""
+    rid = f"relay-{per_frame}"
+    before = metric_value(pair.metrics("A"), "pddwire_bytes_total", lane="token", direction="tx")
+    tokens = [100_000 + 37 * i for i in range(100)]
+    for i in range(0, 100, per_frame):
+        await ea.send_tokens(rid, "B", tokens[i:i + per_frame])
+    got = 0
+    while got < 100:
+        got += len((await eb.wait_tokens(rid, timeout=10)).tokens)
+    after = metric_value(pair.metrics("A"), "pddwire_bytes_total", lane="token", direction="tx")
+    return (after - before) / 100
+
+
+async def latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, samples: int,
+                             idle_per_transfer: int) -> tuple[list, list, float]:
+    """Token latencies while ``gib`` GiB transfers run (``samples`` in all), and idle ones taken
+    just before each transfer (``idle_per_transfer``); the transfers' GB/s."""
+    size = gib << 30
+    src, dst = SharedMemory(size), SharedMemory(size)
+    lat: list[float] = []
+    idle: list[float] = []
+    try:
+        chunk = os.urandom(64 * MiB)
+        for off in range(0, size, len(chunk)):
+            src.buf[off:off + len(chunk)] = chunk
+        dst.buf[:] = bytes(size)
+        ra = await ea.register(src, block_bytes=4 * MiB)
+        rb = await eb.register(dst, block_bytes=4 * MiB)
+        nb = size // (4 * MiB)
+        seconds = []
+        k = 0
+        while len(lat) < samples and k < 20:
+            rid = f"load-{k}"
+            k += 1
+            idle += await token_latency(ea, eb, idle_per_transfer, f"idle-{rid}")
+            await eb.post_recv(rid, [rb.blocks(0, nb)])
+            t0 = time.perf_counter()
+            await ea.send_kv(rid, [ra.blocks(0, nb)], to=["B"])
+            done = asyncio.ensure_future(eb.wait(rid, timeout=300))
+            await asyncio.sleep(0.02)  # let the bulk stream get going
+            lat += await token_latency(ea, eb, samples - len(lat), f"tok-{rid}", until=done.done)
+            ev = await done
+            seconds.append(time.perf_counter() - t0)
+            if not isinstance(ev, p.KvReceived):
+                raise RuntimeError(f"load transfer failed: {ev}")
+            await ea.wait(rid, timeout=60)
+        await ea.deregister(ra)
+        await eb.deregister(rb)
+        return lat, idle, size / statistics.median(seconds) / 1e9
+    finally:
+        src.close()
+        dst.close()
+
+
+class Baselines:
+    """iperf3 and the bare pipe, measured in this run (``cpu`` by size: bare pipe s/GB rounds)."""
+
+    def __init__(self, quick: bool) -> None:
+        self.quick = quick
+        self.iperf3 = iperf3_goodput(2 if quick else 3)
+        self.pipe: list[float] = []  # 64 MiB GB/s per round
+        self.cpu: dict[int, list[float]] = {4 * MiB: [], 64 * MiB: []}
+
+    def round(self, size: int) -> None:
+        gbps, per_gb = bare_pipe(size, reps=(8 if self.quick else 16) * (64 * MiB // size))
+        self.cpu[size].append(per_gb)
+        if size == 64 * MiB:
+            self.pipe.append(gbps)
+
+
+def baselines(figs, quick: bool) -> Baselines:
+    base = Baselines(quick)
+    if base.iperf3 is None:
+        print("# iperf3 not found: goodput ratios against it are left out (apt-get install iperf3)")
+    base.round(64 * MiB)
+    hot = bare_pipe_goodput(MiB, reps=1024 if quick else 4096)
+    figs.add("bare_pipe_hot_1MiB", hot, "GB/s", "iperf3 -l 1M", base.iperf3,
+             note="one 1 MiB buffer, in cache: the Python I/O path reaches iperf3")
+    figs.add("bare_pipe_cold_64MiB", base.pipe[0], "GB/s", "iperf3 -l 1M", base.iperf3,
+             note="64 MiB memfd pools, as KV moves: bytes no longer come from cache")
+    return base
+
+
+async def goodput_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineClient, base: Baselines,
+                          quick: bool) -> None:
+    """KV goodput and CPU per GB at 4 and 64 MiB, bare pipe and agents interleaved."""
+    rounds = 2
+    for size, count, conc in ((4 * MiB, 64 if quick else 256, 8), (64 * MiB, 8 if quick else 24, 2)):
+        label = f"{size // MiB}MiB"
+        rates, per_gb, lat_all = [], [], []
+        parts: dict[str, list[float]] = {}
+        for r in range(rounds):
+            if len(base.cpu[size]) <= r:
+                base.round(size)
+            gbps, lat, used = await goodput(ea, eb, size, count, conc, cpu=lambda: agents_cpu(pair))
+            gb = size * count / 1e9
+            rates.append(gbps)
+            lat_all += lat
+            per_gb.append(sum(used.values()) / gb)
+            for k, v in used.items():
+                parts.setdefault(k, []).append(v / gb)
+        mine = statistics.median(per_gb)
+        split = {k: statistics.median(v) for k, v in parts.items()}
+        loop_max = max(split["A.main"], split["B.main"])
+        figs.add(f"cpu_per_gb_{label}", mine, "s/GB", "bare python pipe", statistics.median(base.cpu[size]),
+                 note=f"CPU seconds of both agents per GB moved, timed transfers only, median of {rounds} rounds "
+                      f"interleaved with the pipe's; sender main {split['A.main']:.3f} + bulk {split['A.bulk']:.3f}, "
+                      f"receiver main {split['B.main']:.3f} + bulk {split['B.bulk']:.3f} s/GB; {LINE_GBPS} GB/s "
+                      f"(100 Gbit/s) would need {mine * LINE_GBPS:.1f} cores for both agents, and one main loop "
+                      f"carries {loop_max * LINE_GBPS:.2f} cores of it")
+        gbps = statistics.median(rates)
+        note = (f"{count} transfers, {conc} at a time, median of {rounds} rounds; "
+                f"median {statistics.median(lat_all) * 1e3:.1f} ms each")
+        figs.add(f"kv_goodput_{label}", gbps, "GB/s", "iperf3 -l 1M", base.iperf3, note=note)
+        figs.add(f"kv_goodput_{label}_vs_bare_pipe", gbps, "GB/s", "bare python pipe", statistics.median(base.pipe),
+                 note="memfd to memfd, no framing or checksums (pdd_tools.benchpipe)")
+
+
+async def latency_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineClient, quick: bool) -> None:
+    """Token latency idle and while 1 GiB transfers run, and the relay's bytes per token."""
+    idle = await token_latency(ea, eb, 100 if quick else 300, "idle")
+    for per_frame in (1, 100):
+        figs.add(f"relay_bytes_per_token{'' if per_frame == 1 else '_batched'}",
+                 await relay_bytes(pair, ea, eb, per_frame), "B",
+                 note=f"TOKENS frames A->B for 100 tokens sent {per_frame} per call, "
+                      "header and msgpack body (PDD: 1.5 KB per 100 tokens)")
+    loaded, between, gbps = await latency_under_load(ea, eb, 1, 100 if quick else 300, 25 if quick else 50)
+    idle += between
+    figs.add("token_latency_idle_p50", percentile(idle, 50), "ms")
+    figs.add("token_latency_idle_p99", percentile(idle, 99), "ms")
+    figs.add("token_latency_under_load_p50", percentile(loaded, 50), "ms")
+    figs.add("token_latency_under_load_p99", percentile(loaded, 99), "ms", "idle p99", percentile(idle, 99),
+             note=f"{len(loaded)} samples during 1 GiB transfers at {gbps:.2f} GB/s; idle: {len(idle)} samples, "
+                  "before and between the transfers")
