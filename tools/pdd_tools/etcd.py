@@ -13,10 +13,12 @@ import json
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import tempfile
 import urllib.error
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from .harness import free_port
@@ -35,18 +37,32 @@ def etcd_binary() -> str:
     return path
 
 
+@dataclass(frozen=True)
+class EtcdTls:
+    """etcd's client port in TLS: its server certificate (naming 127.0.0.1), the CA that
+    client certificates must chain to (``--client-cert-auth``), and a client certificate of it
+    for the health checks."""
+
+    ca: str
+    cert: str
+    key: str
+    client_cert: str
+    client_key: str
+
+
 class EtcdMember:
-    def __init__(self, name: str, root: Path) -> None:
+    def __init__(self, name: str, root: Path, tls: EtcdTls | None = None) -> None:
         self.name = name
         self.data = root / name
         self.client_port = free_port()
         self.peer_port = free_port()
         self.log = root / f"{name}.log"
+        self.tls = tls
         self.proc: subprocess.Popen | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.client_port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.client_port}"
 
     @property
     def peer_url(self) -> str:
@@ -60,6 +76,9 @@ class EtcdMember:
                 "--initial-cluster-token", token, "--logger", "zap", "--log-level", "warn",
                 # a small machine: no fsync stalls of seconds in the tests' timing
                 "--heartbeat-interval", "50", "--election-timeout", "500", *extra]
+        if self.tls:
+            args += ["--cert-file", self.tls.cert, "--key-file", self.tls.key, "--client-cert-auth",
+                     "--trusted-ca-file", self.tls.ca]
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(args, stdout=f, stderr=f, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
@@ -82,8 +101,12 @@ class EtcdMember:
             self.proc.wait()
 
     def healthy(self) -> bool:
+        ctx = None
+        if self.tls:
+            ctx = ssl.create_default_context(cafile=self.tls.ca)
+            ctx.load_cert_chain(self.tls.client_cert, self.tls.client_key)
         try:
-            with urllib.request.urlopen(f"{self.url}/health", timeout=1) as r:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=1, context=ctx) as r:
                 return json.loads(r.read()).get("health") == "true"
         except (OSError, ValueError, urllib.error.URLError):
             return False
@@ -92,10 +115,11 @@ class EtcdMember:
 class EtcdCluster:
     """``size`` etcd members on loopback. ``async with EtcdCluster(3) as etcd: etcd.endpoints``."""
 
-    def __init__(self, size: int = 1, *, root: Path | None = None, extra: list[str] | None = None) -> None:
+    def __init__(self, size: int = 1, *, root: Path | None = None, extra: list[str] | None = None,
+                 tls: EtcdTls | None = None) -> None:
         self.root = root or Path(tempfile.mkdtemp(prefix="pdd-etcd-"))
         self._own_root = root is None
-        self.members = [EtcdMember(f"m{i}", self.root) for i in range(size)]
+        self.members = [EtcdMember(f"m{i}", self.root, tls) for i in range(size)]
         self.extra = extra or []
         self.token = f"pdd-{os.getpid()}-{id(self):x}"
         self._started = False
@@ -137,6 +161,14 @@ class EtcdCluster:
         for m in self.members:
             m.signal(signal.SIGTERM)
             m.wait()
+
+    def wipe(self) -> None:
+        """Stop every member and delete its data: the next :meth:`start` runs a new store on the
+        same addresses (its revisions start again from 1)."""
+        self.stop()
+        for m in self.members:
+            shutil.rmtree(m.data, ignore_errors=True)
+        self._started = False
 
     def kill(self) -> None:
         """SIGKILL every member (the data stays)."""
