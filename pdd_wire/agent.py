@@ -29,6 +29,7 @@ import ssl
 import time
 
 import structlog
+from prometheus_client.metrics import MetricWrapperBase
 
 from . import systemd
 from .admin import AdminServer
@@ -41,7 +42,8 @@ from .desk.probes import ProbeDesk, is_probe
 from .engine import protocol as p
 from .engine_handlers import EngineRequests
 from .engine_server import EngineServer
-from .fleet import FleetMetrics, Membership
+from .errors import ConfigError, ErrorCode
+from .fleet import FleetMetrics, Membership, record
 from .fleet.peering import FleetPeering
 from .fleet.record import EngineRec, LinkRec, Live, MemberRecord
 from .inbound import Inbound
@@ -99,9 +101,11 @@ class Agent:
             fm = FleetMetrics(self.metrics.registry)
             self.membership = Membership(config.fleet, fm, logger=self.log)
             self.fleet = FleetPeering(config, self.peers, self.membership, fm, new_session=self._fleet_session,
-                                      busy=self._busy_sessions, log=self.log, forget=self._forget_gauges)
+                                      busy=self._busy_sessions, log=self.log, forget=self._forget_series,
+                                      on_retire=self._tokens_undelivered)
             self.membership.on_event = self.fleet.on_event
             self.peers.discover = self.fleet.discover
+            self.peers.need = self.fleet.need
             self.inbound.admit = self.fleet.admit
 
     @property
@@ -143,9 +147,23 @@ class Agent:
             s = PeerSession(self, peer)
             self.peers.add(s)
             s.start()
-        if self.membership is not None:  # etcd away at start is a state, not a failure: it is retried
+        if self.membership is not None and self.fleet is not None:
+            self.fleet.tls = self.pki is not None
+            if self.pki is None:
+                self.log.warning("FLEET WITH PLAINTEXT: peers are NOT authenticated; whoever can write etcd or "
+                                 "reach listen.wan can pose as any member (tls.allow_plaintext)")
             self.membership.me = self._member_record()
-            await self.membership.start()
+            try:
+                record.encode(self.membership.me)
+            except ValueError as exc:
+                raise ConfigError("fleet.engines", str(exc)) from None
+            await self.membership.start()  # etcd away at start is a state, not a failure: it is retried
+            try:  # the first listing, so that a need right after READY finds the members: bounded
+                async with asyncio.timeout(cfg.fleet.request_s):
+                    await self.membership.listed.wait()
+            except TimeoutError:
+                self.log.warning("etcd has not listed the members yet: ready without them",
+                                 wait_s=cfg.fleet.request_s)
         self._audit_task = asyncio.create_task(self._audit_forever(), name="lease-audit")
         self.ready.set()
         self.log.info("agent ready", wan=f"{self.wan_address[0]}:{self.wan_address[1]}",
@@ -249,12 +267,31 @@ class Agent:
         s.start()
         return s
 
-    def _forget_gauges(self, key: str) -> None:
-        m = self.metrics
-        for g in (m.peer_up, m.bulk_streams, m.inflight_bytes, m.link_bandwidth, m.link_rtt, m.link_jitter,
-                  m.link_loss, m.link_queue):
-            with contextlib.suppress(KeyError):
-                g.remove(key)
+    def _forget_series(self, key: str) -> None:
+        """Every metric series labelled with the closed fleet session's ``peer`` (gauges,
+        counters, histograms): their labels would otherwise grow with every member ever met."""
+        for metric in vars(self.metrics).values():
+            if not isinstance(metric, MetricWrapperBase):
+                continue
+            for family in metric.collect():
+                gone = {tuple(v for k, v in sample.labels.items() if k not in ("le", "quantile"))
+                        for sample in family.samples if sample.labels.get("peer") == key}
+                for labels in gone:
+                    with contextlib.suppress(KeyError, ValueError):
+                        metric.remove(*labels)
+
+    def _tokens_undelivered(self, session: PeerSession, why: str) -> None:
+        """A fleet session is dropped: token IDs relayed to it and not acknowledged will never
+        arrive. Each request's owner engine is told (``transfer_failed``, transfer id 0,
+        direction out, PEER_UNREACHABLE), so that the request ends with an outcome."""
+        for rid, stream in session.tokens.tok_out.items():
+            owner = self.kv.owners.get(rid)
+            if not stream.unacked or owner is None or owner.engine.closed:
+                continue
+            owner.engine.send(p.TransferFailed(request_id=rid, transfer_id=0, peer=session.key, direction="out",
+                                               code=ErrorCode.PEER_UNREACHABLE,
+                                               reason=f"token IDs not delivered: {why}"))
+            self.log.info("relayed tokens not delivered", request_id=rid, peer=session.key, reason=why)
 
     def _busy_sessions(self) -> set[str]:
         """The peers with anything open: transfers, unacknowledged or held tokens, a handoff, KV
@@ -286,6 +323,12 @@ class Agent:
 
     def session_up(self, session: PeerSession) -> None:
         self.handoffs.session_up(session)
+        if self.fleet is not None:
+            self.fleet.session_up(session)
+
+    def peer_goodbye(self, session: PeerSession, reason: str) -> None:
+        if self.fleet is not None:
+            self.fleet.goodbye(session, reason)
 
     def peer_lost(self, session: PeerSession, reason: str) -> None:
         self.handoffs.peer_lost(session, reason)

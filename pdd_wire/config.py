@@ -16,6 +16,7 @@ import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -157,7 +158,7 @@ class Fleet(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tru
     idle_close_s: float = 60.0  # a fleet peer's session with nothing open this long is closed
     dial_wait_s: float = 10.0  # a first need waits this long for a new session, then fails
     request_s: float = 2.0  # one etcd request (the watch excepted)
-    max_members: int = 65536  # records held; more are ignored (counted)
+    max_members: int = 16384  # records held (each at most 4 KiB of JSON); more are ignored (counted)
     advertise: str = ""  # host:port peers dial (listen.wan when it is a real address)
     transport: Literal["tcp", "ucx"] = "tcp"  # how fleet peers of this site reach this node
     engines: list[FleetEngine] = []
@@ -188,7 +189,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
         return out
 
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+#: A site, node or cluster name (proto/README.md, Conventions).
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
 def parse_hostport(value: str, key: str) -> tuple[str, int]:
@@ -215,7 +217,7 @@ def _positive(key: str, value: float) -> None:
 def validate(cfg: Config) -> Config:
     """Checks msgspec's types cannot express; raises ConfigError naming the key."""
     for key, name in (("site", cfg.site), ("node", cfg.node)):
-        if not _NAME.match(name):
+        if not NAME.match(name):
             raise ConfigError(key, f"{name!r} must be 1-63 of [A-Za-z0-9._-], starting alphanumeric")
     parse_hostport(cfg.listen.wan, "listen.wan")
     if cfg.listen.admin:
@@ -227,7 +229,7 @@ def validate(cfg: Config) -> Config:
     seen = set()
     for i, p in enumerate(cfg.peers):
         for key, name in (("site", p.site), ("node", p.node)):
-            if not _NAME.match(name):
+            if not NAME.match(name):
                 raise ConfigError(f"peers[{i}].{key}", f"{name!r} must be 1-63 of [A-Za-z0-9._-]")
         if (p.site, p.node) in seen:
             raise ConfigError(f"peers[{i}]", f"peer {p.site}/{p.node} is listed twice")
@@ -237,7 +239,7 @@ def validate(cfg: Config) -> Config:
         parse_hostport(p.address, f"peers[{i}].address")
         if p.streams is not None and not 1 <= p.streams <= 64:
             raise ConfigError(f"peers[{i}].streams", f"must be 1..64, got {p.streams}")
-        if p.fingerprint and not _FINGERPRINT.match(p.fingerprint):
+        if p.fingerprint and not FINGERPRINT.match(p.fingerprint):
             raise ConfigError(f"peers[{i}].fingerprint", "must be sha256: and 64 lowercase hex digits")
     t = cfg.transfer
     if not 64 * 1024 <= t.chunk_bytes <= 64 * MiB:
@@ -291,19 +293,50 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def _etcd_url(url: str) -> bool:
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018 -- raises ValueError when out of range
+    except ValueError:
+        return False
+    return u.scheme in ("http", "https") and bool(u.hostname) and u.path in ("", "/") and not (u.query or u.fragment)
+
+
+def validate_etcd(etcd: list[str], tls: EtcdTls, cluster: str, request_s: float, table: str = "fleet") -> None:
+    """The etcd part of a ``[fleet]`` table (the agent's, the router's): URLs, TLS, cluster name."""
+    for i, url in enumerate(etcd):
+        if not _etcd_url(url):
+            raise ConfigError(f"{table}.etcd[{i}]", f"{url!r} is not an http(s)://host:port etcd client URL")
+        if url.startswith("https://") and not tls.ca:
+            raise ConfigError(f"{table}.tls.ca", f"required for the https endpoint {url!r} (etcd's server "
+                                                 "certificate is checked against it)")
+    if etcd and (tls.ca or tls.cert) and not any(u.startswith("https://") for u in etcd):
+        raise ConfigError(f"{table}.tls", "set, but no endpoint is https://: the certificates would not be used")
+    if not NAME.match(cluster):
+        raise ConfigError(f"{table}.cluster", f"{cluster!r} must be 1-63 of [A-Za-z0-9._-]")
+    if not 0 < request_s <= 60:
+        raise ConfigError(f"{table}.request_s", f"must be in (0, 60], got {request_s}")
+    for key in ("ca", "cert", "key"):
+        path = getattr(tls, key)
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{table}.tls.{key}", f"file {path!r} does not exist")
+    if bool(tls.cert) != bool(tls.key):
+        raise ConfigError(f"{table}.tls.key" if tls.cert else f"{table}.tls.cert", "cert and key go together")
+
+
 def _validate_fleet(cfg: Config) -> None:
     f = cfg.fleet
-    for i, url in enumerate(f.etcd):
-        if not re.match(r"^https?://[^/\s]+(:\d+)?/?$", url):
-            raise ConfigError(f"fleet.etcd[{i}]", f"{url!r} is not an http(s)://host:port etcd client URL")
-        if url.startswith("https://") and not f.tls.ca:
-            raise ConfigError("fleet.tls.ca", f"required for the https endpoint {url!r}")
-    if not _NAME.match(f.cluster):
-        raise ConfigError("fleet.cluster", f"{f.cluster!r} must be 1-63 of [A-Za-z0-9._-]")
-    for key in ("lease_ttl_s", "refresh_min_s", "idle_close_s", "dial_wait_s", "request_s"):
+    validate_etcd(f.etcd, f.tls, f.cluster, f.request_s)
+    for key in ("lease_ttl_s", "refresh_min_s", "idle_close_s", "dial_wait_s"):
         _positive(f"fleet.{key}", getattr(f, key))
     if f.lease_ttl_s < 2 or f.lease_ttl_s > 3600:
         raise ConfigError("fleet.lease_ttl_s", f"must be 2..3600 s (whole seconds in etcd), got {f.lease_ttl_s}")
+    # A keep-alive goes out every third of the TTL and may try every endpoint but the one that
+    # answers before it lands: that must fit in the two thirds left, or one dead endpoint costs the lease.
+    if (len(f.etcd) - 1) * f.request_s >= f.lease_ttl_s * 2 / 3:
+        raise ConfigError("fleet.request_s", f"{f.request_s:g} s x {len(f.etcd) - 1} other endpoints does not fit "
+                                             f"in 2/3 of fleet.lease_ttl_s ({f.lease_ttl_s:g} s): a dead endpoint "
+                                             "would cost the lease; lower request_s or raise lease_ttl_s")
     if not 0 <= f.refresh_change <= 10:
         raise ConfigError("fleet.refresh_change", f"must be 0..10 (a fraction), got {f.refresh_change}")
     if not 1 <= f.max_members <= 1 << 20:
@@ -312,18 +345,13 @@ def _validate_fleet(cfg: Config) -> None:
         parse_hostport(f.advertise, "fleet.advertise")
     elif f.enabled and parse_hostport(cfg.listen.wan, "listen.wan")[0] in ("0.0.0.0", "::", ""):
         raise ConfigError("fleet.advertise", f"required: listen.wan {cfg.listen.wan!r} is no address peers can dial")
-    for key in ("ca", "cert", "key"):
-        path = getattr(f.tls, key)
-        if path and not os.path.isfile(path):
-            raise ConfigError(f"fleet.tls.{key}", f"file {path!r} does not exist")
-    if bool(f.tls.cert) != bool(f.tls.key):
-        raise ConfigError("fleet.tls.key" if f.tls.cert else "fleet.tls.cert", "cert and key go together")
     for i, e in enumerate(f.engines):
         if not re.match(r"^https?://[^/\s]+", e.url):
             raise ConfigError(f"fleet.engines[{i}].url", f"{e.url!r} is not an http(s)://host:port URL")
 
 
-_FINGERPRINT = re.compile(r"^sha256:[0-9a-f]{64}$")
+#: A certificate fingerprint as peers[].fingerprint and fleet records carry it.
+FINGERPRINT = re.compile(r"^sha256:[0-9a-f]{64}$")
 _KEY = re.compile(r"at `\$(.*?)`")
 
 

@@ -103,9 +103,10 @@ class Inbound:
         self._established = 0
         self.cut = 0  # handshakes closed for a newcomer (the pool was full)
         self._cut_logged = 0.0
-        # Fleet: ``await admit(site, node)`` gives a member without a session one, if etcd knows
-        # it (its HELLO is then checked like any other, its certificate against its record).
-        self.admit: Callable[[str, str], Awaitable[object]] | None = None
+        # Fleet: ``await admit(site, node, names, fingerprint)`` gives a member without a session
+        # one, once the connection's certificate (``names`` None: plaintext) is the one etcd lists
+        # for it; FatalHandshakeError when it is not.
+        self.admit: Callable[[str, str, frozenset[str] | None, str], Awaitable[object]] | None = None
 
     @property
     def open_connections(self) -> int:
@@ -225,8 +226,8 @@ class Inbound:
                 if not self._authenticated(h):
                     raise TransportError("limits.max_peer_connections authenticated connections are open")
                 established = True
-                await self._admit(frame)
-                self._on_hello(conn, frame)
+                if await self._admit(conn, frame):
+                    self._on_hello(conn, frame)
                 if not conn.closed:
                     await _wait_closed(conn)
             else:
@@ -238,7 +239,7 @@ class Inbound:
             self.metrics.error(exc.code)
             self.log.warning("inbound connection refused", remote=str(h.addr), error=str(exc), code=exc.code.name)
             h.close()
-        except (TransportError, ProtocolError, TimeoutError, OSError) as exc:
+        except (PddWireError, TimeoutError, OSError) as exc:  # transport, protocol; a config error of a session
             self.log.info("inbound connection failed", remote=str(h.addr), error=str(exc) or repr(exc))
             h.close()
         finally:
@@ -248,21 +249,36 @@ class Inbound:
                 del self._handshaking[h]
                 h.close()  # cancelled (the agent stops) while still in its handshake
 
-    async def _admit(self, frame) -> None:
+    async def _admit(self, conn: FrameProtocol, frame) -> bool:
         """Fleet: a HELLO from a member this agent has no session with yet gets one first, if
-        etcd lists it (read now when the watch has not shown it yet), within handshake_s."""
+        etcd lists it (read now when the watch has not shown it yet, within handshake_s) and the
+        connection's certificate is the one it registered (else refused here, before any session
+        or dial exists: checks 4 and 4a of proto/handshake.md §4). False: refused."""
         if self.admit is None or frame.header.type != FrameType.HELLO:
-            return
+            return True
         try:
             hello = decode_body(FrameType.HELLO, frame.body)
         except ProtocolError:
-            return  # _on_hello refuses it
-        if self.peers.get(f"{hello.site}/{hello.node}") is None:
-            try:
-                async with asyncio.timeout(self.config.timeouts.handshake_s):
-                    await self.admit(hello.site, hello.node)
-            except TimeoutError:
-                pass  # refused below as an unknown peer
+            return True  # _on_hello refuses it
+        if self.peers.get(f"{hello.site}/{hello.node}") is not None:
+            return True
+        tls = self.ssl_server is not None
+        names = frozenset(conn.peer_names) if tls else None
+        fingerprint = peer_fingerprint(conn.transport) if tls and conn.transport is not None else ""
+        try:
+            async with asyncio.timeout(self.config.timeouts.handshake_s):
+                await self.admit(hello.site, hello.node, names, fingerprint)
+        except TimeoutError:
+            pass  # refused by _on_hello as an unknown peer
+        except FatalHandshakeError as exc:
+            self._refuse(conn, exc)
+            return False
+        return True
+
+    def _refuse(self, conn: FrameProtocol, exc: ProtocolError | PddWireError) -> None:
+        self.metrics.error(exc.code)
+        self.log.warning("handshake refused", error=str(exc), code=exc.code.name)
+        conn.fail(exc)
 
     def _on_hello(self, conn: FrameProtocol, frame) -> None:
         try:
@@ -285,14 +301,12 @@ class Inbound:
                 return
             session.adopt_control(conn, hello)
         except (ProtocolError, PddWireError) as exc:
-            self.metrics.error(exc.code)
-            self.log.warning("handshake refused", error=str(exc), code=exc.code.name)
-            conn.fail(exc)
+            self._refuse(conn, exc)
 
     def _check_cert(self, conn: FrameProtocol, session: "PeerSession") -> None:
         if self.ssl_server is None:
             return
-        want = session.peer.server_name or session.peer.node
+        want = session.peer.server_name or session.peer.node  # a fleet member's: always its node
         if want not in conn.peer_names:
             raise FatalHandshakeError(f"certificate names {sorted(conn.peer_names)} do not include {want!r}",
                                       ErrorCode.IDENTITY_MISMATCH)

@@ -29,6 +29,8 @@ class Peers:
         self.used_at: dict[str, float] = {}  # "site/node" -> last time a need named it (monotonic)
         # dest ("site" or "site/node") -> a new session for it, or None: the fleet's lazy peering
         self.discover: Callable[[str], PeerSession | None] | None = None
+        # told of every session a need finds (the fleet knocks for a listener's session that is down)
+        self.need: Callable[[PeerSession], None] | None = None
 
     def add(self, s: "PeerSession") -> None:
         self.by_key[s.key] = s
@@ -76,6 +78,8 @@ class Peers:
             raise EngineRequestError(f"no peer {dest!r} ({where}known: {sorted(self.by_key)})",
                                      ErrorCode.UNKNOWN_PEER_SITE)
         self.used_at[s.key] = time.monotonic()
+        if self.need is not None:
+            self.need(s)
         return s
 
     def open_transfers(self) -> int:

@@ -25,11 +25,11 @@ from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as ev
 from pdd_wire.errors import EngineRequestError, ErrorCode
-from pdd_wire.fleet import EtcdClient, FleetMetrics, Membership
-from pdd_wire.fleet.record import encode, member_key
+from pdd_wire.fleet import FleetMetrics, Membership
+from pdd_wire.fleet.record import MemberRecord, encode, member_key
 from pdd_wire.pki import cert_fingerprint
 from support.agents import free_port
-from support.fleet import etcd_cluster, spawn_agent
+from support.fleet import etcd_client, etcd_cluster, spawn_agent
 
 MiB = 1 << 20
 _prefix = itertools.count(1)
@@ -47,7 +47,7 @@ def cluster_name():
 
 
 def fleet_toml(tmp, site: str, node: str, endpoints: list[str], cluster: str, *, fleet: str = "",
-               port: int | None = None) -> str:
+               port: int | None = None, heartbeat_s: float = 0.2) -> str:
     """An agent with no [[peers]]: everything it knows comes from etcd."""
     eps = ", ".join(f'"{e}"' for e in endpoints)
     return f"""
@@ -58,8 +58,8 @@ wan = "127.0.0.1:{port or free_port()}"
 admin = "127.0.0.1:0"
 engine_socket = "{tmp}/{node}.sock"
 [timeouts]
-heartbeat_s = 0.2
-dead_after_s = 1.5
+heartbeat_s = {heartbeat_s}
+dead_after_s = {max(1.5, 2 * heartbeat_s)}
 reconnect_max_backoff_s = 0.2
 shutdown_grace_s = 1
 [fleet]
@@ -67,6 +67,7 @@ etcd = [{eps}]
 cluster = "{cluster}"
 lease_ttl_s = 2
 refresh_min_s = 0.5
+request_s = 0.5
 {fleet if "dial_wait_s" in fleet else fleet + chr(10) + "dial_wait_s = 5"}
 [[fleet.engines]]
 role = "{'P' if site == 'A' else 'MD'}"
@@ -86,11 +87,13 @@ class Fleet(dict):
 
 
 @contextlib.asynccontextmanager
-async def agents(tmp, etcd, cluster, nodes, fleet: str = ""):
+async def agents(tmp, etcd, cluster, nodes, fleet: str = "", heartbeat_s: dict[str, float] | None = None):
+    """``nodes``: (site, node); ``heartbeat_s``: node -> its timeouts.heartbeat_s (else 0.2)."""
     out = Fleet()
     try:
         for site, node in nodes:
-            a = Agent(cfgmod.loads(fleet_toml(tmp, site, node, etcd.endpoints, cluster, fleet=fleet)))
+            a = Agent(cfgmod.loads(fleet_toml(tmp, site, node, etcd.endpoints, cluster, fleet=fleet,
+                                              heartbeat_s=(heartbeat_s or {}).get(node, 0.2))))
             await a.start()
             out[node] = a
         for a in out.values():  # everyone sees everyone
@@ -101,16 +104,6 @@ async def agents(tmp, etcd, cluster, nodes, fleet: str = ""):
             await c.close()
         for a in out.values():
             await a.shutdown(0)
-
-
-@contextlib.asynccontextmanager
-async def etcd_client(etcd):
-    """A client of the test's own (to change what the agents' etcd holds behind their backs)."""
-    client = await EtcdClient(etcd.endpoints).open()
-    try:
-        yield client
-    finally:
-        await client.close()
 
 
 async def send_and_check(eng_a, eng_b, engines, rid: str, dest: str, size: int = 8 * MiB) -> None:
@@ -141,6 +134,7 @@ async def test_registration_and_discovery(tmp_sock_dir, etcd, cluster_name):
         router_like = Membership(a.config.fleet, FleetMetrics(CollectorRegistry()), watch_live=True)
         await router_like.start()  # ... who needs load does
         try:
+            await router_like.listed.wait()  # the members' view; the live view is a task of its own
             await until(lambda: "B/b1" in router_like.live, 5, "b1's live record")
             assert router_like.live["B/b1"].engines == 0 and router_like.members.keys() == {"A/a1", "B/b1"}
         finally:
@@ -180,8 +174,8 @@ async def test_idle_close_then_reopen(tmp_sock_dir, etcd, cluster_name):
         await until(lambda: len(a.peers) == 0 and len(b.peers) == 0, 10, "both ends closed the idle session")
         assert metric(a, "pddwire_fleet_sessions_closed_total", reason="idle") == 1
         assert metric(b, "pddwire_fleet_sessions_closed_total", reason="idle") == 1
-        await until(lambda: a.metrics.registry.get_sample_value("pddwire_peer_up", {"peer": "B/b1"}) is None, 5,
-                    "the closed session's gauges dropped")
+        await until(lambda: 'peer="B/b1"' not in a.metrics_text().decode(), 5,
+                    "every series of the closed session dropped (gauges, counters, histograms)")
         await send_and_check(ea, eb, ag.engines, "r2", "B", size=4 * MiB)  # by site: a new session
         assert metric(a, "pddwire_fleet_lazy_sessions_total", how="dial") == 2
 
@@ -285,3 +279,83 @@ async def test_etcd_restarted_mid_traffic(tmp_sock_dir, etcd, cluster_name):
         assert metric(a, "pddwire_fleet_member_events_total", kind="leave") >= 1
         await send_and_check(ea, eb, ag.engines, "re-registered", "B/b1", size=4 * MiB)
         assert a.peers.get("B/b1").is_up and not a.fleet.lazy["B/b1"].unlisted
+
+
+async def test_listener_session_recovers_when_its_dialer_restarts(tmp_sock_dir, etcd, cluster_name):
+    """a1 (the dialer) is a pdd-wired process, killed with SIGKILL and started again on the same
+    port; b1 (the listener) relays tokens to it again: they arrive (b1's old session was dropped,
+    not left down for good)."""
+    port = free_port()
+    toml = fleet_toml(tmp_sock_dir, "A", "a1", etcd.endpoints, cluster_name, port=port)
+    proc = spawn_agent(tmp_sock_dir, toml, "A", "a1")
+    try:
+        async with agents(tmp_sock_dir, etcd, cluster_name, [("B", "b1")]) as ag:
+            b = ag["b1"]
+            await until(lambda: "A/a1" in b.membership.members, 20, "a1 registered")
+            first = b.membership.members["A/a1"].incarnation
+            eb = await ag.engine("b1", "rld")
+            ea = await ag.engines.connect(tmp_sock_dir / "a1.sock", "md")
+            await ea.expect_tokens("r1", from_site="B")
+            await eb.send_tokens("r1", "A/a1", [1, 2])
+            assert (await ea.wait_tokens("r1", timeout=10)).tokens == [1, 2]
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            proc = spawn_agent(tmp_sock_dir, toml, "A", "a1-again")
+            await until(lambda: "A/a1" in b.membership.members and b.membership.members["A/a1"].incarnation != first,
+                        20, "the new a1 registered")
+            ea2 = await ag.engines.connect(tmp_sock_dir / "a1.sock", "md2")
+            await ea2.expect_tokens("r2", from_site="B")
+            await eb.send_tokens("r2", "A/a1", [3])
+            assert (await ea2.wait_tokens("r2", timeout=10)).tokens == [3]
+            assert b.peers.get("A/a1").is_up and b.peers.get("A/a1").remote_incarnation != first
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+async def test_goodbye_idle_drops_the_listeners_side_at_once(tmp_sock_dir, etcd, cluster_name):
+    """b1's heartbeat (its housekeeping tick) is 30 s, so it never runs here: b1 drops its side of
+    the idle session on a1's GOODBYE "idle" itself, and a need of b1's from then on opens a new
+    session instead of queueing into the closing one."""
+    async with agents(tmp_sock_dir, etcd, cluster_name, [("A", "a1"), ("B", "b1")], fleet="idle_close_s = 0.6",
+                      heartbeat_s={"b1": 30}) as ag:
+        a, b = ag["a1"], ag["b1"]
+        ea, eb = await ag.engine("a1", "p"), await ag.engine("b1", "md")
+        await send_and_check(ea, eb, ag.engines, "r1", "B/b1", size=2 * MiB)
+        await until(lambda: len(b.peers) == 0, 10, "b1 dropped its side on GOODBYE idle")
+        assert metric(b, "pddwire_fleet_sessions_closed_total", reason="idle") == 1
+        assert metric(a, "pddwire_fleet_sessions_closed_total", reason="idle") == 1
+        await ea.expect_tokens("r2", from_site="B")
+        await eb.send_tokens("r2", "A/a1", [7])  # a new session: b1 knocks, a1 dials
+        assert (await ea.wait_tokens("r2", timeout=10)).tokens == [7]
+
+
+async def test_a_session_is_ever_up_from_its_first_handshake(tmp_sock_dir, etcd, cluster_name):
+    """a1's housekeeping tick never runs (heartbeat 30 s): the session it opened counts as having
+    been up as soon as it is (so a drop before the next tick reconnects instead of timing out)."""
+    async with agents(tmp_sock_dir, etcd, cluster_name, [("A", "a1"), ("B", "b1")], heartbeat_s={"a1": 30}) as ag:
+        a = ag["a1"]
+        ea, eb = await ag.engine("a1", "p"), await ag.engine("b1", "md")
+        await send_and_check(ea, eb, ag.engines, "r1", "B/b1", size=2 * MiB)
+        assert a.fleet.lazy["B/b1"].ever_up and ag["b1"].fleet.lazy["A/a1"].ever_up
+
+
+async def test_tokens_to_a_session_given_up_are_told_to_their_engine(tmp_sock_dir, etcd, cluster_name):
+    """A member listed at an address nobody answers: b1 relays tokens to it (it knocks, in vain);
+    when the session is given up after fleet.dial_wait_s, the engine that sent them is told
+    (transfer_failed, transfer id 0, PEER_UNREACHABLE) rather than the tokens vanishing."""
+    async with agents(tmp_sock_dir, etcd, cluster_name, [("B", "b1")], fleet="dial_wait_s = 1") as ag:
+        b = ag["b1"]
+        ghost = MemberRecord(site="A", node="a0", incarnation=5, wan=f"127.0.0.1:{free_port()}",
+                             fingerprint=cert_fingerprint(b.pki.cert))
+        async with etcd_client(etcd) as client:
+            lease = await client.grant(30)
+            await client.put(member_key(cluster_name, "A", "a0"), encode(ghost), lease=lease)
+            await until(lambda: "A/a0" in b.membership.members, 5, "the member listed")
+            eb = await ag.engine("b1", "rld")
+            await eb.send_tokens("r1", "A/a0", [1, 2, 3])
+            failed = await eb.wait("r1", timeout=10)
+            assert isinstance(failed, ev.TransferFailed) and failed.code == ErrorCode.PEER_UNREACHABLE
+            assert failed.transfer_id == 0 and failed.peer == "A/a0" and "token IDs not delivered" in failed.reason
+            assert metric(b, "pddwire_fleet_sessions_closed_total", reason="dial_timeout") == 1
+            await client.revoke(lease)

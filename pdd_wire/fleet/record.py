@@ -22,8 +22,12 @@ leader answers without a raft write), and a busy one at most N / refresh_min_s p
 from __future__ import annotations
 
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
+
+from ..config import FINGERPRINT, NAME, parse_hostport
+from ..errors import ConfigError
 
 KEY_ROOT = "/pdd-wire/"
 RECORD_VERSION = 1
@@ -40,7 +44,8 @@ _LINK_FLOORS = {"bandwidth_Bps": 1e6, "rtt_s": 1e-3}
 
 
 class RecordError(ValueError):
-    """A record read from etcd that is not one (too big, not JSON of this shape, wrong key)."""
+    """A record read from etcd that is not one (too big, not JSON of this shape, wrong key, a
+    field out of range)."""
 
 
 class EngineRec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -76,7 +81,8 @@ class MemberRecord(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     wan: str  # host:port its peers dial (control and bulk connections)
     transport: str = "tcp"  # how members of its own site reach it: "tcp" or "ucx" (the UCX worker
     #                         address itself is per session: HELLO.ucx_address)
-    server_name: str = ""  # the name its certificate carries, when not its node name
+    # No name for its certificate: the certificate must name the node (a name taken from etcd would
+    # let whoever writes etcd make one member's certificate pass for another's).
     fingerprint: str = ""  # "sha256:<hex>" of its certificate (DER); "" = plaintext
     versions: tuple[int, ...] = ()  # protocol versions it speaks (HELLO.versions)
     capabilities: tuple[str, ...] = ()
@@ -151,7 +157,39 @@ def decode(key: str, raw: bytes, prefix: str, kind: type = MemberRecord):
         raise RecordError(f"{key}: record version {rec.v}, this agent reads {RECORD_VERSION}")
     if key != f"{prefix}{rec.site}/{rec.node}":
         raise RecordError(f"{key}: the record names {rec.site}/{rec.node}, not its key")
+    for name, value in (("site", rec.site), ("node", rec.node)):
+        if not NAME.match(value):
+            raise RecordError(f"{key}: {name} {value!r} is not 1-63 of [A-Za-z0-9._-]")
+    if isinstance(rec, MemberRecord):
+        _check_member(key, rec)
     return rec
+
+
+_ROLES = ("P", "RLD", "MD")
+
+
+def _check_member(key: str, rec: MemberRecord) -> None:
+    """Every field a reader acts on is in range (RecordError naming it): a record is input."""
+    if not 1 <= rec.incarnation < 1 << 63:
+        raise RecordError(f"{key}: incarnation {rec.incarnation} is not 1..2^63-1")
+    try:
+        parse_hostport(rec.wan, "wan")
+    except ConfigError as exc:
+        raise RecordError(f"{key}: wan {rec.wan!r} is not host:port") from exc
+    if rec.transport not in ("tcp", "ucx"):
+        raise RecordError(f"{key}: transport {rec.transport!r} is not tcp or ucx")
+    if rec.fingerprint and not FINGERPRINT.match(rec.fingerprint):
+        raise RecordError(f"{key}: fingerprint {rec.fingerprint!r} is not sha256: and 64 lowercase hex digits")
+    if rec.admin:
+        try:
+            parse_hostport(rec.admin, "admin")
+        except ConfigError as exc:
+            raise RecordError(f"{key}: admin {rec.admin!r} is not host:port") from exc
+    for i, e in enumerate(rec.engines):
+        u = urlsplit(e.url)
+        if e.role not in _ROLES or u.scheme not in ("http", "https") or not u.hostname:
+            raise RecordError(f"{key}: engines[{i}] ({e.role!r}, {e.url!r}) is not a role of {_ROLES} "
+                              "with an http(s)://host:port URL")
 
 
 def _moved(a: float, b: float, floor: float, change: float) -> bool:

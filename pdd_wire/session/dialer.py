@@ -62,6 +62,7 @@ class Dialer:
         to = self.timeouts
         while not self.closing:
             self.lost.clear()
+            self._wake.clear()  # here, not before the backoff: a wake during this attempt cuts the next wait
             hs: Handshake | None = None
             try:
                 conn = self.new_conn()
@@ -88,7 +89,6 @@ class Dialer:
                 limited(self, self.log.info, "peer not reachable", error=str(exc) or type(exc).__name__)
             if self.closing:
                 return
-            self._wake.clear()
             try:
                 async with asyncio.timeout(backoff * (0.5 + random.random() / 2)):
                     await self._wake.wait()
@@ -132,6 +132,8 @@ class Dialer:
             async with asyncio.timeout(to.handshake_s):
                 frame = await answer
         except (TransportError, HandshakeError, TimeoutError, OSError) as exc:
+            if isinstance(exc, FatalHandshakeError):  # the peer's certificate is not the registered one
+                self.count_error(exc.code)
             limited(self, self.log.info, "knock unanswered", error=str(exc) or type(exc).__name__)
             return False
         finally:

@@ -166,8 +166,11 @@ class PeerSession:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._drop_connections()
-        self.sender.fail_all(ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
-        await self.receiver.fail_all(ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
+        # What is still open: the agent stops, or (a fleet session closed) the session is gone.
+        code, why = ((ErrorCode.SHUTTING_DOWN, "agent shutting down") if reason == "shutdown" else
+                     (ErrorCode.PEER_UNREACHABLE, f"the session with {self.key} was closed ({reason})"))
+        self.sender.fail_all(code, why, notify_peer=False)
+        await self.receiver.fail_all(code, why, notify_peer=False)
         self.tokens.close()
         await self.data.close()
 
@@ -380,6 +383,7 @@ class PeerSession:
             case m.Goodbye():
                 self.log.info("peer said goodbye", reason=msg.reason)
                 self.peer_goodbye = msg.reason
+                self.host.peer_goodbye(self, msg.reason)
             case _:
                 err = ProtocolError(f"unexpected {FrameType(h.type).name} on the control connection",
                                     ErrorCode.UNEXPECTED_FRAME)
@@ -541,12 +545,13 @@ class PeerSession:
                 await self.give_up(f"peer {self.key} unreachable for {to.peer_give_up_s}s")
             self.sender.expire(now, to.chunk_ack_s)
 
-    async def give_up(self, why: str) -> None:
-        """Fail every transfer with the peer as PEER_UNREACHABLE now (after peer_give_up_s down,
-        or at once when a fleet member's lease expired)."""
-        self.host.peer_lost(self, "peer_unreachable")
-        self.sender.fail_all(ErrorCode.PEER_UNREACHABLE, why, notify_peer=True)
-        await self.receiver.fail_all(ErrorCode.PEER_UNREACHABLE, why, notify_peer=True)
+    async def give_up(self, why: str, code: int = ErrorCode.PEER_UNREACHABLE) -> None:
+        """Fail every transfer with the peer now: PEER_UNREACHABLE after peer_give_up_s down, or
+        at once when a fleet member's lease expired; PEER_RESTARTED when its record names a new
+        incarnation."""
+        self.host.peer_lost(self, "peer_restarted" if code == ErrorCode.PEER_RESTARTED else "peer_unreachable")
+        self.sender.fail_all(code, why, notify_peer=True)
+        await self.receiver.fail_all(code, why, notify_peer=True)
 
     # ------------------------------------------------------------------ link figures
     @contextlib.contextmanager
