@@ -1,6 +1,8 @@
 """The router's pools from the fleet: real etcd (one member), real agents registering their
 engines, the router watching; engines joining and leaving change the pools without a restart,
-and a request meets the empty pool named. No vLLM here: what is under test is who is in the pools."""
+and a request meets the empty pool named; an engine URL several owners name (the file, two
+members) stays while any owner is left; the router's [fleet] table is checked like an agent's.
+No vLLM here: what is under test is who is in the pools."""
 
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ import pytest
 from conftest import until
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
+from pdd_wire.errors import ConfigError
+from pdd_wire.fleet.record import EngineRec, MemberRecord, encode, member_key
 from pdd_wire.router import config as rcfg
-from pdd_wire.router.discovery import discovered
+from pdd_wire.router.discovery import PoolDiscovery, discovered
+from pdd_wire.router.pools import Pools
 from pdd_wire.router.server import Router
 from support.agents import free_port
-from support.fleet import etcd_cluster, spawn_agent
+from support.fleet import etcd_client, etcd_cluster, spawn_agent
 
 
 @pytest.fixture(scope="module")
@@ -42,19 +47,21 @@ lease_ttl_s = 2
 {eng}"""
 
 
-def router_toml(endpoints: list[str]) -> str:
+def router_toml(endpoints: list[str], cluster: str = "", extra: str = "") -> str:
     eps = ", ".join(f'"{e}"' for e in endpoints)
     return f"""
 [listen]
 address = "127.0.0.1:0"
+{extra}
 [fleet]
 etcd = [{eps}]
-cluster = "router-{os.getpid()}"
+cluster = "{cluster or f'router-{os.getpid()}'}"
 """
 
 
-def urls(router: Router, role: str) -> set[str]:
-    return {u.url for u in router.pools.members(role)}
+def urls(router: Router | Pools, role: str) -> set[str]:
+    pools = router.pools if isinstance(router, Router) else router
+    return {u.url for u in pools.members(role)}
 
 
 async def test_pools_follow_the_fleet(tmp_sock_dir, etcd):
@@ -80,7 +87,7 @@ async def test_pools_follow_the_fleet(tmp_sock_dir, etcd):
             await until(lambda: urls(router, "P") == {"http://127.0.0.1:18100", "http://127.0.0.1:18101"}
                         and urls(router, "RLD") == {"http://127.0.0.1:18102"}
                         and urls(router, "MD") == {"http://127.0.0.1:18200"}, 10, "every engine in its pool")
-            await until(lambda: "B/m1" in d.membership.live, 5, "the router reads the members' live figures too")
+            assert [v.name for v in d.membership.views] == ["members"]  # the live/ figures: not watched
             md = router.pools.members("MD")[0].member
             assert (md.site, md.node, md.engine_socket) == ("B", "m1", agents[1].config.listen.engine_socket)
             # p2 leaves (its lease is revoked as it stops); p1 is killed (its lease expires)
@@ -98,3 +105,53 @@ async def test_pools_follow_the_fleet(tmp_sock_dir, etcd):
         for p in procs:
             p.kill()
             p.wait()
+
+
+async def test_an_engine_url_stays_while_any_of_its_owners_is_left(etcd):
+    """http://127.0.0.1:18300 is in the file's P pool and registered by two members; :18301 by two
+    members only. Members leaving one by one: a URL leaves the pool only with its last owner, and
+    the file's entry is never replaced or removed."""
+    cluster = f"router-own-{os.getpid()}"
+    cfg = rcfg.loads(router_toml(etcd.endpoints, cluster, '[[pools.P]]\nurl = "http://127.0.0.1:18300"\n'
+                                 'engine_socket = "/from/the/file.sock"'))
+    pools = Pools.from_config(cfg.pools)
+    d = PoolDiscovery(cfg.fleet, pools)
+
+    def entries(url: str) -> list:
+        return [u.member for u in pools.members("P") if u.url == url]
+
+    await d.start()
+    try:
+        async with etcd_client(etcd) as client:
+            await d.membership.listed.wait()
+            for i, node in enumerate(("p1", "p2", "p3")):
+                urls_ = {"p1": ["18300", "18301"], "p2": ["18300"], "p3": ["18301"]}[node]
+                rec = MemberRecord(site="A", node=node, incarnation=1, wan=f"127.0.0.1:{7600 + i}",
+                                   engines=tuple(EngineRec(role="P", url=f"http://127.0.0.1:{u}",
+                                                           engine_socket=f"/{node}.sock") for u in urls_))
+                await client.put(member_key(cluster, "A", node), encode(rec))
+            await until(lambda: len(d.membership.members) == 3, 5, "three members listed")
+            assert urls(pools, "P") == {"http://127.0.0.1:18300", "http://127.0.0.1:18301"}
+            assert [m.engine_socket for m in entries("http://127.0.0.1:18300")] == ["/from/the/file.sock"]
+            for node, left in (("p1", {"18300", "18301"}), ("p3", {"18300"}), ("p2", {"18300"})):
+                await client.delete(member_key(cluster, "A", node))
+                await until(lambda n=node: f"A/{n}" not in d.membership.members, 5, f"{node} left")
+                assert urls(pools, "P") == {f"http://127.0.0.1:{u}" for u in left}, node
+                assert [m.engine_socket for m in entries("http://127.0.0.1:18300")] == ["/from/the/file.sock"]
+                if node == "p1":  # :18301 now p3's entry
+                    assert [m.node for m in entries("http://127.0.0.1:18301")] == ["p3"]
+    finally:
+        await d.stop()
+
+
+@pytest.mark.parametrize("fleet, key", [
+    ('etcd = ["https://127.0.0.1:2379"]', "fleet.tls.ca"),  # TLS without etcd's CA: never unverified
+    ('etcd = ["127.0.0.1:2379"]', "fleet.etcd[0]"),
+    ('etcd = ["http://127.0.0.1:2379"]\ncluster = "a b"', "fleet.cluster"),
+    ('etcd = ["http://127.0.0.1:2379"]\nrequest_s = 0', "fleet.request_s"),
+    ('etcd = ["http://127.0.0.1:2379"]\n[fleet.tls]\ncert = "/etc/hostname"', "fleet.tls"),
+])
+def test_the_routers_fleet_table_is_checked(fleet, key):
+    with pytest.raises(ConfigError) as exc:
+        rcfg.loads(f'[listen]\naddress = "127.0.0.1:0"\n[fleet]\n{fleet}\n')
+    assert key in str(exc.value), str(exc.value)

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from ..config import EtcdTls, default_engine_socket, parse_hostport
+from ..config import EtcdTls, default_engine_socket, parse_hostport, validate_etcd
 from ..errors import ConfigError
 from ..policy import HandoffPolicy
 
@@ -159,6 +159,12 @@ class RouterFleet(msgspec.Struct, **_cfg):
     """The agents' ``fleet.cluster``."""
     request_s: float = 2.0
     tls: EtcdTls = EtcdTls()
+
+    def __post_init__(self) -> None:
+        try:  # the agent's checks of its [fleet] table: URLs, TLS to etcd, cluster, request_s
+            validate_etcd(self.etcd, self.tls, self.cluster, self.request_s)
+        except ConfigError as exc:  # a ValueError here is reported at `fleet`, naming the key inside
+            raise ValueError(f"{exc.key}: {exc.problem}") from None
 
 
 class RouterConfig(msgspec.Struct, **_cfg):
