@@ -1,11 +1,13 @@
 """The fleet's membership at 100 and 1,000 members on one real etcd (Debian's etcd-server).
 
-    python -m pdd_tools.bench_fleet [--json] [--quick] [--members 100,1000] [--watchers 10]
+    python -m pdd_tools.bench_fleet [--json] [--quick] [--members 100,1000] [--watchers 100]
 
 Simulated members run the agent's real registration code (:class:`pdd_wire.fleet.Membership`
 with a record: lease, keep-alive, the live-figure refresh rule) and no data path; they share
 one etcd client (one connection pool), as one process of many members would. Watchers run the
-real watch code, each with its own client and watch stream. Per fleet size N:
+real watch code, each with its own client and watch stream: ``min(N, --watchers)`` of them, so
+at 100 members every member watches (the fan-out of a whole fleet: N streams, each join sent to
+each), and at 1,000 the same 100 streams, with ten times the members each holds. Per fleet size N:
 
 * ``fleet_visible_p50_ms_N`` / ``_p99_``: from a new member's registration (its lease grant and
   put) until *every* watcher has it, over probe registrations made one at a time while the N
@@ -196,7 +198,7 @@ async def _rss_watcher(endpoints: list[str], cluster: str, n: int) -> None:
     print(json.dumps({"empty_mb": empty, "rss_mb": full}))
 
 
-async def add_figures(figs, quick: bool, sizes: tuple[int, ...] = (100, 1000), watchers: int = 10) -> None:
+async def add_figures(figs, quick: bool, sizes: tuple[int, ...] = (100, 1000), watchers: int = 100) -> None:
     from pdd_wire import log
 
     log.configure("warning", "console")  # a line per registration otherwise
@@ -204,7 +206,7 @@ async def add_figures(figs, quick: bool, sizes: tuple[int, ...] = (100, 1000), w
     steady = 12.0 if quick else 30.0
     async with EtcdCluster(1) as etcd:
         for n in sizes:
-            r = await one_size(etcd.endpoints, n, watchers, probes, steady)
+            r = await one_size(etcd.endpoints, n, min(n, watchers), probes, steady)
             # the watcher process while the N members are still registered: listed from etcd anew
             fleet = Fleet(etcd=etcd.endpoints, cluster=f"bench{n}-rss-{os.getpid()}")
             shared = await EtcdClient(etcd.endpoints, request_s=5.0).open()
@@ -217,8 +219,10 @@ async def add_figures(figs, quick: bool, sizes: tuple[int, ...] = (100, 1000), w
                 await shared.close()
             vis, put = r["visible"], r["put_ms"]
             put50 = percentile(put, 50)
+            every = " (every member watching)" if r["watchers"] >= n else ""
             figs.add(f"fleet_visible_p50_ms_{n}", percentile(vis, 50), "ms", "etcd put round trip", put50,
-                     note=f"registration (lease grant + put) to all {watchers} watchers; {len(vis)} probes; "
+                     note=f"registration (lease grant + put) to all {r['watchers']} watchers{every}; "
+                          f"{len(vis)} probes; "
                           f"{n} members registered in {r['register_s']:.1f} s")
             figs.add(f"fleet_visible_p99_ms_{n}", percentile(vis, 99), "ms", "etcd put round trip", put50,
                      note=f"max {max(vis):.1f} ms; put p99 {percentile(put, 99):.2f} ms")
@@ -234,7 +238,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--members", default="100,1000")
-    ap.add_argument("--watchers", type=int, default=10)
+    ap.add_argument("--watchers", type=int, default=100, help="watch streams per fleet size: min(N, this)")
     ap.add_argument("--rss-watcher", nargs=2, metavar=("CLUSTER", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--etcd", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
