@@ -4,7 +4,6 @@ the per-request context (:class:`Req`)."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,22 +35,35 @@ class Core:
     draining: set[asyncio.Future] = field(default_factory=set)
 
     def drain(self, task: asyncio.Future, timeout_s: float) -> None:
-        """Let ``task`` (an upstream request whose answer nobody needs any more) finish within
-        ``timeout_s``, then cancel it; at most :data:`MAX_DRAINING` at once (past it: cancelled
-        now). ``close_drains`` cancels the rest."""
+        """Let ``task`` (an upstream request whose answer nobody needs any more, a bool: whether
+        it succeeded) finish within ``timeout_s``, then cancel it; at most :data:`MAX_DRAINING`
+        at once (past it: cancelled now). Each is awaited and counted
+        (``pddwire_router_drains_total{outcome}``); ``close_drains`` cancels the rest."""
         if task.done():
             return
         if len(self.draining) >= MAX_DRAINING:
             task.cancel()
-            return
 
         async def bounded() -> None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(task, timeout_s)
+            outcome = "closed"
+            try:
+                outcome = "answered" if await asyncio.wait_for(task, timeout_s) else "failed"
+            except TimeoutError:
+                outcome = "timed_out"
+            except Exception:
+                outcome = "failed"  # (cancelled, at the cap or by close_drains: "closed")
+            finally:
+                self.metrics.drains.labels(outcome=outcome).inc()
+                self._drained(t)
 
         t = asyncio.ensure_future(bounded())
         self.draining.add(t)
-        t.add_done_callback(self.draining.discard)
+        self.metrics.draining.set(len(self.draining))
+        t.add_done_callback(self._drained)
+
+    def _drained(self, t: asyncio.Future) -> None:
+        self.draining.discard(t)
+        self.metrics.draining.set(len(self.draining))
 
     async def close_drains(self) -> None:
         tasks = list(self.draining)

@@ -7,8 +7,10 @@ exports it on every server (``vllm:num_requests_running``, ``vllm:num_requests_w
 
 Bounded: a member is scraped only while a P-RLD-MD request wants its figure, at most once per
 ``rld_load.interval_s`` (one scrape in flight per member), each within ``rld_load.timeout_s``;
-a figure older than ``rld_load.max_age_s`` counts as unknown. The page is scanned line by line
-for the three gauges only (vLLM's page is tens of KB of histograms; no full parse on the loop).
+a figure older than ``rld_load.max_age_s`` counts as unknown, and so does one read before the
+request that asks was running on RLD (it would not count that request). The page is scanned
+line by line for the three gauges only (vLLM's page is tens of KB of histograms; no full parse
+on the loop).
 """
 
 from __future__ import annotations
@@ -50,13 +52,15 @@ def parse_load(text: bytes, max_num_seqs: int) -> Load:
 
 
 class LoadReader:
-    """Reads RLD members' load (``fresh(u)``; ``kick(u)`` starts a scrape when the figure is
-    stale). Owns its scrape tasks: ``close()`` cancels them."""
+    """Reads RLD members' load (``since(u, t)``; ``kick(u)`` starts a scrape when the figure is
+    stale). Owns its scrape tasks: ``close()`` cancels and awaits them."""
 
     def __init__(self, cfg: RldLoad, http: aiohttp.ClientSession, metrics: RouterMetrics) -> None:
         self.cfg, self.http, self.metrics = cfg, http, metrics
         self._tasks: dict[Upstream, asyncio.Task] = {}
-        self._tried: dict[Upstream, float] = {}
+        self._tried: dict[Upstream, float] = {}  # when each member's last scrape was sent
+        self._failed: dict[Upstream, float] = {}  # when its last failed scrape was sent
+        self._dropped: set[asyncio.Task] = set()  # scrapes of removed members, cancelled
 
     def kick(self, u: Upstream) -> None:
         """Start a scrape of ``u`` unless one runs or one started within ``interval_s``."""
@@ -64,40 +68,44 @@ class LoadReader:
         if u in self._tasks or now - self._tried.get(u, 0.0) < self.cfg.interval_s or u.removed:
             return
         self._tried[u] = now
-        self._tasks[u] = asyncio.get_running_loop().create_task(self._scrape(u))
+        self._tasks[u] = asyncio.get_running_loop().create_task(self._scrape(u, now))
 
-    def fresh(self, u: Upstream) -> float | None:
-        """``u``'s load if read within ``max_age_s``, else None (unknown)."""
-        if u.load.at and time.monotonic() - u.load.at <= self.cfg.max_age_s:
-            return u.load.value
-        return None
-
-    async def current(self, u: Upstream, wait_s: float) -> float | None:
-        """``u``'s load, waiting up to ``wait_s`` for a scrape when there is no fresh figure."""
-        if self.fresh(u) is None:
-            self.kick(u)
-            task = self._tasks.get(u)
-            if task is not None:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(asyncio.shield(task), wait_s)
-        return self.fresh(u)
+    def since(self, u: Upstream, t: float) -> tuple[float | None, asyncio.Future | float | None]:
+        """``u``'s load as read by a scrape sent at or after ``t`` (``time.monotonic``) and no
+        older than ``max_age_s``: ``(figure, None)``. Else ``(None, wake)`` while one may still
+        come (``wake``: the scrape to wait for, or the seconds until ``interval_s`` lets one
+        start; this call starts it when it may), and ``(None, None)`` once a scrape sent since
+        ``t`` failed: the load is unknown. Bounded: ``interval_s`` + ``timeout_s``."""
+        now = time.monotonic()
+        if u.load.asked >= t and now - u.load.at <= self.cfg.max_age_s:
+            return u.load.value, None
+        if self._failed.get(u, -1.0) >= t or u.removed:
+            return None, None
+        self.kick(u)
+        task = self._tasks.get(u)
+        if task is not None:
+            return None, task
+        return None, max(0.0, self._tried.get(u, 0.0) + self.cfg.interval_s - now)
 
     def forget(self, u: Upstream) -> None:
         task = self._tasks.pop(u, None)
         if task is not None:
             task.cancel()
+            self._dropped.add(task)
+            task.add_done_callback(self._dropped.discard)
         self._tried.pop(u, None)
+        self._failed.pop(u, None)
         with contextlib.suppress(KeyError):
             self.metrics.rld_load.remove(u.url)
 
     async def close(self) -> None:
-        tasks = list(self._tasks.values())
+        tasks = [*self._tasks.values(), *self._dropped]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._tasks.clear()
 
-    async def _scrape(self, u: Upstream) -> None:
+    async def _scrape(self, u: Upstream, asked: float) -> None:
         try:
             async with asyncio.timeout(self.cfg.timeout_s):
                 async with self.http.get(f"{u.url}/metrics") as r:
@@ -106,9 +114,11 @@ class LoadReader:
                     text = await r.read()
             load = parse_load(text, u.member.max_num_seqs)
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            self._failed[u] = asked
             self.metrics.load_scrapes.labels(outcome="failed").inc()
             log.warning("router_rld_load_unread", member=u.url, error=repr(exc))
         else:
+            load.asked = asked
             u.load = load
             self.metrics.load_scrapes.labels(outcome="ok").inc()
             if not u.removed:

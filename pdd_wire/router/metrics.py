@@ -35,9 +35,13 @@ class RouterMetrics:
         self.fallbacks = Counter("pddwire_router_fallbacks", "Requests that left their pipeline's path, by kind",
                                  ["kind"], registry=r)
         self.handoffs = Counter("pddwire_router_handoffs", "P-RLD-MD requests by how their output ended: "
-                                "switched (RLD to MD), rld_finished, md_failed, md_not_ready, "
-                                "rld_failed (MD took over)",
+                                "switched (RLD to MD), rld_finished, no_clean_boundary (RLD finished: a due "
+                                "switch found no clean text boundary), md_failed, md_not_ready, rld_failed (MD "
+                                "took over), failed (the client got an error), cancelled (client gone, deadline)",
                                 ["mode", "outcome"], registry=r)
+        self.deferred = Counter("pddwire_router_handoff_deferrals",
+                                "RLD events after which a due switch waited for a clean text boundary (one "
+                                "event of one token with whole text)", registry=r)
         self.modes = Counter("pddwire_router_handoff_modes", "Handoff mode chosen per P-RLD-MD request once MD "
                              "held the KV, with its reason", ["mode", "reason"], registry=r)
         self.stall = Histogram("pddwire_router_handoff_stall_seconds",
@@ -66,5 +70,9 @@ class RouterMetrics:
                               ["pool", "member"], registry=r)
         self.rld_load = Gauge("pddwire_router_rld_load", "RLD members' last load figure read from their /metrics",
                               ["member"], registry=r)
+        self.draining = Gauge("pddwire_router_draining", "Warm requests left to finish after their request "
+                              "ended (P's KV delivered, MD's prefix cache filled)", registry=r)
+        self.drains = Counter("pddwire_router_drains", "Warm requests left to finish, by how they ended: "
+                              "answered, failed, timed_out, closed", ["outcome"], registry=r)
         self.load_scrapes = Counter("pddwire_router_rld_load_scrapes", "Scrapes of RLD members' /metrics",
                                     ["outcome"], registry=r)

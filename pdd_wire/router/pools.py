@@ -28,6 +28,7 @@ class Load:
 
     value: float = 0.0
     at: float = 0.0
+    asked: float = 0.0  # when the scrape that read it was sent
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0

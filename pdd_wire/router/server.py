@@ -28,11 +28,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from ..config import parse_hostport
 from .choice import Chooser
 from .config import RouterConfig
+from .continuation import unfit
 from .core import SSE_HEADERS, Core, Req
-from .handoff import Handoff, unfit
+from .handoff import Handoff
 from .load import LoadReader
 from .metrics import RouterMetrics
-from .output import STREAM, ClientGone, CollectSink, Output, SegmentFailed, StreamSink
+from .output import DONE_SENT, STREAM, ClientGone, CollectSink, Output, SegmentFailed, StreamSink
 from .pools import Pools, Upstream
 from .upstream import Trace, UpstreamError, dest, error_response, sse_events, token_count
 
@@ -82,6 +83,11 @@ class Router:
         self.port = self._runner.addresses[0][1]
         log.info("router_listening", address=f"{host}:{self.port}",
                  pools={r: [u.url for u in self.pools.members(r)] for r in ("P", "RLD", "MD")})
+        if self.cfg.pools.RLD and self.cfg.handoff.mode != "one-shot" and not self.cfg.choice.block_tokens:
+            log.warning("router_config_warning", key="choice.block_tokens",
+                        detail="0: catch-up's absorb rounds are not cut at vLLM's block boundaries, so MD's "
+                               "prefix cache keeps only their full blocks (pddwire_router_catchup_absorbed_"
+                               "tokens_total counts every token sent); set it to vLLM's --block-size")
         return self
 
     @property
@@ -177,8 +183,9 @@ class Router:
         req = Req(request, path, body, f"rtr-{uuid.uuid4().hex[:16]}", Trace("none"))
         trace, rid = req.trace, req.rid
         outcome = "error"
+        deadline = asyncio.timeout(self.cfg.request.deadline_s)
         try:
-            async with asyncio.timeout(self.cfg.request.deadline_s):
+            async with deadline:
                 await self._chooser.choose(req)
                 out = await self._run(req)
             outcome = "ok" if out.status == 200 else f"http_{out.status}"
@@ -189,15 +196,17 @@ class Router:
                 return web.Response(body=exc.body, status=exc.status, content_type=exc.content_type)
             return await self._fail(request, 502, f"upstream answered HTTP {exc.status}: "
                                     f"{exc.body[:300].decode(errors='replace')}", "BadGatewayError")
-        except TimeoutError:
+        except TimeoutError as exc:
+            if not deadline.expired():  # aiohttp's connect timeout is a TimeoutError too
+                outcome = "upstream_failed"
+                return await self._upstream_failed(request, rid, exc)
             outcome = "deadline"
             log.warning("router_deadline", request_id=rid, deadline_s=self.cfg.request.deadline_s)
             return await self._fail(request, 504, f"deadline of {self.cfg.request.deadline_s} s passed",
                                     "TimeoutError")
         except (aiohttp.ClientError, OSError, SegmentFailed, LookupError) as exc:
             outcome = "upstream_failed"
-            log.warning("router_upstream_failed", request_id=rid, error=repr(exc))
-            return await self._fail(request, 502, f"upstream failed: {exc}", "BadGatewayError")
+            return await self._upstream_failed(request, rid, exc)
         except ClientGone:
             outcome = "client_gone"
             log.info("router_client_gone", request_id=rid)
@@ -205,6 +214,9 @@ class Router:
         except asyncio.CancelledError:
             outcome = "client_gone"
             raise
+        except Exception as exc:  # the router's own bug: said so, and the client told
+            log.exception("router_internal_error", request_id=rid)
+            return await self._fail(request, 500, f"router error: {exc!r}", "InternalServerError")
         finally:
             pipeline = trace.pipeline
             self.metrics.requests.labels(endpoint=path, pipeline=pipeline, outcome=outcome).inc()
@@ -215,12 +227,19 @@ class Router:
                     self.metrics.tpot.labels(pipeline=pipeline).observe(
                         (trace.last - trace.first) / (trace.tokens - 1))
 
+    async def _upstream_failed(self, request: web.Request, rid: str, exc: BaseException) -> web.StreamResponse:
+        log.warning("router_upstream_failed", request_id=rid, error=repr(exc))
+        return await self._fail(request, 502, f"upstream failed: {exc}", "BadGatewayError")
+
     async def _fail(self, request: web.Request, status: int, message: str, kind: str) -> web.StreamResponse:
         """An error for the client: a JSON error before the stream started, else a last SSE
         event with the error and ``[DONE]`` (what vLLM sends when a stream fails)."""
         resp = request.get(STREAM)
         if resp is None:
             return error_response(status, message, kind)
+        if request.get(DONE_SENT):
+            return resp  # the client has the whole stream: nothing may follow its [DONE]
+        request[DONE_SENT] = True
         with contextlib.suppress(ConnectionError, RuntimeError):
             err = msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
             await resp.write(b"data: " + err + b"\n\ndata: [DONE]\n\n")
@@ -266,15 +285,15 @@ class Router:
         """P sends the KV to RLD (same site) and MD (across the WAN); :class:`Handoff` runs the
         rest."""
         assert self._core is not None
-        with self.pools.using(self.pools.pick("RLD")) as R, self.pools.using(self._md(req)) as M:
-            dests = [d for d in (dest(R.member), dest(M.member)) if d]
+        with self.pools.using(self.pools.pick("RLD")) as rld, self.pools.using(self._md(req)) as md:
+            dests = [d for d in (dest(rld.member), dest(md.member)) if d]
             params = await self._prefill(req, send_to=dests or None)
             self._wan(req, params)
             if not params or not params.get("do_remote_prefill"):  # nothing sent: MD computes it
                 body = {**req.body, "kv_transfer_params": params} if params is not None else req.body
-                return await self._relay(req, M, body)
+                return await self._relay(req, md, body)
             sink = StreamSink(req.request) if req.body.get("stream") else CollectSink()
-            return await Handoff(self._core, req, Output(self._core, req, sink), R, M, params).run()
+            return await Handoff(self._core, req, Output(self._core, req, sink), rld, md, params).run()
 
     def _wan(self, req: Req, params: dict | None) -> None:
         """The KV bytes this request's prefill sends to MD's site, as planned at the choice."""
@@ -288,7 +307,9 @@ class Router:
         pre = {**body, "max_tokens": 1, "n": 1, "stream": False, "kv_transfer_params": params}
         if "max_completion_tokens" in pre:
             pre["max_completion_tokens"] = 1
-        for k in ("stream_options", "min_tokens"):
+        # Its answer is not relayed: nothing it would compute for the client (prompt logprobs
+        # would also make vLLM skip its prefix cache).
+        for k in ("stream_options", "min_tokens", "prompt_logprobs", "logprobs", "stream_interval"):
             pre.pop(k, None)
         return pre
 
@@ -334,6 +355,8 @@ class Router:
                     with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
                         trace.saw(token_count(self._decoder.decode(event[6:])))
                 await out.write(event)
+                if event.startswith(b"data: [DONE]"):
+                    req.request[DONE_SENT] = True
             self.metrics.output_tokens.labels(pool=up.pool).inc(trace.tokens - n0)
             await out.write_eof()
             return out

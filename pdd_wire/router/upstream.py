@@ -6,11 +6,11 @@ from __future__ import annotations
 import time
 
 import aiohttp
-import msgspec
 from aiohttp import web
 
 from .config import Member
 
+MAX_EVENT_BYTES = 64 << 20  # one SSE event from an upstream (the router's client_max_size too)
 COMPLETIONS_MAX_TOKENS = 16  # vLLM's default max_tokens for /v1/completions
 # Fields of a chat request that change its prompt's tokens (passed to /tokenize).
 CHAT_PROMPT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
@@ -70,14 +70,6 @@ class Trace:
 
 
 
-def without(ev: dict, keys: tuple[str, ...]) -> bytes:
-    """An SSE event of ``ev`` with ``keys`` dropped from its choices."""
-    for c in ev.get("choices") or ():
-        for k in keys:
-            c.pop(k, None)
-    return b"data: " + msgspec.json.encode(ev) + b"\n\n"
-
-
 def batched(body: dict) -> bool:
     """Several prompts in one /v1/completions request (a list of texts or of token lists)."""
     prompt = body.get("prompt")
@@ -104,15 +96,21 @@ def expected_output(path: str, body: dict, input_tokens: int, max_len: int | Non
 
 async def sse_events(content: aiohttp.StreamReader):
     """The SSE events of a stream (vLLM ends each with a blank line, ``\\n\\n``), each with its
-    terminator, bytes as they came; any length (no line limit)."""
+    terminator, bytes as they came; up to :data:`MAX_EVENT_BYTES` each (a first event carries
+    the prompt's ids). ClientPayloadError: the stream ended inside an event (it was cut), or an
+    event is longer."""
     buf = bytearray()
     async for chunk in content.iter_any():
+        start = max(0, len(buf) - 1)  # what was there had no terminator
         buf += chunk
-        while (i := buf.find(b"\n\n")) >= 0:
+        while (i := buf.find(b"\n\n", start)) >= 0:
             yield bytes(buf[:i + 2])
             del buf[:i + 2]
+            start = 0
+        if len(buf) > MAX_EVENT_BYTES:
+            raise aiohttp.ClientPayloadError(f"an event longer than {MAX_EVENT_BYTES} bytes")
     if buf.strip():
-        yield bytes(buf)
+        raise aiohttp.ClientPayloadError(f"the stream ended inside an event ({len(buf)} bytes unterminated)")
 
 
 def tokenize_request(path: str, body: dict) -> tuple[list[int] | None, dict]:

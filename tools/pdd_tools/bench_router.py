@@ -167,7 +167,8 @@ async def measure_handoff(quick: bool = False) -> list[dict]:
                         tpot += r
                     else:
                         del logs[n0:]
-            stalls = [e["stall_ms"] for e in logs if e.get("event") == "router_handoff_stall"]
+            stalls = [e["stall_ms"] for e in logs if e.get("event") == "router_handoff_stall"
+                      and e.get("outcome") == "switched"]  # planned switches (after a failure: MD's receive too)
             switched = sample_total(router, "pddwire_router_handoffs_total", outcome="switched")
     if not stalls:
         raise SystemExit("bench_router: no request was handed over (RLD finished every one first)")
