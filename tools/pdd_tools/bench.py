@@ -23,7 +23,8 @@ from .harness import AgentPair, metric_value
 
 MiB = 1 << 20
 # Figure groups of --only, in the order they run; every one by default.
-GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "latency", "prefix", "handoff")
+GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "fleet", "latency", "prefix",
+          "handoff")
 
 
 class Figures:
@@ -353,6 +354,11 @@ async def _run(args) -> int:
         from . import bench_router
 
         await bench_router.add_figures(figs, quick)
+    if "fleet" in groups:
+        figs.step("fleet: 100 and 1,000 members registered and watched on one etcd")
+        from . import bench_fleet
+
+        await bench_fleet.add_figures(figs, quick)
     if not groups & {"goodput", "latency", "handoff", "prefix"}:
         return 0
     async with AgentPair() as pair:
