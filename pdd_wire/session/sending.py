@@ -52,8 +52,12 @@ class Sender:
         self._sending: collections.Counter[str] = collections.Counter()
 
     # -- offers
-    def on_offer(self, msg: m.KvOffer) -> None:
+    def on_offer(self, msg: m.KvOffer | m.KvWithdraw) -> None:
+        """KV_OFFER: held (the newest per request, at most max_transfers); KV_WITHDRAW: dropped."""
         s = self.s
+        if isinstance(msg, m.KvWithdraw):
+            self.offers.pop(msg.request_id, None)
+            return
         if self._sending[msg.request_id]:
             s.metrics.child(s.metrics.offers, s.key, "stale").inc()
             return
@@ -63,9 +67,6 @@ class Sender:
         if len(self.offers) > s.cfg.transfer.max_transfers:
             self.offers.popitem(last=False)
             s.metrics.child(s.metrics.offers, s.key, "dropped").inc()
-
-    def on_withdraw(self, msg: m.KvWithdraw) -> None:
-        self.offers.pop(msg.request_id, None)
 
     def _take_offer(self, request_id: str, blocks: BlockMap, now: float) -> bool:
         """Whether a send of ``blocks`` may move at once on the peer's offer (which it uses up)."""

@@ -167,6 +167,10 @@ def build(v: Vectors) -> None:
          frame(FrameType.BULK_HELLO, m.BulkHello(session=SESSION_TOKEN, stream=2, site="A", node="a1")))
     v.ok("bulk_welcome", "BULK_WELCOME for stream 2", frame(FrameType.BULK_WELCOME, m.BulkWelcome(2)))
     v.ok("goodbye", "GOODBYE", frame(FrameType.GOODBYE, m.Goodbye("shutdown")))
+    v.ok("goodbye_idle", "GOODBYE of a fleet idle close (handshake.md section 8)",
+         frame(FrameType.GOODBYE, m.Goodbye("idle")))
+    v.ok("error_dial_back", "ERROR DIAL_BACK: the answer to a fleet knock (handshake.md section 8)",
+         frame(FrameType.ERROR, m.Error(int(ErrorCode.DIAL_BACK), "A/a1 dials you: dialing now")))
 
     tid = 41
     total, chunk, block = 5 << 20, 2 << 20, 1 << 20  # 5 blocks of 1 MiB in chunks of 2 MiB -> 3 chunks

@@ -23,8 +23,8 @@ from .harness import AgentPair, metric_value
 
 MiB = 1 << 20
 # Figure groups of --only, in the order they run; every one by default.
-GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "latency", "prefix", "handoff",
-          "wan")
+GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "fleet", "latency", "prefix",
+          "handoff", "wan")
 
 
 class Figures:
@@ -354,6 +354,11 @@ async def _run(args) -> int:
         from . import bench_router
 
         await bench_router.add_figures(figs, quick)
+    if "fleet" in groups:
+        figs.step("fleet: 100 and 1,000 members registered and watched on one etcd")
+        from . import bench_fleet
+
+        await bench_fleet.add_figures(figs, quick)
     if "wan" in groups:
         figs.step("wan: per-transfer overhead, 4 MiB goodput, transfers over a 40 ms RTT link")
         from . import bench_wan
