@@ -65,6 +65,9 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     compress: Literal["auto", "on", "off"] = "auto"  # lz4 on WAN chunks; auto: only when it raises goodput
     compress_shuffle: bool = True  # byte-shuffle chunks as 16-bit elements first (fp16/bf16 KV)
     bulk_threads: int = 1  # event-loop threads that carry the bulk connections
+    # Offer receives posted for a peer (KV_OFFER, capability offer.v1): its transfer then moves
+    # at once instead of waiting a round trip for KV_ACCEPT.
+    offers: bool = True
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -24,7 +24,7 @@ from .harness import AgentPair, metric_value
 MiB = 1 << 20
 # Figure groups of --only, in the order they run; every one by default.
 GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "fleet", "latency", "prefix",
-          "handoff")
+          "handoff", "wan")
 
 
 class Figures:
@@ -359,6 +359,11 @@ async def _run(args) -> int:
         from . import bench_fleet
 
         await bench_fleet.add_figures(figs, quick)
+    if "wan" in groups:
+        figs.step("wan: per-transfer overhead, 4 MiB goodput, transfers over a 40 ms RTT link")
+        from . import bench_wan
+
+        await bench_wan.add_figures(figs, quick)
     if not groups & {"goodput", "latency", "handoff", "prefix"}:
         return 0
     async with AgentPair() as pair:
