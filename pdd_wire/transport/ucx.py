@@ -5,12 +5,13 @@ Layout
 * :class:`UcxPeer` (here) is one peer agent: its own UCX worker (so tags of different peers
   never meet in one matching queue), whose address (:meth:`UcxPeer.local_address`) travels to
   the peer over our TCP control connection, and one endpoint made from the peer's address
-  (:meth:`UcxPeer.connect`). Its coroutines run on the :class:`~.ucx_loop.UcxLoop` only
-  (``ucx_loop.submit(peer.send(...))`` or ``await ucx_loop.run(peer.recv(...))`` from
-  another loop).
-* :mod:`.ucx_loop`: the :class:`~.ucx_loop.UcxLoop` thread, its progress engine (and why not
-  ucxx's own asyncio layer), and the process-wide shared loop (:func:`acquire_loop` /
-  :func:`release_loop`).
+  (:meth:`UcxPeer.connect`). Its operations run on the :class:`~.ucx_loop.UcxLoop`'s event
+  loop only: coroutines (``send``/``recv``: ``await ucx_loop.run(...)``, or
+  ``ucx_loop.submit(...)`` from another thread) and, for the data path, the same operations
+  without a coroutine or a task each (``start_send``/``start_recv`` with a ``done`` callback).
+* :mod:`.ucx_loop`: the :class:`~.ucx_loop.UcxLoop`, its progress engine on the agent's own
+  loop (or a thread of its own; and why not ucxx's own asyncio layer), and the shared
+  instances (:func:`acquire_loop` / :func:`release_loop`).
 * :mod:`.ucx_recv`: "pull" matching of arrived messages to receives, and what cancelling a
   receive guarantees (when ``recv`` returns or raises, UCX no longer touches the buffer).
 * :mod:`.ucx_tags`: :func:`tag_for` packs (direction, transfer id, index) into a UCX tag.
@@ -54,8 +55,8 @@ from typing import Any
 
 from ..errors import TransportError
 from .ucx_lib import UCXX_IMPORT_ENV, available, load, translate
-from .ucx_loop import SPIN_S, UcxLoop, acquire_loop, release_loop
-from .ucx_recv import STARTED, WAITING, Inbox, Op
+from .ucx_loop import SPIN_S, UcxLoop, acquire_loop, arelease_loop, release_loop
+from .ucx_recv import STARTED, WAITING, Inbox, Op, settle
 from .ucx_tags import (
     DIR_ACCEPTOR,
     DIR_DIALER,
@@ -68,8 +69,8 @@ from .ucx_tags import (
 )
 
 __all__ = ["CLOSE_S", "DIR_ACCEPTOR", "DIR_DIALER", "INDEX_BITS", "MAX_INDEX", "MAX_TRANSFER_ID", "SPIN_S",
-           "UCXX_IMPORT_ENV", "UcxLoop", "UcxPeer", "acquire_loop", "available", "release_loop", "tag_for",
-           "tag_parts", "transfer_prefix"]
+           "UCXX_IMPORT_ENV", "UcxLoop", "UcxPeer", "acquire_loop", "arelease_loop", "available", "release_loop",
+           "tag_for", "tag_parts", "transfer_prefix"]
 
 CLOSE_S = 2.0            # how long an endpoint close may take before the worker is abandoned
 
@@ -88,8 +89,9 @@ def _view(buf: Any, *, writable: bool) -> memoryview:
 
 class UcxPeer:
     """One peer agent over UCX. Construct from any thread (the worker is made on the UCX
-    loop); the coroutines run on the :class:`UcxLoop` only. The loop drives it as a
-    :class:`~.ucx_loop.Driven` (:meth:`poll`, :meth:`arm`, :meth:`sweep`, :meth:`begin_close`)."""
+    loop's thread); its operations run on the :class:`UcxLoop`'s event loop only. The engine
+    drives it as a :class:`~.ucx_loop.Driven` (:meth:`poll`, :meth:`arm`, :meth:`sweep`,
+    :meth:`begin_close`)."""
 
     def __init__(self, ucx: UcxLoop, name: str = "") -> None:
         if not ucx.running:
@@ -169,31 +171,51 @@ class UcxPeer:
         """Send ``buf`` as one tagged message. ``buf`` must stay unchanged until this returns;
         the view is held until UCX is done with it, even when the caller is cancelled (UCX
         cannot cancel a send: cancellation waits until the peer has taken or drained it)."""
-        self._check()
-        if self._ep is None:
-            raise RuntimeError("send before connect")
-        view = _view(buf, writable=False)
-        op = Op("send", tag, view, self._m.Array(view), asyncio.get_running_loop().create_future())
-        try:
-            op.req = self._ep.tag_send(op.arr, self._m.Tag(tag))
-        except self._m.UCXError as exc:
-            raise translate(exc, f"send of tag {tag:#x}") from exc
-        op.state = STARTED
-        self._track(op)
-        self.stats["sends"] += 1
+        fut = asyncio.get_running_loop().create_future()
+        op = self.start_send(tag, buf, settle(fut), fut)
         await self._wait(op)
-        self.stats["bytes_sent"] += op.nbytes
 
     async def recv(self, tag: int, buf: Any) -> None:
         """Receive the message tagged ``tag`` straight into ``buf`` (writable, exactly the
         message's length). See :mod:`.ucx_recv` for what cancellation guarantees."""
+        fut = asyncio.get_running_loop().create_future()
+        op = self.start_recv(tag, buf, settle(fut), fut)
+        await self._wait(op)
+
+    def start_send(self, tag: int, buf: Any, done: Callable[[BaseException | None], None],
+                   fut: asyncio.Future | None = None) -> Op:
+        """:meth:`send` without a coroutine (loop thread): ``done(exc)`` is called exactly
+        once, on the loop and never before this returns, when UCX no longer holds ``buf``
+        (``exc`` None: sent; a TransportError otherwise). Raises at once when the send cannot
+        start."""
+        self._check()
+        if self._ep is None:
+            raise RuntimeError("send before connect")
+        view = _view(buf, writable=False)
+        op = Op("send", tag, view, self._m.Array(view), done, fut)
+        try:
+            op.req = self._ep.tag_send(op.arr, self._m.Tag(tag))
+        except self._m.UCXError as exc:
+            view.release()
+            raise translate(exc, f"send of tag {tag:#x}") from exc
+        op.state = STARTED
+        self.stats["sends"] += 1
+        self._track(op)
+        return op
+
+    def start_recv(self, tag: int, buf: Any, done: Callable[[BaseException | None], None],
+                   fut: asyncio.Future | None = None) -> Op:
+        """:meth:`recv` without a coroutine (loop thread): ``done(exc)`` is called exactly
+        once, on the loop and never before this returns, when UCX no longer touches ``buf``
+        (``exc`` None: the message is in it; TransferError ``TRANSFER_CANCELLED`` when
+        cancelled before its data came, which a cancel call may report at once; a
+        TransportError otherwise)."""
         self._check()
         view = _view(buf, writable=True)
-        op = Op("recv", tag, view, self._m.Array(view), asyncio.get_running_loop().create_future())
-        self._inbox.post(op)
+        op = Op("recv", tag, view, self._m.Array(view), done, fut)
         self.stats["recvs"] += 1
-        await self._wait(op)
-        self.stats["bytes_received"] += op.nbytes
+        self._inbox.post(op)
+        return op
 
     async def cancel_recv(self, tag: int, *, drain_s: float | None = None) -> bool:
         """Cancel the receives waiting on ``tag``: they raise ``TransferError``
@@ -256,17 +278,24 @@ class UcxPeer:
                                "await ucx_loop.run(...)")
 
     def _track(self, op: Op) -> None:
+        """A started operation: UCX holds its buffer until the request completes. One that
+        completed at once (an eager message) ends on the next loop turn, never inside the
+        ``start_*`` call that started it."""
+        self._inflight[id(op)] = op
         if op.req.completed:
-            self._finish(op)
+            self.ucx.event_loop().call_soon(self._finish, op)
         else:
-            self._inflight[id(op)] = op
             self.ucx.kick()
 
     def _finish(self, op: Op) -> None:
-        self._inflight.pop(id(op), None)
-        op.finish(self._m.UCXError)
+        if self._inflight.pop(id(op), None) is None:
+            return  # ended already (by teardown)
+        nbytes = op.nbytes
+        if op.finish(self._m.UCXError):
+            self.stats["bytes_sent" if op.kind == "send" else "bytes_received"] += nbytes
 
     async def _wait(self, op: Op) -> None:
+        assert op.fut is not None
         cancelled = False
         while not op.fut.done():
             try:
@@ -291,27 +320,33 @@ class UcxPeer:
 
     async def _quiesce(self, match: Callable[[int], bool]) -> None:
         while True:
-            busy = [op.fut for op in self._inflight.values() if op.kind == "recv" and match(op.tag)]
+            busy = [op.ended() for op in self._inflight.values() if op.kind == "recv" and match(op.tag)]
             if not busy:
                 return
             self.stats["cancel_waited"] += len(busy)
             await asyncio.wait(busy)
 
     # driven by the loop (its thread only) ----------------------------------------------
-    def poll(self) -> bool:
-        """Progress the worker, complete finished requests, take arrived messages (loop thread)."""
+    def poll(self, until: float) -> bool:
+        """Progress the worker until ``time.perf_counter()`` passes ``until`` or nothing moves
+        (each ``progress_once()`` is one step: a 512 KiB segment of a shared-memory read at
+        most), complete finished requests, take arrived messages (loop thread)."""
         w = self._worker
         if w is None:
             return False
         if self._closed:
-            w.progress()
+            clock = time.perf_counter
+            while w.progress_once() and clock() < until:
+                pass
             self._drain_arrivals()
             if self._closing is None or self._closing.completed or time.monotonic() > self._close_deadline:
                 self._teardown(time.monotonic())
                 return True
         busy = w.progress_once()
         if busy:
-            w.progress()
+            clock = time.perf_counter
+            while clock() < until and w.progress_once():
+                pass
             for op in [op for op in self._inflight.values() if op.req.completed]:
                 self._finish(op)
             self._inbox.reap_drains()
@@ -379,20 +414,14 @@ class UcxPeer:
                 self._finish(op)
             else:   # UCX cannot let go of it: fail the caller, keep the buffer referenced
                 self._inflight.pop(id(op), None)
-                if not op.fut.done():
-                    op.fut.set_exception(TransportError(
-                        f"UCX peer closed with its {op.kind} of tag {op.tag:#x} unfinished"))
+                op.abandon(TransportError(f"UCX peer closed with its {op.kind} of tag {op.tag:#x} unfinished"))
                 _orphans.append(op)
                 clean = False
         unfinished = self._inbox.release()
         if unfinished:
             _orphans.extend(unfinished)
             clean = False
-        self.ucx.detach(self)
-        try:
-            self.ucx.event_loop().remove_reader(self.epoll_fd)
-        except (ValueError, OSError):
-            pass
+        self.ucx.detach(self)  # (its epoll fd too)
         if not clean:
             # Dropping an endpoint whose close did not finish blocks in its destructor until
             # the peer answers; keep it, and its worker, instead.

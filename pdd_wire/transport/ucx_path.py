@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from ..errors import TransferError, TransportError
+from ..errors import TransportError
 from ..memory import scatter
 from . import ucx
 from .base import BulkOwner, DataPath
@@ -34,6 +34,11 @@ def open_path(owner: BulkOwner, settings: PathSettings) -> DataPath:
 
 
 class UcxDataPath(DataPath):
+    """KV over UCX, driven from the session's own loop (:mod:`.ucx_loop`): a chunk's send is
+    started by :meth:`send` itself and every completion is handled where the session runs, so
+    no chunk crosses a thread (only a chunk whose blocks are not contiguous is gathered, or
+    scattered, by a worker thread)."""
+
     kind = "ucx"
 
     def __init__(self, owner: BulkOwner, settings: PathSettings) -> None:
@@ -41,7 +46,8 @@ class UcxDataPath(DataPath):
         self.settings = settings
         self.tcp = TcpDataPath(owner, settings)
         self.log = self.tcp.log
-        self.loop = ucx.acquire_loop()
+        self.main = asyncio.get_running_loop()
+        self.loop = ucx.acquire_loop(self.main)
         self.peer = ucx.UcxPeer(self.loop, name=settings.name)
         self.ready = False  # endpoint to the peer's worker made (this connection)
         self._remote = b""
@@ -104,58 +110,78 @@ class UcxDataPath(DataPath):
         if lane != UCX_LANE:
             self.tcp.send(lane, tid, k, views, compression)
             return
-        main = asyncio.get_running_loop()
-        fut = self.loop.submit(self._send(tid, k, views))
-        fut.add_done_callback(lambda f: main.call_soon_threadsafe(self._sent, tid, k, f))
+        if len(views) == 1:
+            self._start_send(tid, k, views[0])
+        else:   # blocks not contiguous: gathered by a worker thread (a copy the loop must not make)
+            self._spawn(self._gather_send(tid, k, views))
 
-    async def _send(self, tid: int, k: int, views) -> None:
-        """On the UCX loop. A chunk whose blocks are not contiguous is gathered first (a copy)."""
-        buf = views[0] if len(views) == 1 else b"".join(views)
-        await self.peer.send(ucx.tag_for(self._dir_out, tid, k), buf)
+    async def _gather_send(self, tid: int, k: int, views: list[memoryview]) -> None:
+        self._start_send(tid, k, await asyncio.to_thread(b"".join, views))
 
-    def _sent(self, tid: int, k: int, fut) -> None:
-        if fut.cancelled() or fut.exception() is None:
-            return
-        self.log.warning("UCX send failed", transfer_id=tid, chunk=k, error=str(fut.exception()))
+    def _start_send(self, tid: int, k: int, buf: Any) -> None:
+        def done(exc: BaseException | None) -> None:
+            if exc is not None:
+                self._send_failed(tid, k, exc)
+        try:
+            self.peer.start_send(ucx.tag_for(self._dir_out, tid, k), buf, done)
+        except (TransportError, RuntimeError) as exc:
+            self.main.call_soon(self._send_failed, tid, k, exc)  # not inside the session's pump
+
+    def _send_failed(self, tid: int, k: int, exc: BaseException) -> None:
+        self.log.warning("UCX send failed", transfer_id=tid, chunk=k, error=str(exc))
         self.owner.send_failed(tid, k, "ucx_error")
 
     # -- receiving
     def expect(self, tid: int, route: Route) -> None:
+        """Post a receive for every chunk of ``tid`` (a waiting receive costs nothing until
+        its message comes, and a message that came first is taken at once). No xxh3 here:
+        UCX moves the bytes memory to memory (RDMA carries its own link CRC), and the checksum
+        pass would cost as much as the copy."""
         if not self.ready:
             return
-        main = asyncio.get_running_loop()
-        for k in range(route.n_chunks):  # waiting receives cost nothing until their message comes
-            self.loop.submit(self._recv(tid, route, k, main))
+        for k in range(route.n_chunks):
+            n = route.chunk_len(k)
+            if n is None:
+                continue
+            views = route.claim(k, n)
+            if views is not None:
+                self._start_recv(tid, route, k, n, views)
 
-    async def _recv(self, tid: int, route: Route, k: int, main: asyncio.AbstractEventLoop) -> None:
-        """On the UCX loop: receive chunk ``k`` straight into the posted blocks (staged only when
-        they are not contiguous). No xxh3 here: UCX moves the bytes memory to memory (RDMA
-        carries its own link CRC), and the checksum pass would cost as much as the copy."""
-        n = route.chunk_len(k)
-        if n is None:
-            return
-        views = route.claim(k, n)
-        if views is None:
-            return
-        ok = False
-        try:
-            tag = ucx.tag_for(self._dir_in, tid, k)
-            if len(views) == 1:
-                await self.peer.recv(tag, views[0])
+    def _start_recv(self, tid: int, route: Route, k: int, n: int, views: list[memoryview]) -> None:
+        """Chunk ``k`` straight into the posted blocks (staged, and scattered by a worker
+        thread, only when they are not contiguous)."""
+        staging = bytearray(n) if len(views) > 1 else None
+
+        def done(exc: BaseException | None) -> None:
+            if exc is not None:
+                route.settle(k, False)
+            elif staging is not None:
+                self._spawn(self._scatter(tid, route, k, n, staging, views))
             else:
-                staging = bytearray(n)
-                await self.peer.recv(tag, staging)
-                scatter(staging, views)
-            ok = True
-        except (TransferError, TransportError, asyncio.CancelledError):
-            pass
-        finally:
-            route.settle(k, ok)
-        if ok:
-            main.call_soon_threadsafe(self.owner.chunk_arrived, tid, k, True, n, True)
+                self._landed(tid, route, k, n)
+        try:
+            self.peer.start_recv(ucx.tag_for(self._dir_in, tid, k), staging if staging is not None else views[0],
+                                 done)
+        except (TransportError, RuntimeError):
+            route.settle(k, False)
+
+    async def _scatter(self, tid: int, route: Route, k: int, n: int, staging: bytearray,
+                       views: list[memoryview]) -> None:
+        work = asyncio.ensure_future(asyncio.to_thread(scatter, staging, views))
+        try:
+            await asyncio.shield(work)
+        except BaseException:
+            await asyncio.wait([work])  # a copy cannot be stopped: the blocks are free once it has ended
+            route.settle(k, False)
+            raise
+        self._landed(tid, route, k, n)
+
+    def _landed(self, tid: int, route: Route, k: int, n: int) -> None:
+        route.settle(k, True)
+        self.owner.chunk_arrived(tid, k, True, n, True)
 
     async def forget(self, tid: int) -> None:
-        if self.loop.running:
+        if self.loop.running and not self.peer.closed:
             try:
                 await self.loop.run(self.peer.cancel_transfer(self._dir_in, tid, drain_s=5.0))
             except TransportError:
@@ -194,7 +220,8 @@ class UcxDataPath(DataPath):
                 await self.loop.run(self.peer.wait_closed())
         except (TimeoutError, TransportError, RuntimeError):
             pass
-        ucx.release_loop(self.loop)
+        await ucx.arelease_loop(self.loop)
 
     def describe(self) -> dict[str, Any]:
-        return {"data_path": self.active, "bulk_streams_up": len(self.tcp.links), "ucx": dict(self.peer.stats)}
+        return {"data_path": self.active, "bulk_streams_up": len(self.tcp.links),
+                "ucx": dict(self.peer.stats) | {f"engine_{k}": v for k, v in self.loop.stats.items()}}

@@ -44,6 +44,8 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+import structlog
+
 from ..errors import ErrorCode, TransferError, TransportError
 from .ucx_lib import translate
 from .ucx_tags import INDEX_BITS
@@ -51,47 +53,90 @@ from .ucx_tags import INDEX_BITS
 if TYPE_CHECKING:
     from .ucx_loop import UcxLoop
 
+log = structlog.get_logger("pdd_wire.transport.ucx")
 WAITING, STARTED, DONE = 0, 1, 2   # Op.state: UCX never had the buffer / holds it / let go
 DRAIN_SCRATCH = 1  # bytes: unwanted messages are drained as truncated receives
 
 
 class Op:
-    """One send or receive: the caller's byte view, the UCX request once started, the future
-    its caller awaits."""
+    """One send or receive: the caller's byte view, the UCX request once started, and
+    ``done(exc)``, called exactly once on the loop (``exc`` None: it completed) when UCX no
+    longer holds the buffer. ``fut``: the future a coroutine caller awaits, if any."""
 
-    __slots__ = ("arr", "fut", "kind", "nbytes", "req", "state", "tag", "view")
+    __slots__ = ("arr", "done", "fut", "kind", "nbytes", "req", "state", "tag", "view", "waiters")
 
-    def __init__(self, kind: str, tag: int, view: memoryview, arr: Any, fut: asyncio.Future) -> None:
+    def __init__(self, kind: str, tag: int, view: memoryview, arr: Any,
+                 done: Callable[[BaseException | None], None], fut: asyncio.Future | None = None) -> None:
         self.kind = kind
         self.tag = tag
         self.view = view
         self.arr = arr
         self.req: Any = None
+        self.done = done
         self.fut = fut
         self.state = WAITING
         self.nbytes = view.nbytes
+        self.waiters: list[asyncio.Future] | None = None
 
-    def finish(self, ucx_error: type[BaseException]) -> None:
-        """UCX completed the request: its outcome goes to the caller, the buffer is let go."""
-        self.state = DONE
+    def finish(self, ucx_error: type[BaseException]) -> bool:
+        """UCX completed the request: the buffer is let go, its outcome goes to the caller.
+        True when it succeeded."""
+        exc: BaseException | None = None
         try:
             self.req.check_error()
-        except ucx_error as exc:
-            if not self.fut.done():
-                self.fut.set_exception(translate(exc, f"{self.kind} of tag {self.tag:#x}"))
-        else:
-            if not self.fut.done():
-                self.fut.set_result(None)
-        self.req = self.arr = None
-        self.view.release()
+        except ucx_error as e:
+            exc = translate(e, f"{self.kind} of tag {self.tag:#x}")
+        self.req = None
+        self._end(exc)
+        return exc is None
 
     def fail(self, exc: BaseException) -> None:
         """End an operation UCX does not hold (never had, or finished) with ``exc``."""
+        self._end(exc)
+
+    def abandon(self, exc: BaseException) -> None:
+        """UCX will never let go of this operation (its peer vanished mid-way): tell the
+        caller ``exc`` but keep the buffer view referenced (the caller keeps the op for ever)."""
+        self._end(exc, release=False)
+
+    def _end(self, exc: BaseException | None, release: bool = True) -> None:
+        if self.state == DONE:
+            return
         self.state = DONE
-        if not self.fut.done():
-            self.fut.set_exception(exc)
-        self.arr = None
-        self.view.release()
+        if release:
+            self.arr = None
+            self.view.release()
+        try:
+            self.done(exc)
+        except Exception:  # noqa: BLE001 - a caller's bug must not stop the engine that called it
+            log.exception("UCX operation's done callback failed", kind=self.kind, tag=hex(self.tag))
+        for w in self.waiters or ():
+            if not w.done():
+                w.set_result(None)
+        self.waiters = None
+
+    def ended(self) -> asyncio.Future:
+        """A future that resolves once this operation has ended (loop thread)."""
+        fut = asyncio.get_running_loop().create_future()
+        if self.state == DONE:
+            fut.set_result(None)
+        else:
+            self.waiters = (self.waiters or []) + [fut]
+        return fut
+
+
+def settle(fut: asyncio.Future) -> Callable[[BaseException | None], None]:
+    """An :class:`Op` ``done`` that hands the outcome to ``fut`` (a coroutine's)."""
+    def done(exc: BaseException | None) -> None:
+        if fut.done():
+            return
+        if exc is None:
+            fut.set_result(None)
+        elif isinstance(exc, asyncio.CancelledError):
+            fut.cancel()
+        else:
+            fut.set_exception(exc)
+    return done
 
 
 class Inbox:
@@ -134,7 +179,7 @@ class Inbox:
             probe, _ = queue.popleft()
             if not queue:
                 del self._arrived[op.tag]
-            self._start(op, probe)
+            self._start(op, probe, inside_post=True)
         else:
             self._waiting.setdefault(op.tag, collections.deque()).append(op)
             self._loop.kick()
@@ -149,10 +194,7 @@ class Inbox:
                 pass
             if not q:
                 del self._waiting[op.tag]
-        op.state = DONE
-        op.fut.cancel()
-        op.arr = None
-        op.view.release()
+        op.fail(asyncio.CancelledError())
 
     def cancel_tag(self, tag: int, drain_s: float) -> bool:
         """Fail the receives waiting on ``tag``; drain its arrived message, or the next one
@@ -186,17 +228,24 @@ class Inbox:
         self._discard[prefix] = time.monotonic() + drain_s
         return n
 
-    def _start(self, op: Op, probe: Any) -> None:
+    def _start(self, op: Op, probe: Any, inside_post: bool = False) -> None:
+        """Receive ``probe``'s message into ``op``'s buffer. A failure inside :meth:`post`
+        reaches the caller on the next loop turn (never inside ``start_recv``)."""
+        err: BaseException | None = None
         if probe.length != op.nbytes:
             self.drain(probe)
-            op.fail(TransportError(
-                f"message tagged {op.tag:#x} is {probe.length} bytes, the receive buffer "
-                f"{op.nbytes}", ErrorCode.SIZE_MISMATCH))
-            return
-        try:
-            op.req = self.worker.tag_recv_with_handle(op.arr, probe)
-        except self._m.UCXError as exc:
-            op.fail(translate(exc, f"recv of tag {op.tag:#x}"))
+            err = TransportError(f"message tagged {op.tag:#x} is {probe.length} bytes, the receive buffer "
+                                 f"{op.nbytes}", ErrorCode.SIZE_MISMATCH)
+        else:
+            try:
+                op.req = self.worker.tag_recv_with_handle(op.arr, probe)
+            except self._m.UCXError as exc:
+                err = translate(exc, f"recv of tag {op.tag:#x}")
+        if err is not None:
+            if inside_post:
+                self._loop.event_loop().call_soon(op.fail, err)
+            else:
+                op.fail(err)
             return
         op.state = STARTED
         self._track(op)

@@ -23,7 +23,8 @@ from .harness import AgentPair, metric_value
 
 MiB = 1 << 20
 # Figure groups of --only, in the order they run; every one by default.
-GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "latency", "prefix", "handoff")
+GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "fleet", "latency", "prefix",
+          "handoff", "wan")
 
 
 class Figures:
@@ -328,7 +329,9 @@ async def _run(args) -> int:
         base = bench_goodput.baselines(figs, quick)
     if "ucx" in groups:
         figs.step("ucx: bare ucxx, then two agents of one site")
-        await _ucx_figures(figs, quick)
+        from . import bench_ucx_agents
+
+        await bench_ucx_agents.add_figures(figs, quick)
     if "probe" in groups:
         figs.step("probe: the delay relay, then probes over a tbf-shaped veth")
         await _shaper_figures(figs)
@@ -352,6 +355,16 @@ async def _run(args) -> int:
         from . import bench_router
 
         await bench_router.add_figures(figs, quick)
+    if "fleet" in groups:
+        figs.step("fleet: 100 and 1,000 members registered and watched on one etcd")
+        from . import bench_fleet
+
+        await bench_fleet.add_figures(figs, quick)
+    if "wan" in groups:
+        figs.step("wan: per-transfer overhead, 4 MiB goodput, transfers over a 40 ms RTT link")
+        from . import bench_wan
+
+        await bench_wan.add_figures(figs, quick)
     if not groups & {"goodput", "latency", "handoff", "prefix"}:
         return 0
     async with AgentPair() as pair:
@@ -377,31 +390,6 @@ async def _run(args) -> int:
                                       f"ready, commit at {statistics.median(pos):.0f}; RLD 20 ms/token, extends "
                                       f"free; control RTT {rtt * 1e3:.2f} ms")
     return 0
-
-
-async def _ucx_figures(figs: Figures, quick: bool) -> None:
-    """KV between two agents of one site over UCX, next to bare ucxx tag send/recv (same sizes,
-    same UCX_TLS, measured by pdd_tools.bench_ucx in this run)."""
-    from pdd_wire.transport import ucx
-
-    from . import bench_ucx
-
-    ok, why = ucx.available()
-    if not ok:
-        print(f"# UCX figures left out: {why}")
-        return
-    bare = {r["figure"]: r for r in await asyncio.to_thread(bench_ucx.run, quick)}
-    async with AgentPair(same_site_ucx=True) as pair:
-        async with EngineClient(pair.sockets["A"], "bench-A") as ea, EngineClient(pair.sockets["B"], "bench-B") as eb:
-            for size, count, conc in ((4 * MiB, 64 if quick else 256, 8), (64 * MiB, 8 if quick else 24, 2)):
-                gbps, lat, _ = await bench_goodput.goodput(ea, eb, size, count, conc, to=pair.dest)
-                label = f"{size // MiB}MiB"
-                row = bare.get(f"ucx_goodput_{label}", {})
-                figs.add(f"ucx_agent_goodput_{label}", gbps, "GB/s", row.get("baseline"), row.get("baseline_value"),
-                         note=f"two agents of site A, transport ucx; {count} transfers, {conc} at a time")
-    for name, row in bare.items():
-        figs.add(name, row["value"], row["unit"], row.get("baseline"), row.get("baseline_value"),
-                 note="measured by pdd_tools.bench_ucx between two processes")
 
 
 def run_bench(args) -> int:
