@@ -350,7 +350,8 @@ async def _run(args) -> int:
 
         await bench_vllm.add_figures(figs, quick)
     if "router" in groups:
-        figs.step("router: per-token overhead against vllm serve direct, then the one-shot handoff stall")
+        figs.step("router: per-token overhead against vllm serve direct, the one-shot and catch-up handoff stalls, "
+                  "then PDD's TTFT against plain PD through it (the demo's run, smaller)")
         from . import bench_router
 
         await bench_router.add_figures(figs, quick)
