@@ -40,7 +40,7 @@ from pdd_tools.vllm.serve import (
     missing,
     tokens,
 )
-from support.agents import run_agents, two_site_toml
+from support.agents import BESIDE_VLLM_DEAD_AFTER_S, run_agents, two_site_toml
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -48,6 +48,7 @@ N = 32  # tokens generated per request
 LEASE_S = 30.0  # prefill's lease (connector config)
 MAX_PINNED = 200  # prefill's max_pinned_blocks: above what the other tests hold at once
 SLACK_S = 2.0  # decode's receive waits this beyond what is left of the lease
+NICE = 10  # the vLLM servers' niceness: below the in-process agents (and router) under test
 
 
 def prompt_for(seed: int, length: int = 75) -> list[int]:
@@ -105,19 +106,19 @@ async def cluster():
     if why:
         pytest.fail(f"the vLLM venv is needed for this test ({why}): run scripts/vllm-env", pytrace=False)
     tmp = Path(tempfile.mkdtemp(prefix="pdw-vserve-"))
-    tomls = two_site_toml(tmp, streams=2, chunk=64 << 10)
+    tomls = two_site_toml(tmp, streams=2, chunk=64 << 10, dead_after_s=BESIDE_VLLM_DEAD_AFTER_S)
     servers: list[VllmServer] = []
     async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
         try:
             # P as users type it (vllm serve); D through the module entry point. P stages its KV
             # (staging: the KV-on-CUDA path's code, here on CPU tensors; the zero-copy send is
             # tests/test_vllm_adapter.py's), D receives zero-copy.
-            P = VllmServer("P", tmp / "P.log", cpu="0", cli=True,
+            P = VllmServer("P", tmp / "P.log", cpu="0", cli=True, nice=NICE,
                            kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"], lease_s=LEASE_S,
                                                  max_pinned_blocks=MAX_PINNED, staging=True, staging_mb=16))
             # D: 40 blocks of KV cache and 2 sequences at a time: requests queue for admission.
             D = VllmServer("D", tmp / "D.log", cpu="1", cli=False, max_num_seqs=2, kv_cache_bytes=40 * BLOCK * 1024,
-                           prefix_caching=True, failure_policy="recompute",
+                           nice=NICE, prefix_caching=True, failure_policy="recompute",
                            kv=connector_config("kv_consumer", f"{tmp}/B.sock", recv_slack_s=SLACK_S))
             servers = [P, D]
             t0 = time.monotonic()
@@ -130,6 +131,16 @@ async def cluster():
             for s in servers:
                 print(f"--- {s.name} log tail ---\n{s.tail(15)}")
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def _settles(request):
+    """After each test, passed or failed, nothing is left running or pinned (Cluster.settled): a
+    failed test's requests and the KV it left pinned until its lease are not the next test's."""
+    c = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
+    yield
+    if c is not None:
+        await c.settled()
 
 
 async def test_stock_proxy_pd_gives_the_single_server_output(cluster):
@@ -368,7 +379,7 @@ async def test_decode_receiving_through_staging_as_for_a_cuda_kv_cache(cluster):
     """A second decode that stages what it receives (the KV-on-CUDA path's code, on CPU tensors:
     the agent writes the staging blocks, the worker copies them into vLLM's cache on arrival):
     the output is still the single server's, the prompt came from the wire."""
-    D2 = VllmServer("D2", cluster.tmp / "D2.log", cpu="1", cli=True, max_num_seqs=4,
+    D2 = VllmServer("D2", cluster.tmp / "D2.log", cpu="1", cli=True, nice=NICE, max_num_seqs=4,
                     kv_cache_bytes=40 * BLOCK * 1024,
                     kv=connector_config("kv_consumer", f"{cluster.tmp}/B.sock", staging=True, staging_mb=4))
     try:
