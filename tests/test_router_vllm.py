@@ -36,8 +36,8 @@ from pdd_tools.vllm.serve import (
     tokens,
 )
 from pdd_wire.router import Router, loads
-from support.agents import run_agents, two_site_toml
-from test_vllm_serve import Cluster
+from support.agents import BESIDE_VLLM_DEAD_AFTER_S, run_agents, two_site_toml
+from test_vllm_serve import NICE, Cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -115,13 +115,13 @@ async def cluster():
     # The agents' pipeline policy: P-MD while the KV crosses within 5 s; the anomalous-traffic
     # filter takes prompts of 250 tokens or more with under 8 output tokens (scaled to the tiny model).
     policy = "[policy.pipeline]\nttft_budget_s = 5\nanomaly_min_input_tokens = 250\nanomaly_max_output_tokens = 8\n"
-    tomls = two_site_toml(tmp, streams=2, chunk=64 << 10, extra=policy)
+    tomls = two_site_toml(tmp, streams=2, chunk=64 << 10, extra=policy, dead_after_s=BESIDE_VLLM_DEAD_AFTER_S)
     servers: list[VllmServer] = []
     async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
         try:
-            P = VllmServer("P", tmp / "P.log", cpu="0",
+            P = VllmServer("P", tmp / "P.log", cpu="0", nice=NICE,
                            kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"], lease_s=30.0))
-            MD = VllmServer("MD", tmp / "MD.log", cpu="1", prefix_caching=True, failure_policy="recompute",
+            MD = VllmServer("MD", tmp / "MD.log", cpu="1", nice=NICE, prefix_caching=True, failure_policy="recompute",
                             kv=connector_config("kv_consumer", f"{tmp}/B.sock", recv_slack_s=2.0))
             servers = [P, MD]
             for s in servers:
@@ -138,6 +138,16 @@ async def cluster():
             for s in servers:
                 print(f"--- {s.name} log tail ---\n{s.tail(15)}")
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def _settles(request):
+    """After each test, passed or failed, nothing is left running or pinned (Cluster.settled): a
+    failed test's requests and the KV it left pinned until its lease are not the next test's."""
+    c = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
+    yield
+    if c is not None:
+        await c.settled()
 
 
 @pytest.mark.parametrize("length", [5, 75, 300])
