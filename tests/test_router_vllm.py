@@ -50,13 +50,15 @@ def prompt_for(seed: int, length: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(length)]
 
 
-def router_toml(P: VllmServer, MD: VllmServer, tmp: Path, *, deadline_s: float = 120.0) -> str:
+def router_toml(P: VllmServer, MD: VllmServer, tmp: Path, *, deadline_s: float = 120.0,
+                prefill_lease_s: float | None = None) -> str:
+    lease = "" if prefill_lease_s is None else f"prefill_lease_s = {prefill_lease_s}\n"
     return f"""
 [listen]
 address = "127.0.0.1:0"
 [request]
 deadline_s = {deadline_s}
-[[pools.P]]
+{lease}[[pools.P]]
 url = "{P.url}"
 engine_socket = "{tmp}/A.sock"
 site = "A"
@@ -266,14 +268,18 @@ async def test_models_healthz_and_metrics(cluster):
 
 
 async def test_an_upstream_error_is_relayed_as_vllm_gave_it(cluster):
+    """MD refuses the request (its max_tokens is past --max-model-len) after P's prefill (one
+    token) sent it the KV: the client gets MD's error as vLLM gave it; P's KV, never received,
+    waits out the lease the router asks of P (2 s here, so that the test does not wait 30)."""
     body = completion_body(prompt_for(9, 20), 10_000)  # past --max-model-len
     async with cluster.http.post(f"{cluster.P.url}/v1/completions", json=body) as r:
         direct = (r.status, (await r.json())["error"]["message"])
-    async with cluster.http.post(f"{cluster.router.url}/v1/completions", json=body) as r:
-        assert (r.status, (await r.json())["error"]["message"]) == direct
-    assert direct[0] == 400
-    async with cluster.http.post(f"{cluster.router.url}/v1/completions", data=b"{not json") as r:
-        assert r.status == 400 and "not JSON" in (await r.json())["error"]["message"]
+    async with Router(loads(router_toml(cluster.P, cluster.D, cluster.tmp, prefill_lease_s=2.0))) as router:
+        async with cluster.http.post(f"{router.url}/v1/completions", json=body) as r:
+            assert (r.status, (await r.json())["error"]["message"]) == direct
+        assert direct[0] == 400
+        async with cluster.http.post(f"{router.url}/v1/completions", data=b"{not json") as r:
+            assert r.status == 400 and "not JSON" in (await r.json())["error"]["message"]
     await cluster.settled()
 
 

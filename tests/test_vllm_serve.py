@@ -61,6 +61,7 @@ class Cluster:
                  http: aiohttp.ClientSession) -> None:
         self.tmp, self.agents, self.P, self.D, self.proxy, self.http = tmp, agents, P, D, proxy, http
         self._base: dict[tuple, list[int]] = {}
+        self.D2: VllmServer | None = None  # test_vllm_serve's staging decode, idle otherwise
 
     async def baseline(self, prompt: list[int], n: int = N) -> list[int]:
         """A single server's greedy output (P, no KV transfer)."""
@@ -120,12 +121,20 @@ async def cluster():
             D = VllmServer("D", tmp / "D.log", cpu="1", cli=False, max_num_seqs=2, kv_cache_bytes=40 * BLOCK * 1024,
                            nice=NICE, prefix_caching=True, failure_policy="recompute",
                            kv=connector_config("kv_consumer", f"{tmp}/B.sock", recv_slack_s=SLACK_S))
-            servers = [P, D]
+            # D2: test_decode_receiving_through_staging_as_for_a_cuda_kv_cache's second decode,
+            # started with them: one server starting alone leaves a core idle (its start-up is
+            # single-threaded imports, 55 s on its own vs about 20 s more beside P and D).
+            D2 = VllmServer("D2", tmp / "D2.log", cpu="1", cli=True, nice=NICE, max_num_seqs=4,
+                            kv_cache_bytes=40 * BLOCK * 1024,
+                            kv=connector_config("kv_consumer", f"{tmp}/B.sock", staging=True, staging_mb=4))
+            servers = [P, D, D2]
             t0 = time.monotonic()
             await asyncio.gather(*(s.start() for s in servers))
             print(f"vLLM servers ready in {time.monotonic() - t0:.1f} s")
             async with Proxy(P.url, D.url) as proxy:
-                yield Cluster(tmp, agents, P, D, proxy, http)
+                c = Cluster(tmp, agents, P, D, proxy, http)
+                c.D2 = D2
+                yield c
         finally:
             await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
             for s in servers:
@@ -379,18 +388,13 @@ async def test_decode_receiving_through_staging_as_for_a_cuda_kv_cache(cluster):
     """A second decode that stages what it receives (the KV-on-CUDA path's code, on CPU tensors:
     the agent writes the staging blocks, the worker copies them into vLLM's cache on arrival):
     the output is still the single server's, the prompt came from the wire."""
-    D2 = VllmServer("D2", cluster.tmp / "D2.log", cpu="1", cli=True, nice=NICE, max_num_seqs=4,
-                    kv_cache_bytes=40 * BLOCK * 1024,
-                    kv=connector_config("kv_consumer", f"{cluster.tmp}/B.sock", staging=True, staging_mb=4))
-    try:
-        await D2.start()
-        prompts = [prompt_for(400 + i, 50 + 20 * i) for i in range(3)]
-        bases = [await cluster.baseline(pr) for pr in prompts]
-        wire0 = await D2.wire_tokens(cluster.http)
-        async with Proxy(cluster.P.url, D2.url) as proxy:
-            outs = await asyncio.gather(*(complete(cluster.http, proxy.url, completion_body(pr, N)) for pr in prompts))
-        assert [tokens(o) for o in outs] == bases
-        assert await D2.wire_tokens(cluster.http) - wire0 == sum(len(pr) for pr in prompts)
-        await cluster.settled()
-    finally:
-        await D2.stop()
+    D2 = cluster.D2
+    assert D2 is not None
+    prompts = [prompt_for(400 + i, 50 + 20 * i) for i in range(3)]
+    bases = [await cluster.baseline(pr) for pr in prompts]
+    wire0 = await D2.wire_tokens(cluster.http)
+    async with Proxy(cluster.P.url, D2.url) as proxy:
+        outs = await asyncio.gather(*(complete(cluster.http, proxy.url, completion_body(pr, N)) for pr in prompts))
+    assert [tokens(o) for o in outs] == bases
+    assert await D2.wire_tokens(cluster.http) - wire0 == sum(len(pr) for pr in prompts)
+    await cluster.settled()
