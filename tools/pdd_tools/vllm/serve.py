@@ -112,11 +112,16 @@ class VllmServer:
     ``python -m vllm.entrypoints.openai.api_server --model MODEL``. ``cpu``: the core its compute
     threads are bound to; ``pin``: all of its processes and threads too, once it is up (it starts
     on every core, which is faster): vLLM's engine loop spins while a request waits for its KV,
-    which would otherwise take a core from whatever runs there."""
+    which would otherwise take a core from whatever runs there. ``nice``: its niceness, every
+    process and thread of it (``nice -n``): the tests run their servers below the agents and the
+    router they test, which share the same cores (a busy vLLM's engine and worker processes each
+    spin on ``sched_yield`` for a second after every message they exchange: about 1.5 cores per
+    decoding server, on a 2-core machine)."""
 
     def __init__(self, name: str, log: Path, *, kv: dict | None = None, cpu: str | None = None, cli: bool = True,
                  max_num_seqs: int = 64, kv_cache_bytes: int = 64 << 20, prefix_caching: bool = False,
-                 failure_policy: str | None = None, max_model_len: int = 512, pin: bool = False) -> None:
+                 failure_policy: str | None = None, max_model_len: int = 512, pin: bool = False,
+                 nice: int = 0) -> None:
         self.name, self.log = name, log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -135,6 +140,8 @@ class VllmServer:
             if failure_policy:
                 kv = {**kv, "kv_load_failure_policy": failure_policy}
             cmd += ["--kv-transfer-config", json.dumps(kv)]
+        if nice:
+            cmd = ["nice", "-n", str(nice), *cmd]
         self.cmd = cmd
         self.pin = {int(c) for c in cpu.split(",")} if pin and cpu and cpu[0].isdigit() else None
         self.env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": checkout_path(),
