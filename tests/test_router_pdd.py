@@ -535,7 +535,9 @@ async def test_md_killed_after_the_switch_hands_the_output_back_to_rld(pdd):
     prompt = prompt_for(27, 70)
     n = 400
     base = await pdd.baseline(prompt, n)
-    async with pdd.router(md=pdd.MD2, pos=0) as router:
+    # md_ready_s 60: MD2 holding the KV late is another test's (a loaded 2-core machine once
+    # took over the default 30 s to have MD2 post its receive); this one needs the switch.
+    async with pdd.router(md=pdd.MD2, pos=0, md_ready_s=60.0) as router:
         chunks = await stream_killing(pdd, router, completion_body(prompt, n), pdd.MD2, "MD", 5)
         check_one_stream(chunks, base, n, text=sample(router, "pddwire_router_unclean_splices_total") == 0)
         assert sample(router, "pddwire_router_fallbacks_total", kind="md_failed_after_switch") == 1
