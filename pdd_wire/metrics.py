@@ -10,6 +10,7 @@ _XFER = (1e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 1
 
 class Metrics:
     def __init__(self) -> None:
+        self._children: dict[tuple, object] = {}
         r = self.registry = CollectorRegistry(auto_describe=True)
         p = "pddwire_"
         self.bytes = Counter(p + "bytes", "Bytes moved, by peer, lane and direction",
@@ -102,7 +103,17 @@ class Metrics:
                                       ["peer"], registry=r)
 
     def error(self, code) -> None:
-        self.errors.labels(code=getattr(code, "name", str(code))).inc()
+        self.child(self.errors, getattr(code, "name", str(code))).inc()
+
+    def child(self, metric, *values: str):
+        """``metric.labels(*values)`` (in the metric's label order), looked up once: hot paths
+        count per frame and per chunk, and ``labels()`` costs microseconds. Label values are
+        peers, lanes, directions and codes: a bounded set."""
+        key = (id(metric), values)  # the metrics live as long as this object
+        c = self._children.get(key)
+        if c is None:
+            c = self._children[key] = metric.labels(*values)
+        return c
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

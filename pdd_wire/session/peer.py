@@ -323,8 +323,8 @@ class PeerSession:
             conn.fail(exc)
             return
         lane_name = _LANE_NAMES[h.lane]
-        self.metrics.frames.labels(peer=self.key, lane=lane_name, direction="rx").inc()
-        self.metrics.bytes.labels(peer=self.key, lane=lane_name, direction="rx").inc(HEADER_SIZE + h.body_len)
+        self.metrics.child(self.metrics.frames, self.key, lane_name, "rx").inc()
+        self.metrics.child(self.metrics.bytes, self.key, lane_name, "rx").inc(HEADER_SIZE + h.body_len)
         tid = h.transfer_id
         match msg:
             case m.Welcome() if self.dialer and self.control is None:
@@ -396,8 +396,8 @@ class PeerSession:
                                  code=exc.code.name)
             return False
         lane_name = _LANE_NAMES[lane]
-        self.metrics.frames.labels(peer=self.key, lane=lane_name, direction="tx").inc()
-        self.metrics.bytes.labels(peer=self.key, lane=lane_name, direction="tx").inc(len(frame[0]))
+        self.metrics.child(self.metrics.frames, self.key, lane_name, "tx").inc()
+        self.metrics.child(self.metrics.bytes, self.key, lane_name, "tx").inc(len(frame[0]))
         return True
 
     def send_message(self, body, *, lane: int = Lane.TOKEN) -> bool:

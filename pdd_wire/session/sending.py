@@ -144,7 +144,7 @@ class Sender:
         for d in self.flow.dispatch(time.monotonic()):
             t = self.flow.out[d.tid]
             s.data.send(d.lane, d.tid, d.k, t.chunk(d.k), s.link.compression_for(t, s.remote_caps))
-        s.metrics.inflight_bytes.labels(peer=s.key).set(self.flow.in_flight_bytes)
+        s.metrics.child(s.metrics.inflight_bytes, s.key).set(self.flow.in_flight_bytes)
 
     def on_ack(self, tid: int, first: int, count: int) -> None:
         s = self.s
@@ -159,8 +159,9 @@ class Sender:
 
     def _count_tx(self, nbytes: int, chunks: int) -> None:
         if chunks:
-            self.s.metrics.bytes.labels(peer=self.s.key, lane="bulk", direction="tx").inc(nbytes)
-            self.s.metrics.chunks.labels(peer=self.s.key, direction="tx").inc(chunks)
+            mx = self.s.metrics
+            mx.child(mx.bytes, self.s.key, "bulk", "tx").inc(nbytes)
+            mx.child(mx.chunks, self.s.key, "tx").inc(chunks)
 
     def on_nack(self, tid: int, k: int, code: int) -> None:
         s = self.s
