@@ -1,4 +1,5 @@
-"""Control connections write once per loop turn (pdd_wire/transport/tcp.py FrameProtocol).
+"""Control connections write once per loop turn (pdd_wire/transport/tcp.py FrameProtocol), and
+the session's KV_ACKs of a turn go as ranges in that write (pdd_wire/session/acks.py).
 
 Two real FrameProtocols over a real loopback socket, plain and mutual TLS, on asyncio's loop
 and on uvloop (the agent's): every frame sent in one turn leaves in one transport write, in
@@ -16,6 +17,7 @@ import pytest
 import uvloop
 
 from pdd_wire.errors import ErrorCode, ProtocolError, TransportError
+from pdd_wire.session.acks import AckBatch
 from pdd_wire.transport.tcp import (
     KIND_CONTROL,
     FrameProtocol,
@@ -179,3 +181,29 @@ def test_the_not_reading_limit_counts_the_bytes_queued_this_turn(run):
         with pytest.raises(TransportError, match="connection closed"):
             a.send(ping(0))
     run(scenario, max_unsent=limit)
+
+
+def test_acks_of_one_turn_go_as_ranges_in_that_turns_write_none_overtaken(run):
+    """The session's AckBatch on a real control connection: contiguous chunks acked in one turn
+    leave as one KV_ACK {first, count} per run (either neighbour), per transfer; a frame of
+    another type sent after some acks goes after them; all of it in the turn's one write."""
+    async def scenario(a, b):
+        def send(ftype, body, *, tid=0):
+            if not batch.hold(a, ftype, body, tid):
+                a.send(encode(ftype, encode_body(body), transfer_id=tid))
+            return True
+
+        batch = AckBatch(send)
+        for tid, k in ((1, 0), (1, 1), (1, 2), (2, 5), (1, 3), (2, 4)):
+            send(FrameType.KV_ACK, m.KvAck(k, 1), tid=tid)
+        send(FrameType.PING, m.Ping(77, 0))
+        for tid, k in ((1, 7), (1, 6), (1, 9)):
+            send(FrameType.KV_ACK, m.KvAck(k, 1), tid=tid)
+        got = []
+        for _ in range(5):
+            f = await asyncio.wait_for(b.frames.get(), 10)
+            msg = decode_body(f.header.type, f.body)
+            got.append((f.header.transfer_id, msg.first, msg.count) if isinstance(msg, m.KvAck) else msg.nonce)
+        assert got == [(1, 0, 4), (2, 4, 2), 77, (1, 6, 2), (1, 9, 1)], got
+        assert a.transport.writes == 1
+    run(scenario)

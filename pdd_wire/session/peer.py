@@ -33,6 +33,7 @@ from ..wire import HEADER_SIZE, FrameType, Lane, decode_body, encode, encode_bod
 from ..wire import messages as m
 from ..wire.frame import Frame
 from ..wire.handshake import CAPABILITIES, MAX_CHUNK, Limits, check_welcome, choose_version, negotiate
+from .acks import AckBatch
 from .dialer import Dialer
 from .host import SessionHost
 from .link import LinkState
@@ -70,6 +71,7 @@ class PeerSession:
         self.sender = Sender(self, self.flow)
         self.receiver = Receiver(self)
         self.tokens = TokenRelay(self)
+        self.acks = AckBatch(self.send_frame)  # KV_ACKs of this loop turn, sent as ranges
         # KV_CANCELs that could not be sent (peer down), sent on reconnect; bounded.
         self.cancel_later: collections.deque[tuple[int, m.KvCancel]] = collections.deque(
             maxlen=2 * self.cfg.transfer.max_transfers)
@@ -386,6 +388,8 @@ class PeerSession:
         c = self.control
         if c is None or c.closed:
             return False
+        if self.acks.hold(c, ftype, body, tid):  # a KV_ACK: goes as a range with the turn's frames
+            return True
         frame = encode(ftype, encode_body(body), lane=lane, transfer_id=tid)
         try:
             c.send(frame)

@@ -210,7 +210,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.coalesce = not bulk
         self._queue: list[bytes | memoryview] = []  # frames sent this loop turn, not yet written
         self._queued = 0  # their bytes
+        self._flush_due = False  # a flush is scheduled for the end of this turn
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Called when the turn's frames are about to be written (also by fail/close/abort), while
+        #: the connection is open; it may send more (a session's ranged acks, :meth:`flush_soon`).
+        self.on_flush: Callable[[], None] | None = None
 
     def add_close_callback(self, cb: Callable[[], None]) -> None:
         """``cb()`` runs (on this connection's loop) once the connection has ended."""
@@ -276,9 +280,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self.closed or self.transport is None or self.transport.is_closing():
             raise TransportError("connection closed")
         if self.coalesce:
-            if not self._queue:
-                assert self._loop is not None  # set with the transport
-                self._loop.call_soon(self._flush)
+            self.flush_soon()
             for b in buffers:
                 self._queue.append(b)
                 self._queued += len(b)
@@ -293,13 +295,24 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.abort()  # the buffer goes now: the ERROR frame would only queue behind it
             raise exc
 
+    def flush_soon(self) -> None:
+        """Make this turn end with a flush (and so an ``on_flush`` call), also if nothing is sent."""
+        if self.coalesce and not self._flush_due and self._loop is not None:
+            self._flush_due = True
+            self._loop.call_soon(self._flush)
+
     def _flush(self) -> None:
         """Hand this turn's frames to the transport as one write (a no-op once flushed)."""
+        open_ = self.transport is not None and not self.closed and not self.transport.is_closing()
+        if open_ and self.on_flush is not None:
+            self.on_flush()  # what it sends joins this write (no second flush: one is due)
+        self._flush_due = False
         if not self._queue:
             return
         queue, self._queue, self._queued = self._queue, [], 0
-        if self.transport is None or self.closed or self.transport.is_closing():
+        if not open_:
             return  # closed with nothing flushed: what fail/close/abort did not flush is dropped
+        assert self.transport is not None
         self.transport.write(queue[0] if len(queue) == 1 else b"".join(queue))
 
     def fail(self, exc: BaseException) -> None:
