@@ -7,6 +7,8 @@ Who does what (each gets its collaborators from here and never sees the agent):
 - :mod:`~pdd_wire.session` (one per peer) moves frames, KV and tokens, and calls back the
   ``SessionHost`` methods below, which route each event to its desk;
 - :mod:`~pdd_wire.engine_handlers` answers engine requests from :mod:`~pdd_wire.engine_server`;
+- :mod:`~pdd_wire.fleet` (with ``[fleet]``) registers this agent in etcd, watches the other
+  members, and opens sessions with them on first need (``Peers.discover``, ``Inbound.admit``);
 - :mod:`~pdd_wire.desk.kv` holds posts and matches them, fans sends out, ends aborted requests;
 - :mod:`~pdd_wire.desk.handoff` drives the handoff state machines; :mod:`~pdd_wire.desk.probes`
   runs link probes; :mod:`~pdd_wire.admin` serves /healthz, /metrics and /v1/status.
@@ -20,12 +22,14 @@ memory, stop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import ssl
 import time
 
 import structlog
+from prometheus_client.metrics import MetricWrapperBase
 
 from . import systemd
 from .admin import AdminServer
@@ -38,14 +42,19 @@ from .desk.probes import ProbeDesk, is_probe
 from .engine import protocol as p
 from .engine_handlers import EngineRequests
 from .engine_server import EngineServer
+from .errors import ConfigError, ErrorCode
+from .fleet import FleetMetrics, Membership, record
+from .fleet.peering import FleetPeering
+from .fleet.record import EngineRec, LinkRec, Live, MemberRecord
 from .inbound import Inbound
 from .metrics import Metrics
 from .peers import Peers
-from .pki import Pki, log_tls_mode, tls_files
+from .pki import Pki, cert_fingerprint, log_tls_mode, tls_files
 from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
 from .transport.tcp import BulkLoop, client_tls_context, server_tls_context
 from .wire import messages as m
+from .wire.handshake import CAPABILITIES
 
 log = structlog.get_logger("pdd_wire.agent")
 
@@ -86,6 +95,18 @@ class Agent:
         self.admin: AdminServer | None = None
         self.wan_address: tuple[str, int] | None = None
         self._audit_task: asyncio.Task | None = None
+        self.membership: Membership | None = None
+        self.fleet: FleetPeering | None = None
+        if config.fleet.enabled:
+            fm = FleetMetrics(self.metrics.registry)
+            self.membership = Membership(config.fleet, fm, logger=self.log)
+            self.fleet = FleetPeering(config, self.peers, self.membership, fm, new_session=self._fleet_session,
+                                      busy=self._busy_sessions, log=self.log, forget=self._forget_series,
+                                      on_retire=self._tokens_undelivered)
+            self.membership.on_event = self.fleet.on_event
+            self.peers.discover = self.fleet.discover
+            self.peers.need = self.fleet.need
+            self.inbound.admit = self.fleet.admit
 
     @property
     def stopping(self) -> bool:
@@ -126,6 +147,23 @@ class Agent:
             s = PeerSession(self, peer)
             self.peers.add(s)
             s.start()
+        if self.membership is not None and self.fleet is not None:
+            self.fleet.tls = self.pki is not None
+            if self.pki is None:
+                self.log.warning("FLEET WITH PLAINTEXT: peers are NOT authenticated; whoever can write etcd or "
+                                 "reach listen.wan can pose as any member (tls.allow_plaintext)")
+            self.membership.me = self._member_record()
+            try:
+                record.encode(self.membership.me)
+            except ValueError as exc:
+                raise ConfigError("fleet.engines", str(exc)) from None
+            await self.membership.start()  # etcd away at start is a state, not a failure: it is retried
+            try:  # the first listing, so that a need right after READY finds the members: bounded
+                async with asyncio.timeout(cfg.fleet.request_s):
+                    await self.membership.listed.wait()
+            except TimeoutError:
+                self.log.warning("etcd has not listed the members yet: ready without them",
+                                 wait_s=cfg.fleet.request_s)
         self._audit_task = asyncio.create_task(self._audit_forever(), name="lease-audit")
         self.ready.set()
         self.log.info("agent ready", wan=f"{self.wan_address[0]}:{self.wan_address[1]}",
@@ -144,8 +182,11 @@ class Agent:
         grace = self.config.timeouts.shutdown_grace_s if grace_s is None else grace_s
         systemd.notify_stopping()
         self.log.info("shutting down", open_transfers=self.open_transfers(), grace_s=grace)
-        # 1. stop accepting
+        # 1. stop accepting; leave the fleet (the record goes with its lease: nobody dials us now)
         await self.inbound.stop_accepting()
+        if self.membership is not None and self.fleet is not None:
+            await self.fleet.close()
+            await self.membership.stop()
         if self._audit_task is not None:
             self._audit_task.cancel()
             await asyncio.gather(self._audit_task, return_exceptions=True)
@@ -219,8 +260,75 @@ class Agent:
     def handoff_message(self, session: PeerSession, msg) -> None:
         self.handoffs.on_message(session, msg)
 
+    # ------------------------------------------------------------------ the fleet (with [fleet])
+    def _fleet_session(self, peer, index: int) -> PeerSession:
+        s = PeerSession(self, peer, index=index)
+        self.peers.add(s)
+        s.start()
+        return s
+
+    def _forget_series(self, key: str) -> None:
+        """Every metric series labelled with the closed fleet session's ``peer`` (gauges,
+        counters, histograms): their labels would otherwise grow with every member ever met."""
+        for metric in vars(self.metrics).values():
+            if not isinstance(metric, MetricWrapperBase):
+                continue
+            for family in metric.collect():
+                gone = {tuple(v for k, v in sample.labels.items() if k not in ("le", "quantile"))
+                        for sample in family.samples if sample.labels.get("peer") == key}
+                for labels in gone:
+                    with contextlib.suppress(KeyError, ValueError):
+                        metric.remove(*labels)
+
+    def _tokens_undelivered(self, session: PeerSession, why: str) -> None:
+        """A fleet session is dropped: token IDs relayed to it and not acknowledged will never
+        arrive. Each request's owner engine is told (``transfer_failed``, transfer id 0,
+        direction out, PEER_UNREACHABLE), so that the request ends with an outcome."""
+        for rid, stream in session.tokens.tok_out.items():
+            owner = self.kv.owners.get(rid)
+            if not stream.unacked or owner is None or owner.engine.closed:
+                continue
+            owner.engine.send(p.TransferFailed(request_id=rid, transfer_id=0, peer=session.key, direction="out",
+                                               code=ErrorCode.PEER_UNREACHABLE,
+                                               reason=f"token IDs not delivered: {why}"))
+            self.log.info("relayed tokens not delivered", request_id=rid, peer=session.key, reason=why)
+
+    def _busy_sessions(self) -> set[str]:
+        """The peers with anything open: transfers, unacknowledged or held tokens, a handoff, KV
+        waiting for its post (a fleet session is not closed as idle then). One pass a tick."""
+        busy = {s.key for s in self.peers
+                if s.out or s.inn or s.tokens.held or any(st.unacked for st in s.tokens.tok_out.values())}
+        busy |= {e.session.key for e in self.handoffs.live.values() if not e.settled}
+        return busy | {k for k, n in self.kv.unposted_per_peer.items() if n}
+
+    def _member_record(self) -> MemberRecord:
+        cfg, f = self.config, self.config.fleet
+        assert self.wan_address is not None
+        host = parse_hostport(cfg.listen.wan, "listen.wan")[0]
+        wan = f.advertise or f"{host}:{self.wan_address[1]}"  # the bound port (listen.wan may say 0)
+        admin = self.admin.address if self.admin else ""
+        return MemberRecord(site=cfg.site, node=cfg.node, incarnation=self.incarnation, wan=wan,
+                            transport=f.transport, fingerprint=cert_fingerprint(self.pki.cert) if self.pki else "",
+                            versions=tuple(m.SUPPORTED_VERSIONS), capabilities=CAPABILITIES, admin=admin or "",
+                            engines=tuple(EngineRec(role=e.role, url=e.url, admin=admin or "",
+                                                    engine_socket=e.engine_socket or cfg.listen.engine_socket)
+                                          for e in f.engines))
+
+    def _live(self) -> Live:
+        ups = [s for s in self.peers if s.is_up]
+        links = tuple(LinkRec(s.key, float(s.est.bandwidth_Bps or s.goodput_Bps), float(s.est.rtt_s or 0.0))
+                      for s in ups)
+        return Live(transfers=self.open_transfers(), queue_bytes=sum(s.queue_bytes() for s in self.peers),
+                    engines=len(self.engine_server.engines) if self.engine_server else 0, links=links)
+
     def session_up(self, session: PeerSession) -> None:
         self.handoffs.session_up(session)
+        if self.fleet is not None:
+            self.fleet.session_up(session)
+
+    def peer_goodbye(self, session: PeerSession, reason: str) -> None:
+        if self.fleet is not None:
+            self.fleet.goodbye(session, reason)
 
     def peer_lost(self, session: PeerSession, reason: str) -> None:
         self.handoffs.peer_lost(session, reason)
@@ -242,7 +350,10 @@ class Agent:
         return self.metrics.render()
 
     async def probe(self, peer: str, seconds: float = 4.0, streams: int | None = None) -> dict:
-        """Measure the link to ``peer`` (site or site/node) through the real WAN path."""
+        """Measure the link to ``peer`` (site or site/node) through the real WAN path (a fleet
+        member's session is opened first, within fleet.dial_wait_s)."""
+        if self.fleet is not None and not self.stopping:
+            await self.fleet.wait_up(peer, self.config.fleet.dial_wait_s)
         return await self.probes.probe(peer, seconds, streams)
 
     def audit(self) -> tuple[dict[str, int], int]:
@@ -265,6 +376,9 @@ class Agent:
             for kind, n in pinned.items():
                 self.metrics.pinned_blocks.labels(kind=kind).set(n)
             self.metrics.stranded_blocks.set(stranded)
+            if self.fleet is not None and self.membership is not None:
+                self.fleet.tick()
+                self.membership.set_live(self._live())
             if stranded:
                 self.log.error("blocks held past their lease", stranded=stranded, pinned=pinned)
 
@@ -284,4 +398,6 @@ class Agent:
             "unposted_waiting": self.kv.unposted_count(),
             "handoffs": self.handoffs.describe(),
             "pinned_blocks": pinned, "stranded_blocks": stranded,
+            "fleet": (self.membership.describe() | self.fleet.describe()
+                      if self.membership is not None and self.fleet is not None else None),
         }

@@ -16,6 +16,7 @@ import types
 import typing
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -42,6 +43,9 @@ class Peer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True
     transport: Literal["tcp", "ucx"] = "tcp"
     streams: int | None = None  # bulk connections; None = transfer.streams
     server_name: str | None = None  # name expected in the peer's certificate; None = node
+    # "sha256:<hex>" of the peer's certificate (DER): the handshake must present exactly it; "" = any
+    # certificate of tls.ca naming the node. Fleet members carry the one they registered.
+    fingerprint: str = ""
 
 
 class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -61,6 +65,9 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     compress: Literal["auto", "on", "off"] = "auto"  # lz4 on WAN chunks; auto: only when it raises goodput
     compress_shuffle: bool = True  # byte-shuffle chunks as 16-bit elements first (fp16/bf16 KV)
     bulk_threads: int = 1  # event-loop threads that carry the bulk connections
+    # Offer receives posted for a peer (KV_OFFER, capability offer.v1): its transfer then moves
+    # at once instead of waiting a round trip for KV_ACCEPT.
+    offers: bool = True
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -125,6 +132,46 @@ class Log(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True)
     format: Literal["auto", "json", "console"] = "auto"
 
 
+class EtcdTls(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """TLS to etcd (``https://`` endpoints): the CA etcd's server certificate chains to, and the
+    client certificate etcd's ``--client-cert-auth`` checks. "" = none (plain http endpoints)."""
+
+    ca: str = ""
+    cert: str = ""
+    key: str = ""
+
+
+class FleetEngine(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """One engine of this node as the fleet (and the router's pools) see it."""
+
+    role: Literal["P", "RLD", "MD"]
+    url: str  # its serving URL (``vllm serve``'s http://host:port)
+    engine_socket: str = ""  # the agent socket it uses; "" = listen.engine_socket
+
+
+class Fleet(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Membership and discovery on etcd (docs/operator.md, "A fleet"). Without ``etcd`` the
+    agent knows only its ``[[peers]]`` (the embedded default)."""
+
+    etcd: list[str] = []  # client URLs of the etcd cluster ("http://10.0.0.5:2379"); [] = no fleet
+    cluster: str = "pdd"  # the key prefix: /pdd-wire/<cluster>/members/<site>/<node>
+    lease_ttl_s: float = 10.0  # a member that stops refreshing disappears after this
+    refresh_min_s: float = 10.0  # live figures are re-registered at most this often ...
+    refresh_change: float = 0.25  # ... and only when one moved by this fraction (or appeared)
+    idle_close_s: float = 60.0  # a fleet peer's session with nothing open this long is closed
+    dial_wait_s: float = 10.0  # a first need waits this long for a new session, then fails
+    request_s: float = 2.0  # one etcd request (the watch excepted)
+    max_members: int = 16384  # records held (each at most 4 KiB of JSON); more are ignored (counted)
+    advertise: str = ""  # host:port peers dial (listen.wan when it is a real address)
+    transport: Literal["tcp", "ucx"] = "tcp"  # how fleet peers of this site reach this node
+    engines: list[FleetEngine] = []
+    tls: EtcdTls = EtcdTls()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.etcd)
+
+
 class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     site: str
     node: str
@@ -136,6 +183,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     tls: Tls = Tls()
     policy: Policy = Policy()
     log: Log = Log()
+    fleet: Fleet = Fleet()
 
     def peer_sites(self) -> dict[str, set[str]]:
         out: dict[str, set[str]] = {}
@@ -144,7 +192,8 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
         return out
 
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+#: A site, node or cluster name (proto/README.md, Conventions).
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
 
 
 def parse_hostport(value: str, key: str) -> tuple[str, int]:
@@ -171,7 +220,7 @@ def _positive(key: str, value: float) -> None:
 def validate(cfg: Config) -> Config:
     """Checks msgspec's types cannot express; raises ConfigError naming the key."""
     for key, name in (("site", cfg.site), ("node", cfg.node)):
-        if not _NAME.match(name):
+        if not NAME.match(name):
             raise ConfigError(key, f"{name!r} must be 1-63 of [A-Za-z0-9._-], starting alphanumeric")
     parse_hostport(cfg.listen.wan, "listen.wan")
     if cfg.listen.admin:
@@ -183,7 +232,7 @@ def validate(cfg: Config) -> Config:
     seen = set()
     for i, p in enumerate(cfg.peers):
         for key, name in (("site", p.site), ("node", p.node)):
-            if not _NAME.match(name):
+            if not NAME.match(name):
                 raise ConfigError(f"peers[{i}].{key}", f"{name!r} must be 1-63 of [A-Za-z0-9._-]")
         if (p.site, p.node) in seen:
             raise ConfigError(f"peers[{i}]", f"peer {p.site}/{p.node} is listed twice")
@@ -193,6 +242,8 @@ def validate(cfg: Config) -> Config:
         parse_hostport(p.address, f"peers[{i}].address")
         if p.streams is not None and not 1 <= p.streams <= 64:
             raise ConfigError(f"peers[{i}].streams", f"must be 1..64, got {p.streams}")
+        if p.fingerprint and not FINGERPRINT.match(p.fingerprint):
+            raise ConfigError(f"peers[{i}].fingerprint", "must be sha256: and 64 lowercase hex digits")
     t = cfg.transfer
     if not 64 * 1024 <= t.chunk_bytes <= 64 * MiB:
         raise ConfigError("transfer.chunk_bytes", f"must be 64 KiB..64 MiB, got {t.chunk_bytes}")
@@ -223,6 +274,7 @@ def validate(cfg: Config) -> Config:
         _positive(f"timeouts.{f.name}", getattr(cfg.timeouts, f.name))
     if cfg.timeouts.dead_after_s <= cfg.timeouts.heartbeat_s:
         raise ConfigError("timeouts.dead_after_s", "must be longer than timeouts.heartbeat_s")
+    _validate_fleet(cfg)
     tls = cfg.tls
     if tls.enabled:
         for key in ("cert", "key", "ca"):
@@ -234,6 +286,8 @@ def validate(cfg: Config) -> Config:
     elif not tls.allow_plaintext:
         addrs = [("listen.wan", cfg.listen.wan)] + [(f"peers[{i}].address", p.address)
                                                    for i, p in enumerate(cfg.peers)]
+        if cfg.fleet.advertise:
+            addrs.append(("fleet.advertise", cfg.fleet.advertise))
         for key, addr in addrs:
             if not is_loopback(parse_hostport(addr, key)[0]):
                 raise ConfigError(key, f"{addr!r} is not loopback: set tls.cert/key/ca (the generated PKI "
@@ -242,6 +296,65 @@ def validate(cfg: Config) -> Config:
     return cfg
 
 
+def _etcd_url(url: str) -> bool:
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018 -- raises ValueError when out of range
+    except ValueError:
+        return False
+    return u.scheme in ("http", "https") and bool(u.hostname) and u.path in ("", "/") and not (u.query or u.fragment)
+
+
+def validate_etcd(etcd: list[str], tls: EtcdTls, cluster: str, request_s: float, table: str = "fleet") -> None:
+    """The etcd part of a ``[fleet]`` table (the agent's, the router's): URLs, TLS, cluster name."""
+    for i, url in enumerate(etcd):
+        if not _etcd_url(url):
+            raise ConfigError(f"{table}.etcd[{i}]", f"{url!r} is not an http(s)://host:port etcd client URL")
+        if url.startswith("https://") and not tls.ca:
+            raise ConfigError(f"{table}.tls.ca", f"required for the https endpoint {url!r} (etcd's server "
+                                                 "certificate is checked against it)")
+    if etcd and (tls.ca or tls.cert) and not any(u.startswith("https://") for u in etcd):
+        raise ConfigError(f"{table}.tls", "set, but no endpoint is https://: the certificates would not be used")
+    if not NAME.match(cluster):
+        raise ConfigError(f"{table}.cluster", f"{cluster!r} must be 1-63 of [A-Za-z0-9._-]")
+    if not 0 < request_s <= 60:
+        raise ConfigError(f"{table}.request_s", f"must be in (0, 60], got {request_s}")
+    for key in ("ca", "cert", "key"):
+        path = getattr(tls, key)
+        if path and not os.path.isfile(path):
+            raise ConfigError(f"{table}.tls.{key}", f"file {path!r} does not exist")
+    if bool(tls.cert) != bool(tls.key):
+        raise ConfigError(f"{table}.tls.key" if tls.cert else f"{table}.tls.cert", "cert and key go together")
+
+
+def _validate_fleet(cfg: Config) -> None:
+    f = cfg.fleet
+    validate_etcd(f.etcd, f.tls, f.cluster, f.request_s)
+    for key in ("lease_ttl_s", "refresh_min_s", "idle_close_s", "dial_wait_s"):
+        _positive(f"fleet.{key}", getattr(f, key))
+    if f.lease_ttl_s < 2 or f.lease_ttl_s > 3600:
+        raise ConfigError("fleet.lease_ttl_s", f"must be 2..3600 s (whole seconds in etcd), got {f.lease_ttl_s}")
+    # A keep-alive goes out every third of the TTL and may try every endpoint but the one that
+    # answers before it lands: that must fit in the two thirds left, or one dead endpoint costs the lease.
+    if (len(f.etcd) - 1) * f.request_s >= f.lease_ttl_s * 2 / 3:
+        raise ConfigError("fleet.request_s", f"{f.request_s:g} s x {len(f.etcd) - 1} other endpoints does not fit "
+                                             f"in 2/3 of fleet.lease_ttl_s ({f.lease_ttl_s:g} s): a dead endpoint "
+                                             "would cost the lease; lower request_s or raise lease_ttl_s")
+    if not 0 <= f.refresh_change <= 10:
+        raise ConfigError("fleet.refresh_change", f"must be 0..10 (a fraction), got {f.refresh_change}")
+    if not 1 <= f.max_members <= 1 << 20:
+        raise ConfigError("fleet.max_members", f"must be 1..1048576, got {f.max_members}")
+    if f.advertise:
+        parse_hostport(f.advertise, "fleet.advertise")
+    elif f.enabled and parse_hostport(cfg.listen.wan, "listen.wan")[0] in ("0.0.0.0", "::", ""):
+        raise ConfigError("fleet.advertise", f"required: listen.wan {cfg.listen.wan!r} is no address peers can dial")
+    for i, e in enumerate(f.engines):
+        if not re.match(r"^https?://[^/\s]+", e.url):
+            raise ConfigError(f"fleet.engines[{i}].url", f"{e.url!r} is not an http(s)://host:port URL")
+
+
+#: A certificate fingerprint as peers[].fingerprint and fleet records carry it.
+FINGERPRINT = re.compile(r"^sha256:[0-9a-f]{64}$")
 _KEY = re.compile(r"at `\$(.*?)`")
 
 
@@ -333,6 +446,15 @@ engine_socket = "{sock}"
 [transfer]
 chunk_bytes = 4194304
 streams = 4
+
+# Many nodes: let them find each other in etcd instead of listing [[peers]] (docs/operator.md,
+# "A fleet"); sessions then open on first need and close when idle.
+# [fleet]
+# etcd = ["http://127.0.0.1:2379"]
+# cluster = "pdd"
+# [[fleet.engines]]
+# role = "P"
+# url = "http://127.0.0.1:8100"
 """
 
 

@@ -31,6 +31,7 @@ class ErrorCode(enum.IntEnum):
     UNKNOWN_SESSION = 203
     HANDSHAKE_TIMEOUT = 204
     TLS_REFUSED = 205
+    DIAL_BACK = 206  # fleet: the HELLO came from a peer this agent dials; it dials now
     # 3xx: transfer
     NOT_POSTED = 300
     SIZE_MISMATCH = 301

@@ -1,7 +1,10 @@
 """Inbound WAN connections: accept, read the preamble, and hand each connection to its session.
 
 A control connection must say HELLO within ``timeouts.handshake_s``, naming a configured peer
-(and, with TLS, presenting a certificate for it); the session then runs the handshake. A bulk
+(and, with TLS, presenting a certificate for it); the session then runs the handshake. With a
+fleet, a member without a session is given one first if etcd lists it (``admit``), its
+registered certificate fingerprint pinned; a HELLO from a member this agent dials is a knock:
+refused with DIAL_BACK, and dialed (proto/handshake.md §8). A bulk
 connection is adopted on a bulk thread and must say BULK_HELLO with the token of a live session.
 Anything else is closed.
 
@@ -24,12 +27,13 @@ import asyncio
 import itertools
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from .config import Config
 from .errors import ErrorCode, FatalHandshakeError, PddWireError, ProtocolError, TransportError
 from .metrics import Metrics
+from .pki import peer_fingerprint
 from .transport.bulk import BulkHandler
 from .transport.tcp import KIND_CONTROL, BulkLoop, FrameProtocol, adopt, read_preamble
 from .wire import FrameType, decode_body
@@ -99,6 +103,10 @@ class Inbound:
         self._established = 0
         self.cut = 0  # handshakes closed for a newcomer (the pool was full)
         self._cut_logged = 0.0
+        # Fleet: ``await admit(site, node, names, fingerprint)`` gives a member without a session
+        # one, once the connection's certificate (``names`` None: plaintext) is the one etcd lists
+        # for it; FatalHandshakeError when it is not.
+        self.admit: Callable[[str, str, frozenset[str] | None, str], Awaitable[object]] | None = None
 
     @property
     def open_connections(self) -> int:
@@ -218,7 +226,8 @@ class Inbound:
                 if not self._authenticated(h):
                     raise TransportError("limits.max_peer_connections authenticated connections are open")
                 established = True
-                self._on_hello(conn, frame)
+                if await self._admit(conn, frame):
+                    self._on_hello(conn, frame)
                 if not conn.closed:
                     await _wait_closed(conn)
             else:
@@ -230,7 +239,7 @@ class Inbound:
             self.metrics.error(exc.code)
             self.log.warning("inbound connection refused", remote=str(h.addr), error=str(exc), code=exc.code.name)
             h.close()
-        except (TransportError, ProtocolError, TimeoutError, OSError) as exc:
+        except (PddWireError, TimeoutError, OSError) as exc:  # transport, protocol; a config error of a session
             self.log.info("inbound connection failed", remote=str(h.addr), error=str(exc) or repr(exc))
             h.close()
         finally:
@@ -240,29 +249,70 @@ class Inbound:
                 del self._handshaking[h]
                 h.close()  # cancelled (the agent stops) while still in its handshake
 
+    async def _admit(self, conn: FrameProtocol, frame) -> bool:
+        """Fleet: a HELLO from a member this agent has no session with yet gets one first, if
+        etcd lists it (read now when the watch has not shown it yet, within handshake_s) and the
+        connection's certificate is the one it registered (else refused here, before any session
+        or dial exists: checks 4 and 4a of proto/handshake.md §4). False: refused."""
+        if self.admit is None or frame.header.type != FrameType.HELLO:
+            return True
+        try:
+            hello = decode_body(FrameType.HELLO, frame.body)
+        except ProtocolError:
+            return True  # _on_hello refuses it
+        if self.peers.get(f"{hello.site}/{hello.node}") is not None:
+            return True
+        tls = self.ssl_server is not None
+        names = frozenset(conn.peer_names) if tls else None
+        fingerprint = peer_fingerprint(conn.transport) if tls and conn.transport is not None else ""
+        try:
+            async with asyncio.timeout(self.config.timeouts.handshake_s):
+                await self.admit(hello.site, hello.node, names, fingerprint)
+        except TimeoutError:
+            pass  # refused by _on_hello as an unknown peer
+        except FatalHandshakeError as exc:
+            self._refuse(conn, exc)
+            return False
+        return True
+
+    def _refuse(self, conn: FrameProtocol, exc: ProtocolError | PddWireError) -> None:
+        self.metrics.error(exc.code)
+        self.log.warning("handshake refused", error=str(exc), code=exc.code.name)
+        conn.fail(exc)
+
     def _on_hello(self, conn: FrameProtocol, frame) -> None:
         try:
             if frame.header.type != FrameType.HELLO:
                 raise ProtocolError(f"expected HELLO, got frame type {frame.header.type}", ErrorCode.UNEXPECTED_FRAME)
             hello = decode_body(FrameType.HELLO, frame.body)
-            check_peer(hello, self.config.peer_sites())
+            check_peer(hello, self.peers.sites())
             session = self.peers.get(f"{hello.site}/{hello.node}")
             if session is None:
                 raise FatalHandshakeError(f"{hello.site}/{hello.node} is not a configured peer",
                                           ErrorCode.UNKNOWN_PEER)
             self._check_cert(conn, session)
+            if self.admit is not None and session.dialer:
+                # A knock (proto/handshake.md §8): the peer needs the session, and this agent is
+                # the one that dials it.
+                session.dialer_loop.wake()
+                self.log.info("knocked: dialing back", peer=session.key)
+                conn.fail(PddWireError(f"{self.config.site}/{self.config.node} dials you: dialing now",
+                                       ErrorCode.DIAL_BACK))
+                return
             session.adopt_control(conn, hello)
         except (ProtocolError, PddWireError) as exc:
-            self.metrics.error(exc.code)
-            self.log.warning("handshake refused", error=str(exc), code=exc.code.name)
-            conn.fail(exc)
+            self._refuse(conn, exc)
 
     def _check_cert(self, conn: FrameProtocol, session: "PeerSession") -> None:
         if self.ssl_server is None:
             return
-        want = session.peer.server_name or session.peer.node
+        want = session.peer.server_name or session.peer.node  # a fleet member's: always its node
         if want not in conn.peer_names:
             raise FatalHandshakeError(f"certificate names {sorted(conn.peer_names)} do not include {want!r}",
+                                      ErrorCode.IDENTITY_MISMATCH)
+        pinned = session.peer.fingerprint  # a fleet member's registered certificate
+        if pinned and conn.transport is not None and (got := peer_fingerprint(conn.transport)) != pinned:
+            raise FatalHandshakeError(f"{session.key}'s certificate {got} is not the one it registered ({pinned})",
                                       ErrorCode.IDENTITY_MISMATCH)
 
     async def _adopt_bulk(self, h: Handshaking, bulk: BulkLoop, main, attached: asyncio.Future) -> FrameProtocol:

@@ -37,6 +37,12 @@ class Metrics:
                                   ["peer"], registry=r)
         self.checksum_failures = Counter(p + "checksum_failures", "Chunks whose payload checksum failed",
                                          ["peer"], registry=r)
+        self.offers = Counter(p + "kv_offers", "KV_OFFERs: sent (a receive posted for the peer), taken by a send, "
+                              "unfit (sizes differ: sent the normal way), stale (for a request already being sent), "
+                              "dropped (over the per-peer bound)", ["peer", "event"], registry=r)
+        self.chunks_held = Counter(p + "chunks_held", "Chunks of offered transfers that arrived before their KV_BEGIN "
+                                   "was handled: held (their bulk connection paused), expired (dropped after the wait)",
+                                   ["peer", "outcome"], registry=r)
         self.errors = Counter(p + "errors", "Errors by code", ["code"], registry=r)
         self.peer_up = Gauge(p + "peer_up", "1 while the control connection to a peer is up", ["peer"],
                              registry=r)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as dt
 import fcntl
+import hashlib
 import os
 import stat
 from dataclasses import dataclass
@@ -185,6 +186,25 @@ def ensure(dirpath: str, site: str, node: str) -> Pki:
     finally:
         os.close(fd)  # releases the lock
     return Pki(cert=str(d / f"{stem}.pem"), key=str(d / f"{stem}.key"), ca=str(d / "ca.pem"), created=tuple(created))
+
+
+def der_fingerprint(der: bytes) -> str:
+    """``sha256:<hex>`` of a certificate's DER bytes: what a fleet member registers and its
+    peers require in the handshake (proto/handshake.md §4)."""
+    return "sha256:" + hashlib.sha256(der).hexdigest()
+
+
+def cert_fingerprint(pem_path: str) -> str:
+    """The fingerprint of the (first) certificate in a PEM file."""
+    cert = x509.load_pem_x509_certificate(Path(pem_path).read_bytes())
+    return der_fingerprint(cert.public_bytes(serialization.Encoding.DER))
+
+
+def peer_fingerprint(transport) -> str:
+    """The fingerprint of the certificate the other end of a TLS ``transport`` presented ("" without TLS)."""
+    sslobj = transport.get_extra_info("ssl_object")
+    der = sslobj.getpeercert(binary_form=True) if sslobj is not None else None
+    return der_fingerprint(der) if der else ""
 
 
 def tls_files(config) -> Pki | None:

@@ -67,6 +67,8 @@ class OutTransfer(Transfer):
         self.hashes: list[int] | None = None
         self.skip = 0  # leading blocks the receiver holds (not sent)
         self.post_wait_ms = 0  # KV_BEGIN.post_wait_ms: the receiver holds it this long for a post
+        self.offered = False  # took the receiver's KV_OFFER: moving since its KV_BEGIN
+        self.confirmed = False  # the receiver showed it matched it (an ack, KV_STATUS, a late KV_ACCEPT)
         self.query_timer: asyncio.TimerHandle | None = None
         self.acked: set[int] = set()
         self.pending: collections.deque[int] = collections.deque()
@@ -92,6 +94,7 @@ class InTransfer(Transfer):
         self.reused_blocks = 0  # leading blocks of the post this node already held (not sent)
         self.post = None  # the post it fills (re-posted whole if its matched prefix breaks)
         self.lease = None  # the prefix lease (this peer's) its reused_blocks come from
+        self.landed: set[int] = set()  # chunks whose arrival was handled (acknowledged) on the loop
         self.route = Route(self.blocks, self.chunk_bytes, loop)
 
     def describe(self) -> dict:

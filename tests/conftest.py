@@ -86,6 +86,18 @@ class Engines:
             m.close()
 
 
+async def engine_pair(engines: Engines, tmp, size: int, block: int):
+    """A prefill engine on A's socket and a decode engine on B's, each with a region of ``size``
+    bytes in ``block``-byte blocks (the source filled with random bytes): (ea, eb, src, dst, ra, rb)."""
+    ea = await engines.connect(tmp / "A.sock", "prefill")
+    eb = await engines.connect(tmp / "B.sock", "decode")
+    src, dst = engines.memory(size), engines.memory(size)
+    await fill_random(src)
+    ra = await ea.register(src, block_bytes=block)
+    rb = await eb.register(dst, block_bytes=block)
+    return ea, eb, src, dst, ra, rb
+
+
 @pytest.fixture
 async def engines():
     e = Engines()

@@ -61,6 +61,8 @@ def config_keys(t=cfgmod.Config, prefix: str = ""):
         sub = args[0] if typing.get_origin(f.type) is list and args else f.type
         if isinstance(sub, type) and issubclass(sub, msgspec.Struct):
             yield from config_keys(sub, f"{prefix}{f.name}{'[]' if sub is not f.type else ''}.")
+        elif f.default is msgspec.NODEFAULT and f.default_factory is not msgspec.NODEFAULT:
+            yield f"{prefix}{f.name}", f.default_factory()  # a list's default ([])
         else:
             yield f"{prefix}{f.name}", f.default
 

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from conftest import fill_random, metric
+from conftest import engine_pair, metric
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine.hashes import chain_hashes
 from pdd_wire.errors import EngineRequestError, ErrorCode
@@ -25,13 +25,7 @@ def short_unposted_wait(tomls: dict) -> dict:
 
 
 async def setup(engines, tmp, n=8):
-    P = await engines.connect(tmp / "A.sock", "prefill")
-    D = await engines.connect(tmp / "B.sock", "decode")
-    src, dst = engines.memory(n * MiB), engines.memory(n * MiB)
-    await fill_random(src)
-    rp = await P.register(src, block_bytes=MiB)
-    rd = await D.register(dst, block_bytes=MiB)
-    return P, D, src, dst, rp, rd
+    return await engine_pair(engines, tmp, n * MiB, MiB)
 
 
 async def test_the_senders_lease_outlasts_the_receivers_unposted_wait(tmp_sock_dir, engines):

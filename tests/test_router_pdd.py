@@ -32,6 +32,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
+from conftest import until
 from pdd_tools.vllm.serve import (
     BLOCK,
     VllmServer,
@@ -42,9 +43,9 @@ from pdd_tools.vllm.serve import (
     tokens,
 )
 from pdd_wire.router import Router, loads
-from support.agents import cluster_toml, free_port, run_agents
+from support.agents import BESIDE_VLLM_DEAD_AFTER_S, cluster_toml, free_port, run_agents
 from test_router_vllm import prompt_for, sample
-from test_vllm_serve import Cluster
+from test_vllm_serve import NICE, Cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -78,7 +79,7 @@ class Pdd:
         if md2:
             mds.append((self.MD2.url, "b2"))
         md_members = "".join(f'[[pools.MD]]\nurl = "{u}"\nsite = "B"\nnode = "{n}"\n' for u, n in mds)
-        h = dict(handoff)
+        h = {"absorb_s": 60.0, **handoff}  # as connect_s: MD slow to absorb is not what these tests check
         if pos is not None:
             h |= {"min_rld_tokens": pos, "max_rld_tokens": pos}
         lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in h.items())
@@ -89,6 +90,7 @@ address = "127.0.0.1:0"
 [request]
 deadline_s = 120
 prefill_lease_s = {lease_s}
+connect_s = 30  # correctness checks, not speed ones: a loaded 2-core machine may take seconds
 [[pools.P]]
 url = "{self.P.url}"
 engine_socket = "{self.tmp}/a1.sock"
@@ -125,7 +127,9 @@ async def kill(s: VllmServer) -> None:
 
 async def stream_killing(pdd: Pdd, router: Router, body: dict, victim: VllmServer, pool: str, after: int) -> list[dict]:
     """A streamed request during which ``victim`` is SIGKILLed once the router has relayed
-    ``after`` tokens from ``pool``: the chunks the client got (one ``[DONE]``, at the end)."""
+    ``after`` tokens from ``pool``: the chunks the client got (one ``[DONE]``, at the end), once
+    the router counted the request."""
+    before = sample(router, "pddwire_router_requests_total")
     async with pdd.http.post(f"{router.url}/v1/completions", json={**body, "stream": True}) as r:
         assert r.status == 200
         buf = b""
@@ -136,14 +140,28 @@ async def stream_killing(pdd: Pdd, router: Router, body: dict, victim: VllmServe
     raw = buf.split(b"\n\n")
     assert not alive(victim)
     assert raw[-1] == b"" and raw[-2] == b"data: [DONE]" and b"data: [DONE]" not in raw[:-2]
+    await counted(router, before)
     return [json.loads(e[6:]) for e in raw[:-2]]
 
 
-async def stream(http: aiohttp.ClientSession, url: str, body: dict) -> tuple[list[dict], list[bytes]]:
+async def counted(router: Router, before: float) -> None:
+    """Until the router counted a request more than ``before`` (``requests_total``): its handler
+    has ended, and with it the request's other counts (a stream's handoff outcome is counted
+    after its last byte went out)."""
+    await until(lambda: sample(router, "pddwire_router_requests_total") > before, 30, "the router counting the request")
+
+
+async def stream(http: aiohttp.ClientSession, to: Router | str, body: dict) -> tuple[list[dict], list[bytes]]:
+    """A streamed request to a server's URL or to a router (then returned once the router
+    counted it)."""
+    url = to.url if isinstance(to, Router) else to
+    before = sample(to, "pddwire_router_requests_total") if isinstance(to, Router) else 0.0
     async with http.post(f"{url}/v1/completions", json={**body, "stream": True}) as r:
         assert r.status == 200, await r.text()
         raw = (await r.read()).split(b"\n\n")
     assert raw[-1] == b"" and raw[-2] == b"data: [DONE]" and b"data: [DONE]" not in raw[:-2]
+    if isinstance(to, Router):
+        await counted(to, before)
     return [json.loads(e[6:]) for e in raw[:-2]], raw
 
 
@@ -192,18 +210,20 @@ async def pdd():
     tmp = Path(tempfile.mkdtemp(prefix="pdw-router-pdd-"))
     # Every request P-RLD-MD, except the anomalous filter's (scaled to the tiny model).
     policy = "[policy.pipeline]\nttft_budget_s = 0\nanomaly_min_input_tokens = 250\nanomaly_max_output_tokens = 8\n"
-    tomls = cluster_toml(tmp, [("A", "a1"), ("A", "a2"), ("B", "b1"), ("B", "b2")], streams=2, extra=policy)
+    tomls = cluster_toml(tmp, [("A", "a1"), ("A", "a2"), ("B", "b1"), ("B", "b2")], streams=2, extra=policy,
+                         dead_after_s=BESIDE_VLLM_DEAD_AFTER_S)
     servers: list[VllmServer] = []
     async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
         try:
-            P = VllmServer("P", tmp / "P.log", cpu="0",
+            P = VllmServer("P", tmp / "P.log", cpu="0", nice=NICE,
                            kv=connector_config("kv_producer", f"{tmp}/a1.sock", lease_s=30.0))
-            RLD = VllmServer("RLD", tmp / "RLD.log", cpu="1", prefix_caching=True, failure_policy="recompute",
-                             kv=connector_config("kv_consumer", f"{tmp}/a2.sock", recv_slack_s=2.0))
-            MD = VllmServer("MD", tmp / "MD.log", cpu="1", prefix_caching=True, failure_policy="recompute",
-                            kv=connector_config("kv_consumer", f"{tmp}/b1.sock", recv_slack_s=2.0))
-            MD2 = VllmServer("MD2", tmp / "MD2.log", cpu="0", prefix_caching=True, failure_policy="recompute",
-                             kv=connector_config("kv_consumer", f"{tmp}/b2.sock", recv_slack_s=2.0))
+
+            def decode(name: str, cpu: str, node: str) -> VllmServer:
+                return VllmServer(name, tmp / f"{name}.log", cpu=cpu, nice=NICE, prefix_caching=True,
+                                  failure_policy="recompute",
+                                  kv=connector_config("kv_consumer", f"{tmp}/{node}.sock", recv_slack_s=2.0))
+
+            RLD, MD, MD2 = decode("RLD", "1", "a2"), decode("MD", "1", "b1"), decode("MD2", "0", "b2")
             servers = [P, RLD, MD, MD2]
             t0 = time.monotonic()
             await asyncio.gather(*(s.start() for s in servers))
@@ -214,6 +234,16 @@ async def pdd():
             for s in servers:
                 print(f"--- {s.name} log tail ---\n{s.tail(15)}")
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def _settles(request):
+    """After each test, passed or failed, nothing is left running or pinned (Pdd.settled): a
+    failed test's requests and the KV it left pinned until its lease are not the next test's."""
+    c = request.getfixturevalue("pdd") if "pdd" in request.fixturenames else None
+    yield
+    if c is not None:
+        await c.settled()
 
 
 @pytest.mark.parametrize(("mode", "pos"), [("one-shot", 0), ("one-shot", 5), ("one-shot", 21), ("one-shot", 40),
@@ -230,7 +260,7 @@ async def test_the_handoff_at_a_chosen_position_gives_one_servers_stream(pdd, mo
     base = await pdd.baseline(prompt)
     wire_rld0, wire_md0 = await pdd.RLD.wire_tokens(pdd.http), await pdd.MD.wire_tokens(pdd.http)
     async with pdd.router(pos=pos, mode=mode, policy={"catchup_gap_tokens": 2}) as router:
-        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+        chunks, _ = await stream(pdd.http, router, completion_body(prompt, N))
         check_one_stream(chunks, base)
         assert sample(router, "pddwire_router_pipeline_choices_total", pipeline="P-RLD-MD") == 1
         assert sample(router, "pddwire_router_handoff_modes_total", mode=mode, reason="configured") == 1
@@ -274,7 +304,7 @@ async def test_p_rld_md_gives_the_single_server_output_streamed_and_not(pdd, mod
         prompt = prompt_for(1000 + length + (1 if mode == "catch-up" else 0), length)
         base = await pdd.baseline(prompt)
         async with pdd.router(pos=24, mode=mode, policy={"catchup_gap_tokens": 2}) as router:
-            chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+            chunks, _ = await stream(pdd.http, router, completion_body(prompt, N))
             check_one_stream(chunks, base)
             async with pdd.http.post(f"{router.url}/v1/completions", json=completion_body(prompt, N)) as r:
                 assert r.status == 200
@@ -298,8 +328,8 @@ async def test_token_ids_stay_out_of_the_stream_unless_asked(pdd):
     body = {k: v for k, v in completion_body(prompt, N).items() if k != "return_token_ids"}
     direct, _ = await stream(pdd.http, pdd.P.url, body)
     async with pdd.router(pos=7) as router:
-        chunks, _ = await stream(pdd.http, router.url, body)
-        with_usage, _ = await stream(pdd.http, router.url, {**body, "stream_options": {"include_usage": True}})
+        chunks, _ = await stream(pdd.http, router, body)
+        with_usage, _ = await stream(pdd.http, router, {**body, "stream_options": {"include_usage": True}})
         assert sample(router, "pddwire_router_handoffs_total", outcome="switched") \
             + sample(router, "pddwire_router_handoffs_total", outcome="no_clean_boundary") == 2
     # vllm serve's own fields: token ids null (unasked), no usage, the fingerprint on the ending
@@ -323,7 +353,7 @@ async def test_logprobs_across_the_switch_are_one_servers(pdd):
     prompt = prompt_for(29, 60)
     base = (await pdd.baseline(prompt, logprobs=2))["choices"][0]["logprobs"]
     async with pdd.router(pos=24) as router:
-        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N, logprobs=2))
+        chunks, _ = await stream(pdd.http, router, completion_body(prompt, N, logprobs=2))
         async with pdd.http.post(f"{router.url}/v1/completions", json=completion_body(prompt, N, logprobs=2)) as r:
             assert r.status == 200
             whole = (await r.json())["choices"][0]["logprobs"]
@@ -350,7 +380,7 @@ async def test_the_mode_follows_rlds_live_load(pdd):
                                  json=completion_body(prompt_for(39, 8), 500, stream=True)) as other:
             await other.content.readline()  # running on RLD
             async with pdd.router(rld_seqs=seqs, min_rld_tokens=24, policy={"catchup_gap_tokens": 8}) as router:
-                chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+                chunks, _ = await stream(pdd.http, router, completion_body(prompt, N))
                 check_one_stream(chunks, base)
                 assert sample(router, "pddwire_router_handoff_modes_total", mode=mode, reason=reason) == 1
                 assert sample(router, "pddwire_router_rld_load_scrapes_total", outcome="ok") >= 1
@@ -371,7 +401,7 @@ async def test_md_is_the_member_holding_the_longest_prefix(pdd):
     done2 = (await pdd.MD2.metrics(pdd.http)).get("vllm:request_success_total", 0)
     done1 = (await pdd.MD.metrics(pdd.http)).get("vllm:request_success_total", 0)
     async with pdd.router(md2=True, pos=0) as router:
-        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+        chunks, _ = await stream(pdd.http, router, completion_body(prompt, N))
         check_one_stream(chunks, base)
         assert sample(router, "pddwire_router_prompt_tokens_total", source="md_prefix") == 96
         assert sample(router, "pddwire_router_handoffs_total", outcome="switched") == 1
@@ -408,12 +438,13 @@ async def test_sixteen_concurrent_mixed_requests(pdd):
     async with pdd.router(md2=True, policy={"catchup_gap_tokens": 4}) as router:
         async def one(i: int, pr: list[int]) -> list[int]:
             if i % 2:
-                chunks, _ = await stream(pdd.http, router.url, completion_body(pr, 48))
+                chunks, _ = await stream(pdd.http, router, completion_body(pr, 48))
                 return [t for c in chunks for ch in c["choices"] for t in ch.get("token_ids") or ()]
             return tokens(await complete(pdd.http, router.url, completion_body(pr, 48)))
 
         outs = await asyncio.gather(*(one(i, pr) for i, pr in enumerate(prompts)))
         assert outs == [tokens(b) for b in bases]
+        await counted(router, 15)  # all 16 ended (their outcomes counted)
         # Each request P-RLD-MD, with one handoff outcome, unless its choice took longer than
         # choice.timeout_s (then P-MD: a fallback, the same answer).
         ended = {o: sample(router, "pddwire_router_handoffs_total", outcome=o)
@@ -437,7 +468,7 @@ async def test_requests_the_handoff_cannot_splice_run_p_md(pdd):
     pen = await pdd.baseline(prompt, presence_penalty=0.5)
     async with pdd.router(non_streamed=False) as router:
         assert tokens(await complete(pdd.http, router.url, completion_body(prompt, N))) == tokens(base)
-        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N, presence_penalty=0.5))
+        chunks, _ = await stream(pdd.http, router, completion_body(prompt, N, presence_penalty=0.5))
         check_one_stream(chunks, pen)
         assert sample(router, "pddwire_router_fallbacks_total", kind="p_rld_md_not_streamed") == 1
         assert sample(router, "pddwire_router_fallbacks_total", kind="p_rld_md_penalties") == 1
@@ -470,7 +501,7 @@ async def test_rld_failing_before_its_first_token_leaves_the_output_to_md(pdd):
     prompt = prompt_for(24, 70)
     base = await pdd.baseline(prompt)
     async with pdd.router(rld=f"http://127.0.0.1:{free_port()}") as router:
-        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+        chunks, _ = await stream(pdd.http, router, completion_body(prompt, N))
         check_one_stream(chunks, base)
         assert sample(router, "pddwire_router_fallbacks_total", kind="rld_failed") == 1
         assert sample(router, "pddwire_router_handoffs_total", outcome="rld_failed") == 1
@@ -485,7 +516,7 @@ async def test_md_not_ready_in_time_leaves_the_request_on_rld(pdd):
     prompt = prompt_for(25, 70)
     base = await pdd.baseline(prompt)
     async with pdd.router(md_ready_s=0.001) as router:
-        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+        chunks, _ = await stream(pdd.http, router, completion_body(prompt, N))
         check_one_stream(chunks, base)
         assert sample(router, "pddwire_router_fallbacks_total", kind="md_not_ready") == 1
         ended = {o: sample(router, "pddwire_router_handoffs_total", outcome=o)
@@ -521,7 +552,7 @@ async def test_md_down_leaves_the_request_on_rld(pdd):
     prompt = prompt_for(26, 70)
     base = await pdd.baseline(prompt)
     async with pdd.router(md=f"http://127.0.0.1:{free_port()}", lease_s=3.0) as router:
-        chunks, _ = await stream(pdd.http, router.url, completion_body(prompt, N))
+        chunks, _ = await stream(pdd.http, router, completion_body(prompt, N))
         check_one_stream(chunks, base)
         assert sample(router, "pddwire_router_fallbacks_total", kind="md_failed") == 1
         assert sample(router, "pddwire_router_handoffs_total", outcome="md_failed") == 1

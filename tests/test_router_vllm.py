@@ -36,8 +36,8 @@ from pdd_tools.vllm.serve import (
     tokens,
 )
 from pdd_wire.router import Router, loads
-from support.agents import run_agents, two_site_toml
-from test_vllm_serve import Cluster
+from support.agents import BESIDE_VLLM_DEAD_AFTER_S, run_agents, two_site_toml
+from test_vllm_serve import NICE, Cluster
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -50,13 +50,15 @@ def prompt_for(seed: int, length: int) -> list[int]:
     return [rng.randrange(3, VOCAB) for _ in range(length)]
 
 
-def router_toml(P: VllmServer, MD: VllmServer, tmp: Path, *, deadline_s: float = 120.0) -> str:
+def router_toml(P: VllmServer, MD: VllmServer, tmp: Path, *, deadline_s: float = 120.0,
+                prefill_lease_s: float | None = None) -> str:
+    lease = "" if prefill_lease_s is None else f"prefill_lease_s = {prefill_lease_s}\n"
     return f"""
 [listen]
 address = "127.0.0.1:0"
 [request]
 deadline_s = {deadline_s}
-[[pools.P]]
+{lease}[[pools.P]]
 url = "{P.url}"
 engine_socket = "{tmp}/A.sock"
 site = "A"
@@ -115,13 +117,13 @@ async def cluster():
     # The agents' pipeline policy: P-MD while the KV crosses within 5 s; the anomalous-traffic
     # filter takes prompts of 250 tokens or more with under 8 output tokens (scaled to the tiny model).
     policy = "[policy.pipeline]\nttft_budget_s = 5\nanomaly_min_input_tokens = 250\nanomaly_max_output_tokens = 8\n"
-    tomls = two_site_toml(tmp, streams=2, chunk=64 << 10, extra=policy)
+    tomls = two_site_toml(tmp, streams=2, chunk=64 << 10, extra=policy, dead_after_s=BESIDE_VLLM_DEAD_AFTER_S)
     servers: list[VllmServer] = []
     async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
         try:
-            P = VllmServer("P", tmp / "P.log", cpu="0",
+            P = VllmServer("P", tmp / "P.log", cpu="0", nice=NICE,
                            kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"], lease_s=30.0))
-            MD = VllmServer("MD", tmp / "MD.log", cpu="1", prefix_caching=True, failure_policy="recompute",
+            MD = VllmServer("MD", tmp / "MD.log", cpu="1", nice=NICE, prefix_caching=True, failure_policy="recompute",
                             kv=connector_config("kv_consumer", f"{tmp}/B.sock", recv_slack_s=2.0))
             servers = [P, MD]
             for s in servers:
@@ -138,6 +140,16 @@ async def cluster():
             for s in servers:
                 print(f"--- {s.name} log tail ---\n{s.tail(15)}")
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def _settles(request):
+    """After each test, passed or failed, nothing is left running or pinned (Cluster.settled): a
+    failed test's requests and the KV it left pinned until its lease are not the next test's."""
+    c = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
+    yield
+    if c is not None:
+        await c.settled()
 
 
 @pytest.mark.parametrize("length", [5, 75, 300])
@@ -256,14 +268,18 @@ async def test_models_healthz_and_metrics(cluster):
 
 
 async def test_an_upstream_error_is_relayed_as_vllm_gave_it(cluster):
+    """MD refuses the request (its max_tokens is past --max-model-len) after P's prefill (one
+    token) sent it the KV: the client gets MD's error as vLLM gave it; P's KV, never received,
+    waits out the lease the router asks of P (2 s here, so that the test does not wait 30)."""
     body = completion_body(prompt_for(9, 20), 10_000)  # past --max-model-len
     async with cluster.http.post(f"{cluster.P.url}/v1/completions", json=body) as r:
         direct = (r.status, (await r.json())["error"]["message"])
-    async with cluster.http.post(f"{cluster.router.url}/v1/completions", json=body) as r:
-        assert (r.status, (await r.json())["error"]["message"]) == direct
-    assert direct[0] == 400
-    async with cluster.http.post(f"{cluster.router.url}/v1/completions", data=b"{not json") as r:
-        assert r.status == 400 and "not JSON" in (await r.json())["error"]["message"]
+    async with Router(loads(router_toml(cluster.P, cluster.D, cluster.tmp, prefill_lease_s=2.0))) as router:
+        async with cluster.http.post(f"{router.url}/v1/completions", json=body) as r:
+            assert (r.status, (await r.json())["error"]["message"]) == direct
+        assert direct[0] == 400
+        async with cluster.http.post(f"{router.url}/v1/completions", data=b"{not json") as r:
+            assert r.status == 400 and "not JSON" in (await r.json())["error"]["message"]
     await cluster.settled()
 
 

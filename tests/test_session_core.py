@@ -8,11 +8,13 @@ Two parts:
   on :class:`ReceiveLedger` through simulated lanes (FIFO each, like one TCP connection, read
   in any order across lanes) and a control connection (FIFO), with chunks lost, duplicated and
   corrupted, lanes lost, ack timeouts, transfers cancelled, and the control connection lost
-  and resumed at any point. After every step: credit never exceeds the window and equals it
-  minus what is in flight; each lane's count is what is in flight on it. At the end, once
-  everything is delivered: every transfer ended exactly once with one outcome, one that ended
-  done only once the receiver held every chunk, no chunk was newly acknowledged twice, and
-  nothing is left on the books (credit, lanes, queues).
+  and resumed at any point; transfers that took a KV_OFFER (moving before KV_ACCEPT, chunks
+  that outrun their KV_BEGIN held by the receiver's gate) and receives posted late. After
+  every step: credit never exceeds the window and equals it minus what is in flight; each
+  lane's count is what is in flight on it. At the end, once everything is delivered: every
+  transfer ended exactly once with one outcome, one that ended done only once the receiver
+  held every chunk, no chunk was newly acknowledged twice, and nothing is left on the books
+  (credit, lanes, queues).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class Tx:
     acked: set[int] = field(default_factory=set)
     pending: collections.deque[int] = field(default_factory=collections.deque)
     retransmits: int = 0
+    offered: bool = False
+    confirmed: bool = False
 
     @property
     def n_chunks(self) -> int:
@@ -138,6 +142,35 @@ def test_resume_after_a_reconnect_sends_only_what_the_receiver_lacks():
     assert w.on_status(9, Status.RECEIVING, set())[0] is Resumed.IGNORED
 
 
+def test_an_offered_transfer_moves_at_once_and_a_late_accept_sends_its_chunks_again():
+    w = SendWindow(100)
+    w.lane_up(0)
+    t = Tx(1, 12, 4, offered=True)
+    w.add(t)
+    w.start(1)  # KV_BEGIN {offered}: no KV_ACCEPT to wait for
+    assert [d.k for d in w.dispatch(0.0)] == [0, 1, 2]
+    # The receive was gone: the KV_BEGIN waited, the chunks were dropped; matched late, the
+    # receiver says KV_ACCEPT: every chunk not acknowledged goes again.
+    assert w.accepted(1) and t.confirmed and w.credit == 100
+    assert [d.k for d in w.dispatch(1.0)] == [0, 1, 2]
+    w.on_ack(1, 0, 1)
+    assert not Tx(2, 4, 4).confirmed and t.confirmed
+
+
+def test_a_reconnect_announces_an_unconfirmed_offered_transfer_again():
+    w = SendWindow(100)
+    w.lane_up(0)
+    a, b = Tx(1, 8, 4, offered=True), Tx(2, 8, 4, offered=True)
+    for t in (a, b):
+        w.add(t)
+        w.start(t.tid)
+    w.dispatch(0.0)
+    w.on_ack(2, 0, 1)  # b was matched; a's KV_BEGIN may be what the connection lost
+    w.lane_down(0)
+    w.connection_lost()
+    assert (a.state, b.state) == (State.ANNOUNCED, State.RESUMING)
+
+
 def test_the_receiver_answers_each_kind_of_chunk():
     led = ReceiveLedger(keep=2)
     kw = dict(verified=False, claimed=True, ok=True, invalid=False, complete=False)
@@ -167,6 +200,7 @@ class Rx:
     chunk_bytes: int
     verified: set[int] = field(default_factory=set)
     open: bool = True
+    waiting: bool = False  # its KV_BEGIN waits for the receive to be posted
 
 
 class SessionCore(RuleBasedStateMachine):
@@ -188,6 +222,9 @@ class SessionCore(RuleBasedStateMachine):
         self.next_tid = 1
         self.acks: collections.Counter = collections.Counter()  # (tid, k) -> times newly acknowledged
         self.outcomes: dict[int, list[str]] = collections.defaultdict(list)
+        self.posted: dict[int, bool] = {}  # tid -> its receive is posted when its KV_BEGIN comes
+        self.begun: set[int] = set()  # KV_BEGINs the receiver handled (its BeginGate)
+        self.held: list[tuple[int, int, bool]] = []  # chunks that outran their KV_BEGIN
         for lane in range(self.LANES):
             self.lane_up(lane)
 
@@ -219,14 +256,43 @@ class SessionCore(RuleBasedStateMachine):
             assert got.nbytes == sum(size(t, k) for k in t.acked - before)
 
     # -- rules: the sender's side
-    @rule(chunks=st.integers(1, 6), tail=st.integers(0, CHUNK - 1), probe=st.booleans())
-    def start(self, chunks: int, tail: int, probe: bool) -> None:
+    @rule(chunks=st.integers(1, 6), tail=st.integers(0, CHUNK - 1), probe=st.booleans(), offered=st.booleans(),
+          posted=st.booleans())
+    def start(self, chunks: int, tail: int, probe: bool, offered: bool, posted: bool) -> None:
+        """``offered``: it took a KV_OFFER (moves at once); ``posted``: the receive is still there
+        when the KV_BEGIN arrives (else the KV_BEGIN waits for a post: always so when offered)."""
         tid, self.next_tid = self.next_tid, self.next_tid + 1
         total = chunks * self.CHUNK - tail if chunks > 1 or tail == 0 else self.CHUNK - tail
-        t = self.tx[tid] = Tx(tid, total, self.CHUNK, streams_limit=1 if probe else None)
+        t = self.tx[tid] = Tx(tid, total, self.CHUNK, streams_limit=1 if probe else None, offered=offered)
+        self.posted[tid] = posted
         self.w.add(t)
+        self.announce(t)
+
+    def announce(self, t: Tx) -> None:
+        if not self.control_up:
+            return  # announced on reconnect
+        self.to_receiver.append(("begin", t.tid))
+        if t.offered:
+            self.w.start(t.tid)
+            self.pump()
+
+    @precondition(lambda self: any(r.waiting for r in self.rx.values()))
+    @rule(data=st.data())
+    def post_late(self, data) -> None:
+        """The engine posts the receive a waiting KV_BEGIN wants: matched late (KV_ACCEPT)."""
+        self.posted_now(data.draw(st.sampled_from(sorted(tid for tid, r in self.rx.items() if r.waiting))))
+
+    def posted_now(self, tid: int) -> None:
+        rx = self.rx[tid]
+        rx.waiting, rx.open = False, True
         if self.control_up:
-            self.to_receiver.append(("begin", tid))
+            self.to_sender.append(("accept", rx.tid))
+
+    @precondition(lambda self: self.held)
+    @rule(data=st.data())
+    def held_chunk_expires(self, data) -> None:
+        """A chunk held for its KV_BEGIN longer than the gate waits: dropped."""
+        del self.held[data.draw(st.integers(0, len(self.held) - 1))]
 
     @precondition(lambda self: any(t.tid in self.w.out for t in self.tx.values()))
     @rule(data=st.data())
@@ -292,8 +358,9 @@ class SessionCore(RuleBasedStateMachine):
             case "nack":
                 if self.w.on_nack(tid, rest[0]):
                     self.w.requeue(tid, rest[0])
-            case "done":
+            case "done":  # it acknowledges every chunk
                 if tid in self.w.out:
+                    self.acked(tid, 0, self.tx[tid].n_chunks)
                     self.ended(tid, "done")
             case "status":
                 state, have = rest
@@ -319,12 +386,18 @@ class SessionCore(RuleBasedStateMachine):
             rx = self.rx.get(tid)
             # (a KV_CANCEL of a transfer not yet begun here is the sender's not opening it)
             if rx is None and tid not in self.ledger.completed and tid in self.w.out:
-                self.rx[tid] = Rx(tid, t.total, t.chunk_bytes)
-                self.to_sender.append(("accept", tid))
+                posted = self.posted[tid]
+                self.rx[tid] = Rx(tid, t.total, t.chunk_bytes, open=posted, waiting=not posted)
+                if posted and not t.offered:
+                    self.to_sender.append(("accept", tid))
             elif rx is not None and rx.open:
                 self.to_sender.append(("accept", tid))
             elif tid in self.ledger.completed:
                 self.to_sender.append(("done", tid))
+            self.begun.add(tid)
+            for chunk in [c for c in self.held if c[0] == tid]:  # the gate lets them go on
+                self.held.remove(chunk)
+                self.land(*chunk)
         else:  # resume
             rx = self.rx.get(tid)
             have = set(rx.verified) if rx is not None and rx.open else None
@@ -338,6 +411,7 @@ class SessionCore(RuleBasedStateMachine):
         for lane in list(self.lanes):
             del self.lanes[lane]
             self.w.lane_down(lane)
+        self.held.clear()  # their bulk connections went with the control connection
         self.w.connection_lost()
         self.to_sender.clear()
         self.to_receiver.clear()
@@ -349,17 +423,21 @@ class SessionCore(RuleBasedStateMachine):
         for t in self.tx.values():
             if t.tid not in self.w.out:
                 continue
-            if t.state == State.ANNOUNCED:
-                self.to_receiver.append(("begin", t.tid))
-            elif t.state == State.RESUMING:
+            if t.state == State.RESUMING:
                 self.to_receiver.append(("resume", t.tid))
         for lane in range(self.LANES):
             self.lane_up(lane)
+        for t in self.tx.values():
+            if t.tid in self.w.out and t.state == State.ANNOUNCED:
+                self.announce(t)
         self.pump()
 
     # -- the receiver's side of a chunk (what a bulk connection's reader and Receiver do)
     def land(self, tid: int, k: int, good: bool) -> None:
         rx = self.rx.get(tid)
+        if rx is None and tid not in self.begun and self.tx[tid].offered:
+            self.held.append((tid, k, good))  # it outran its KV_BEGIN
+            return
         is_open = rx is not None and rx.open
         claimed = is_open and k not in rx.verified
         if claimed and good:
@@ -371,8 +449,7 @@ class SessionCore(RuleBasedStateMachine):
         match verdict:
             case Landing.ACK | Landing.ACK_AGAIN:
                 frames.append(("ack", tid, k))
-            case Landing.ACK_COMPLETE:
-                frames.append(("ack", tid, k))
+            case Landing.ACK_COMPLETE:  # KV_DONE acknowledges this last one too
                 rx.open = False
                 self.ledger.completed_transfer(tid, f"r{tid}")
                 frames.append(("done", tid))
@@ -416,6 +493,8 @@ class SessionCore(RuleBasedStateMachine):
                 self.deliver_to_receiver()
             elif self.to_sender:
                 self.deliver_to_sender(False)
+            elif waiting := [tid for tid, r in self.rx.items() if r.waiting]:
+                self.posted_now(waiting[0])
             elif any(self.lanes.values()):
                 lane = next(lane for lane, q in self.lanes.items() if q)
                 self.land(*self.lanes[lane].popleft())

@@ -14,6 +14,7 @@ import statistics
 
 import pytest
 
+from conftest import until
 from pdd_tools import trace as tracemod
 from pdd_tools.sim import GPU_A, GPU_B, ChipProfile, DecodeSim, KvPool, PrefillSim, check_stream, token_at
 from pdd_wire.engine.client import RegionHandle
@@ -123,17 +124,20 @@ class Cluster:
         for pool in self.pools:
             pool.close()
 
-    async def request(self, rid: str, pipeline: str, n: int, kv_tokens: int, md_delay: float = 0.0):
-        """One request through ``pipeline``; returns (job, rld seq or None, md seq or None)."""
+    async def request(self, rid: str, pipeline: str, n: int, kv_tokens: int, md_after: int = 0):
+        """One request through ``pipeline``; returns (job, rld seq or None, md seq or None).
+        ``md_after``: MD posts only once RLD has emitted that many tokens (MD that far behind
+        whatever the machine's speed)."""
         rs = ms = None
         if pipeline in ("P-RLD-MD", "P-RLD"):
             rs = await self.rld.submit(rid, n, kv_tokens, handoff=pipeline == "P-RLD-MD")
-        if pipeline != "P-RLD" and not md_delay:
+        if pipeline != "P-RLD" and not md_after:
             ms = await self.md.submit(rid, n, kv_tokens, handoff=pipeline == "P-RLD-MD")
         to = {"P-MD": ["B/b1"], "P-RLD-MD": ["A/a2", "B/b1"], "P-RLD": ["A/a2"]}[pipeline]
         job = self.prefill.submit(rid, kv_tokens, to)
-        if md_delay:  # MD posts late: its KV waits for the post, RLD decodes meanwhile
-            await asyncio.sleep(md_delay)
+        if md_after:  # MD posts late: its KV waits for the post, RLD decodes meanwhile
+            assert rs is not None
+            await until(lambda: len(rs.emitted) >= md_after, 30, f"RLD emitting {md_after} tokens")
             ms = await self.md.submit(rid, n, kv_tokens, handoff=True)
         waits = [job.done] + [s.result for s in (rs, ms) if s is not None]
         await asyncio.wait_for(asyncio.gather(*waits), 30)
@@ -190,12 +194,13 @@ async def test_p_rld_request_finishes_on_rld_alone(cluster):
 
 @pytest.mark.parametrize("cluster", ["[policy.handoff]\ncatchup_gap_tokens = 4\n"], indirect=True, ids=["gap4"])
 async def test_catch_up_when_md_is_far_behind_and_rld_has_headroom(cluster):
-    # MD posts 0.4 s late: RLD (4 ms steps) is ~80 tokens ahead when MD's KV lands; RLD is idle.
-    _, rs, ms = await cluster.request("cu-1", "P-RLD-MD", n=400, kv_tokens=500, md_delay=0.4)
+    # MD posts once RLD has emitted 80 tokens (far above the gap of 4), so RLD is at least 80
+    # tokens ahead when MD's KV lands, whatever the machine's speed; RLD is idle.
+    _, rs, ms = await cluster.request("cu-1", "P-RLD-MD", n=400, kv_tokens=500, md_after=80)
     rr = _result(cluster.rld, rs)
     _result(cluster.md, ms)
     check_stream("cu-1", 400, rs.emitted, ms.emitted)
-    assert rr["mode"] == "catch-up" and rr["owner"] == "MD" and rr["position"] > 60
+    assert rr["mode"] == "catch-up" and rr["owner"] == "MD" and rr["position"] >= 80
     assert ms.extends >= 2  # several small extends, not one stall
 
 

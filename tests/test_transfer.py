@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from conftest import fill_random, metric, same_bytes, wait_rx_chunks
+from conftest import engine_pair, metric, same_bytes, wait_rx_chunks
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
 from support.agents import relayed_toml, run_agents, two_site_toml
@@ -13,13 +13,7 @@ MiB = 1 << 20
 
 
 async def _pair(engines, tmp, size, block=MiB):
-    ea = await engines.connect(tmp / "A.sock", "prefill")
-    eb = await engines.connect(tmp / "B.sock", "decode")
-    src, dst = engines.memory(size), engines.memory(size)
-    await fill_random(src)
-    ra = await ea.register(src, block_bytes=block)
-    rb = await eb.register(dst, block_bytes=block)
-    return ea, eb, src, dst, ra, rb
+    return await engine_pair(engines, tmp, size, block)
 
 
 async def test_256MiB_lands_byte_identical_in_posted_blocks(tmp_sock_dir, engines):

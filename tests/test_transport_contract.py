@@ -40,6 +40,9 @@ class Owner:
         self.lane_changes = asyncio.Queue()
         self.arrived = asyncio.Queue()
         self.failed: list[tuple[int, int, str]] = []
+        self.hold_for: set[int] = set()  # transfers whose chunks may outrun their KV_BEGIN
+        self.held = asyncio.Queue()  # the wake of each chunk a path asked to hold
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by the pair fixture
 
     def lane_up(self, lane: int) -> None:
         self.lanes.add(lane)
@@ -54,6 +57,12 @@ class Owner:
 
     def chunk_arrived(self, tid, k, ok, nbytes, claimed, invalid=False) -> None:
         self.arrived.put_nowait((tid, k, ok, nbytes, claimed, invalid))
+
+    def chunk_early(self, tid: int, wake) -> bool:
+        if tid not in self.hold_for:
+            return False
+        self.loop.call_soon_threadsafe(self.held.put_nowait, wake)  # from a bulk thread
+        return True
 
     def reconnect(self, why: str) -> None:
         raise AssertionError(f"the path asked to reconnect: {why}")
@@ -125,6 +134,7 @@ PAIRS = {"tcp": tcp_pair, "ucx": ucx_pair, "inproc": inproc_pair}
 @pytest.fixture(params=sorted(PAIRS))
 async def pair(request):
     a, b = Owner(), Owner()
+    a.loop = b.loop = asyncio.get_running_loop()
     pa, pb, stop = await PAIRS[request.param](a, b)
     a.path, b.path = pa, pb
     try:
@@ -173,6 +183,44 @@ async def test_a_chunk_of_an_unknown_transfer_is_never_written(pair):
         seen.append(await asyncio.wait_for(b.arrived.get(), 30))
     assert seen[-1] == (6, 0, True, CHUNK, True, False)
     assert all(not claimed for tid, _, _, _, claimed, _ in seen if tid == 99)
+    assert route.verified == {0}
+
+
+async def test_a_chunk_that_outran_its_kv_begin_waits_for_its_route(pair):
+    """An offered transfer's chunk may come before its KV_BEGIN was handled: the path holds it
+    (a bulk connection reads nothing more meanwhile) until the owner wakes it, then lands it
+    through the route that exists by then. (UCX keeps a message nobody receives yet by itself.)"""
+    kind, a, b, pa, pb = pair
+    src, dst, other = blocks(CHUNK, fill=5), blocks(CHUNK), blocks(CHUNK)
+    b.hold_for.add(11)
+    route12 = expect(b, pb, 12, other)
+    lane = next(iter(a.lanes))
+    pa.send(lane, 11, 0, src.slice(0, CHUNK))
+    pa.send(lane, 12, 0, src.slice(0, CHUNK))
+    wake = await asyncio.wait_for(b.held.get(), 30) if kind != "ucx" else None
+    route = expect(b, pb, 11, dst)
+    if wake is not None:
+        wake()
+    got = [await asyncio.wait_for(b.arrived.get(), 30) for _ in range(2)]
+    assert sorted(got) == [(11, 0, True, CHUNK, True, False), (12, 0, True, CHUNK, True, False)]
+    if kind == "tcp":  # one stream: what came behind the held chunk waited for it
+        assert [g[0] for g in got] == [11, 12]
+    assert route.verified == {0} and route12.verified == {0}
+    assert bytes(dst.slice(0, CHUNK)[0]) == bytes(src.slice(0, CHUNK)[0])
+
+
+async def test_a_held_chunk_whose_transfer_never_opened_is_not_written(pair):
+    kind, a, b, pa, pb = pair
+    if kind == "ucx":
+        return  # nothing is held on UCX: an unreceived message is drained after unclaimed_ttl_s
+    src = blocks(CHUNK, fill=9)
+    b.hold_for.add(13)
+    pa.send(next(iter(a.lanes)), 13, 0, src.slice(0, CHUNK))
+    (await asyncio.wait_for(b.held.get(), 30))()  # its KV_BEGIN was refused: woken, no route
+    assert await asyncio.wait_for(b.arrived.get(), 30) == (13, 0, True, CHUNK, False, False)
+    route = expect(b, pb, 14, blocks(CHUNK))
+    pa.send(next(iter(a.lanes)), 14, 0, src.slice(0, CHUNK))
+    assert await asyncio.wait_for(b.arrived.get(), 30) == (14, 0, True, CHUNK, True, False)
     assert route.verified == {0}
 
 

@@ -165,6 +165,29 @@ def test_frame_reader_bulk_interface():
         _check_frame(f, vec["frames"][0])
 
 
+def test_a_deferred_payload_sink_holds_the_frame_until_resumed():
+    """A sink that answers DEFER (a bulk connection holding a chunk for its KV_BEGIN): no payload
+    byte is asked for until resume() names where it goes; then the frame completes there."""
+    from pdd_wire.wire.frame import DEFER
+
+    vec = next(e for e in FRAMES if e["name"] == "kv_chunk")
+    raw = (VECTORS / vec["file"]).read_bytes()
+    seen = []
+    r = FrameReader(max_body=MAX_BODY, max_payload=MAX_PAYLOAD, sink=lambda h, body: seen.append(h) or DEFER)
+    buf = r.buffer()
+    buf[:len(buf)] = raw[:len(buf)]
+    assert r.advance(len(buf)) is None and r.waiting and len(seen) == 1
+    with pytest.raises(ProtocolError):
+        r.buffer()  # nothing may be read meanwhile
+    dest = bytearray(seen[0].payload_len)
+    r.resume([memoryview(dest)])
+    (f,) = r.feed(memoryview(raw)[HEADER_SIZE + seen[0].body_len:])
+    assert f.payload_ok and bytes(dest) == bytes.fromhex(vec["frames"][0]["payload_hex"])
+    assert not r.waiting and r.idle
+    with pytest.raises(ProtocolError):
+        r.resume(None)  # nothing deferred
+
+
 @pytest.mark.parametrize("vec", ENGINE, ids=lambda e: e["name"])
 def test_engine_vector(vec):
     raw = (VECTORS / vec["file"]).read_bytes()

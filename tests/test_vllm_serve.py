@@ -40,7 +40,7 @@ from pdd_tools.vllm.serve import (
     missing,
     tokens,
 )
-from support.agents import run_agents, two_site_toml
+from support.agents import BESIDE_VLLM_DEAD_AFTER_S, run_agents, two_site_toml
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -48,6 +48,7 @@ N = 32  # tokens generated per request
 LEASE_S = 30.0  # prefill's lease (connector config)
 MAX_PINNED = 200  # prefill's max_pinned_blocks: above what the other tests hold at once
 SLACK_S = 2.0  # decode's receive waits this beyond what is left of the lease
+NICE = 10  # the vLLM servers' niceness: below the in-process agents (and router) under test
 
 
 def prompt_for(seed: int, length: int = 75) -> list[int]:
@@ -60,6 +61,7 @@ class Cluster:
                  http: aiohttp.ClientSession) -> None:
         self.tmp, self.agents, self.P, self.D, self.proxy, self.http = tmp, agents, P, D, proxy, http
         self._base: dict[tuple, list[int]] = {}
+        self.D2: VllmServer | None = None  # test_vllm_serve's staging decode, idle otherwise
 
     async def baseline(self, prompt: list[int], n: int = N) -> list[int]:
         """A single server's greedy output (P, no KV transfer)."""
@@ -105,31 +107,49 @@ async def cluster():
     if why:
         pytest.fail(f"the vLLM venv is needed for this test ({why}): run scripts/vllm-env", pytrace=False)
     tmp = Path(tempfile.mkdtemp(prefix="pdw-vserve-"))
-    tomls = two_site_toml(tmp, streams=2, chunk=64 << 10)
+    tomls = two_site_toml(tmp, streams=2, chunk=64 << 10, dead_after_s=BESIDE_VLLM_DEAD_AFTER_S)
     servers: list[VllmServer] = []
     async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
         try:
             # P as users type it (vllm serve); D through the module entry point. P stages its KV
             # (staging: the KV-on-CUDA path's code, here on CPU tensors; the zero-copy send is
             # tests/test_vllm_adapter.py's), D receives zero-copy.
-            P = VllmServer("P", tmp / "P.log", cpu="0", cli=True,
+            P = VllmServer("P", tmp / "P.log", cpu="0", cli=True, nice=NICE,
                            kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"], lease_s=LEASE_S,
                                                  max_pinned_blocks=MAX_PINNED, staging=True, staging_mb=16))
             # D: 40 blocks of KV cache and 2 sequences at a time: requests queue for admission.
             D = VllmServer("D", tmp / "D.log", cpu="1", cli=False, max_num_seqs=2, kv_cache_bytes=40 * BLOCK * 1024,
-                           prefix_caching=True, failure_policy="recompute",
+                           nice=NICE, prefix_caching=True, failure_policy="recompute",
                            kv=connector_config("kv_consumer", f"{tmp}/B.sock", recv_slack_s=SLACK_S))
-            servers = [P, D]
+            # D2: test_decode_receiving_through_staging_as_for_a_cuda_kv_cache's second decode,
+            # started with them: one server starting alone leaves a core idle (its start-up is
+            # single-threaded imports, 55 s on its own vs about 20 s more beside P and D).
+            D2 = VllmServer("D2", tmp / "D2.log", cpu="1", cli=True, nice=NICE, max_num_seqs=4,
+                            kv_cache_bytes=40 * BLOCK * 1024,
+                            kv=connector_config("kv_consumer", f"{tmp}/B.sock", staging=True, staging_mb=4))
+            servers = [P, D, D2]
             t0 = time.monotonic()
             await asyncio.gather(*(s.start() for s in servers))
             print(f"vLLM servers ready in {time.monotonic() - t0:.1f} s")
             async with Proxy(P.url, D.url) as proxy:
-                yield Cluster(tmp, agents, P, D, proxy, http)
+                c = Cluster(tmp, agents, P, D, proxy, http)
+                c.D2 = D2
+                yield c
         finally:
             await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
             for s in servers:
                 print(f"--- {s.name} log tail ---\n{s.tail(15)}")
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="module")
+async def _settles(request):
+    """After each test, passed or failed, nothing is left running or pinned (Cluster.settled): a
+    failed test's requests and the KV it left pinned until its lease are not the next test's."""
+    c = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
+    yield
+    if c is not None:
+        await c.settled()
 
 
 async def test_stock_proxy_pd_gives_the_single_server_output(cluster):
@@ -368,18 +388,13 @@ async def test_decode_receiving_through_staging_as_for_a_cuda_kv_cache(cluster):
     """A second decode that stages what it receives (the KV-on-CUDA path's code, on CPU tensors:
     the agent writes the staging blocks, the worker copies them into vLLM's cache on arrival):
     the output is still the single server's, the prompt came from the wire."""
-    D2 = VllmServer("D2", cluster.tmp / "D2.log", cpu="1", cli=True, max_num_seqs=4,
-                    kv_cache_bytes=40 * BLOCK * 1024,
-                    kv=connector_config("kv_consumer", f"{cluster.tmp}/B.sock", staging=True, staging_mb=4))
-    try:
-        await D2.start()
-        prompts = [prompt_for(400 + i, 50 + 20 * i) for i in range(3)]
-        bases = [await cluster.baseline(pr) for pr in prompts]
-        wire0 = await D2.wire_tokens(cluster.http)
-        async with Proxy(cluster.P.url, D2.url) as proxy:
-            outs = await asyncio.gather(*(complete(cluster.http, proxy.url, completion_body(pr, N)) for pr in prompts))
-        assert [tokens(o) for o in outs] == bases
-        assert await D2.wire_tokens(cluster.http) - wire0 == sum(len(pr) for pr in prompts)
-        await cluster.settled()
-    finally:
-        await D2.stop()
+    D2 = cluster.D2
+    assert D2 is not None
+    prompts = [prompt_for(400 + i, 50 + 20 * i) for i in range(3)]
+    bases = [await cluster.baseline(pr) for pr in prompts]
+    wire0 = await D2.wire_tokens(cluster.http)
+    async with Proxy(cluster.P.url, D2.url) as proxy:
+        outs = await asyncio.gather(*(complete(cluster.http, proxy.url, completion_body(pr, N)) for pr in prompts))
+    assert [tokens(o) for o in outs] == bases
+    assert await D2.wire_tokens(cluster.http) - wire0 == sum(len(pr) for pr in prompts)
+    await cluster.settled()

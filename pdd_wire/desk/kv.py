@@ -4,8 +4,10 @@ fans out to its destinations.
 A **post** (``post_recv``) lends the agent an engine's blocks for one request until a transfer
 claims them or ``ttl_s`` runs out. A peer's KV_BEGIN is *matched* to the post of its request
 (:meth:`KvDesk.incoming_begin`); one that comes first waits, unposted, up to
-``transfer.unposted_wait_s`` for the engine to post. ``send_kv`` starts one transfer per
-destination, all reading the same pages, all or none. Aborts (from an engine here or from a
+``transfer.unposted_wait_s`` for the engine to post. A post is *offered* (KV_OFFER) to the
+peers that may fill it, so that their transfer moves without waiting for KV_ACCEPT; the offer is
+withdrawn when the post goes. ``send_kv`` starts one transfer per destination, all reading the
+same pages, all or none. Aborts (from an engine here or from a
 peer) end what the desk holds for the request: posts, unposted waits, transfers, the handoff.
 
 Isolation (``proto/transfer.md`` §14): each request is tied to the engine that owns it here
@@ -97,7 +99,15 @@ class KvDesk:
         if waits:
             waiting = min(waits, key=lambda w: w.since)
             self._unwait(msg.request_id, waiting.session.key)
-            self._match(waiting.session, waiting.tid, waiting.begin, post)
+            self._match(waiting.session, waiting.tid, waiting.begin, post, late=True)
+        elif self.config.transfer.offers:
+            self._offer(post)
+
+    def _offer(self, post: Post) -> None:
+        """Offer the post to the peers that may fill it (its from_site's, or every peer)."""
+        site = post.from_site
+        sessions = self.peers.by_site.get(site, []) if site is not None else list(self.peers)
+        post.offered = [s for s in sessions if s.receiver.offer(post.request_id, post.blocks, post.expires)]
 
     def incoming_begin(self, session: "PeerSession", tid: int, begin: m.KvBegin) -> None:
         """A peer announced KV for a request: match it to its post, or let it wait for one."""
@@ -179,7 +189,7 @@ class KvDesk:
             found = self.gave_up.pop((site, request_id), None) or found
         return found
 
-    def _match(self, session: "PeerSession", tid: int, begin: m.KvBegin, post: Post) -> None:
+    def _match(self, session: "PeerSession", tid: int, begin: m.KvBegin, post: Post, *, late: bool = False) -> None:
         if post.from_site is not None and post.from_site != session.peer.site:
             session.reject_in(tid, begin, ErrorCode.NOT_POSTED,
                               f"request {begin.request_id!r} was posted for site {post.from_site!r} only")
@@ -201,8 +211,8 @@ class KvDesk:
                                   f"the {skip} prefix blocks matched for {begin.request_id!r} are no longer held")
                 return
             dest = post.blocks.after_blocks(skip)
-        self.drop_post(begin.request_id)
-        t = session.accept_in(tid, begin, post.engine, dest)
+        self.drop_post(begin.request_id, settled=session)
+        t = session.accept_in(tid, begin, post.engine, dest, late=late)
         if t is not None:
             t.reused_blocks = skip
             t.post = post
@@ -219,9 +229,13 @@ class KvDesk:
         self.posts_per_engine[post.engine] += 1
         return post
 
-    def drop_post(self, request_id: str) -> Post | None:
+    def drop_post(self, request_id: str, *, settled: "PeerSession | None" = None) -> Post | None:
+        """The post goes; its offers are withdrawn (``settled``: a peer that dropped its copy
+        itself: its transfer took the post, or its REQUEST_ABORT ended it)."""
         post = self.posts.pop(request_id, None)
         if post is not None:
+            for s in post.offered:
+                s.receiver.withdraw(request_id, tell=s is not settled)
             if post.timer is not None:
                 post.timer.cancel()
             self.posts_per_engine[post.engine] -= 1
@@ -484,7 +498,7 @@ class KvDesk:
                                                  f"{reason}", notify_peer=False), "abort")
         post = self.posts.get(rid)
         if post is not None and post.from_site in (None, session.peer.site):
-            self.drop_post(rid)
+            self.drop_post(rid, settled=session)
             told.add(post.engine)
         if self._unwait(rid, session.key) is not None:
             # Its KV waited unposted and is gone: a receive posted later for it fails at once.

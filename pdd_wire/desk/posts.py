@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 class Post:
     """Blocks an engine lent for one request's incoming KV."""
 
-    __slots__ = ("request_id", "engine", "blocks", "from_site", "ttl", "timer", "expires", "max_skip")
+    __slots__ = ("request_id", "engine", "blocks", "from_site", "ttl", "timer", "expires", "max_skip", "offered")
 
     def __init__(self, request_id: str, engine: "EngineConn", blocks: BlockMap, from_site: str | None,
                  ttl: float, max_skip: int | None = None) -> None:
@@ -29,6 +29,7 @@ class Post:
         self.ttl = ttl
         self.timer: asyncio.TimerHandle | None = None
         self.expires = 0.0  # loop time
+        self.offered: list["PeerSession"] = []  # the sessions it was offered to (KV_OFFER)
 
 
 class Unposted:

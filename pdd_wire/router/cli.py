@@ -27,6 +27,7 @@ def main(args) -> int:
 
 
 async def _serve(cfg: rcfg.RouterConfig) -> int:
+    from .discovery import discovered
     from .server import Router
 
     stop = asyncio.Event()
@@ -40,7 +41,8 @@ async def _serve(cfg: rcfg.RouterConfig) -> int:
         print(f"pdd-wire router: cannot listen on {cfg.listen.address}: {exc}", file=sys.stderr)
         return 1
     try:
-        await stop.wait()
+        async with discovered(router, cfg.fleet):  # [fleet]: the pools follow etcd's membership
+            await stop.wait()
     finally:
         await router.stop()
     return 0

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from ..config import default_engine_socket, parse_hostport
+from ..config import EtcdTls, default_engine_socket, parse_hostport, validate_etcd
 from ..errors import ConfigError
 from ..policy import HandoffPolicy
 
@@ -154,6 +154,23 @@ class Log(msgspec.Struct, **_cfg):
     format: typing.Literal["auto", "json", "console"] = "auto"
 
 
+class RouterFleet(msgspec.Struct, **_cfg):
+    """The pools from the fleet's membership in etcd (router/discovery.py), besides those above."""
+
+    etcd: list[str] = []
+    """etcd client URLs; [] = the pools are the configured ones only."""
+    cluster: str = "pdd"
+    """The agents' ``fleet.cluster``."""
+    request_s: float = 2.0
+    tls: EtcdTls = EtcdTls()
+
+    def __post_init__(self) -> None:
+        try:  # the agent's checks of its [fleet] table: URLs, TLS to etcd, cluster, request_s
+            validate_etcd(self.etcd, self.tls, self.cluster, self.request_s)
+        except ConfigError as exc:  # a ValueError here is reported at `fleet`, naming the key inside
+            raise ValueError(f"{exc.key}: {exc.problem}") from None
+
+
 class RouterConfig(msgspec.Struct, **_cfg):
     listen: Listen = Listen()
     request: Request = Request()
@@ -162,6 +179,7 @@ class RouterConfig(msgspec.Struct, **_cfg):
     handoff: Handoff = Handoff()
     rld_load: RldLoad = RldLoad()
     log: Log = Log()
+    fleet: RouterFleet = RouterFleet()
 
 
 def _check_url(url: str, key: str) -> None:
@@ -178,8 +196,8 @@ def validate(cfg: RouterConfig) -> RouterConfig:
     if cfg.request.prefill_lease_s is not None and not cfg.request.prefill_lease_s > 0:
         raise ConfigError("request.prefill_lease_s", "must be > 0")
     for role in ("P", "MD"):
-        if not getattr(cfg.pools, role):
-            raise ConfigError(f"pools.{role}", "needs at least one member")
+        if not getattr(cfg.pools, role) and not cfg.fleet.etcd:
+            raise ConfigError(f"pools.{role}", "needs at least one member (or [fleet] to find them in etcd)")
     for role in ("P", "RLD", "MD"):
         for i, m in enumerate(getattr(cfg.pools, role)):
             _check_url(m.url, f"pools.{role}[{i}].url")

@@ -1,6 +1,11 @@
 """The dialing side of a session's control connection: connect, HELLO, wait for WELCOME, hold
 the connection until it is lost, dial again with backoff (the longest one after a refusal
-that a retry cannot fix). The handshake in progress is one explicit :class:`Handshake`."""
+that a retry cannot fix). The handshake in progress is one explicit :class:`Handshake`.
+
+With a pinned ``fingerprint`` (a fleet member's registered certificate, ``peers[].fingerprint``)
+the listener's certificate must be exactly that one, or the connection is refused as
+IDENTITY_MISMATCH before HELLO. :meth:`Dialer.knock` is the fleet's way for the agent that
+does *not* dial (it sorts higher) to ask the one that does: proto/handshake.md §8."""
 
 from __future__ import annotations
 
@@ -11,11 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import Timeouts
-from ..errors import FatalHandshakeError, HandshakeError, TransportError
+from ..errors import ErrorCode, FatalHandshakeError, HandshakeError, ProtocolError, TransportError
 from ..log import limited
+from ..pki import peer_fingerprint
 from ..transport.base import Connector
 from ..transport.tcp import FrameProtocol
-from ..wire import FrameType, encode, encode_body
+from ..wire import FrameType, decode_body, encode, encode_body
 from ..wire import messages as m
 from ..wire.handshake import refusal
 
@@ -37,8 +43,10 @@ class Handshake:
 
 class Dialer:
     def __init__(self, connector: Connector, timeouts: Timeouts, *, new_conn: Callable[[], FrameProtocol],
-                 hello: Callable[[], m.Hello], count_error: Callable[[Any], None], log: Any) -> None:
+                 hello: Callable[[], m.Hello], count_error: Callable[[Any], None], log: Any,
+                 fingerprint: Callable[[], str] = lambda: "") -> None:
         self.connector = connector
+        self.fingerprint = fingerprint
         self.timeouts = timeouts
         self.new_conn = new_conn
         self.hello = hello
@@ -47,16 +55,19 @@ class Dialer:
         self.pending: Handshake | None = None
         self.lost = asyncio.Event()  # set when the established connection went
         self.closing = False
+        self._wake = asyncio.Event()  # cuts a backoff short (the peer knocked: it needs us now)
 
     async def run(self) -> None:
         backoff = FIRST_BACKOFF_S
         to = self.timeouts
         while not self.closing:
             self.lost.clear()
+            self._wake.clear()  # here, not before the backoff: a wake during this attempt cuts the next wait
             hs: Handshake | None = None
             try:
                 conn = self.new_conn()
                 await self.connector.connect(conn, timeout=to.connect_s)
+                self.check_identity(conn)
                 hs = self.pending = Handshake(conn, asyncio.get_running_loop().create_future())
                 conn.send(encode(FrameType.HELLO, encode_body(self.hello())))
                 try:
@@ -78,8 +89,64 @@ class Dialer:
                 limited(self, self.log.info, "peer not reachable", error=str(exc) or type(exc).__name__)
             if self.closing:
                 return
-            await asyncio.sleep(backoff * (0.5 + random.random() / 2))
+            try:
+                async with asyncio.timeout(backoff * (0.5 + random.random() / 2)):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
             backoff = min(backoff * 2, to.reconnect_max_backoff_s)
+
+    def wake(self) -> None:
+        """Dial now if waiting out a backoff."""
+        self._wake.set()
+
+    def check_identity(self, conn: FrameProtocol) -> None:
+        """The certificate the listener presented is the pinned one (when one is pinned)."""
+        want = self.fingerprint()
+        if not want or conn.transport is None:
+            return
+        got = peer_fingerprint(conn.transport)
+        if got != want:
+            conn.abort()
+            raise FatalHandshakeError(f"certificate {got or '(none)'} is not the registered {want}",
+                                      ErrorCode.IDENTITY_MISMATCH)
+
+    async def knock(self) -> bool:
+        """Ask the peer to dial this agent: a control connection with HELLO, which a fleet peer
+        that sorts lower answers with ERROR DIAL_BACK (and dials). True when it did; False when
+        it refused, did not answer within ``timeouts.handshake_s`` or could not be reached."""
+        to = self.timeouts
+        conn = self.new_conn()
+        answer: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        def settle(frame) -> None:
+            if not answer.done():
+                answer.set_result(frame)
+
+        conn.on_frame = lambda c, f: settle(f)
+        conn.on_lost = lambda c, e: settle(None)
+        try:
+            await self.connector.connect(conn, timeout=to.connect_s)
+            self.check_identity(conn)
+            conn.send(encode(FrameType.HELLO, encode_body(self.hello())))
+            async with asyncio.timeout(to.handshake_s):
+                frame = await answer
+        except (TransportError, HandshakeError, TimeoutError, OSError) as exc:
+            if isinstance(exc, FatalHandshakeError):  # the peer's certificate is not the registered one
+                self.count_error(exc.code)
+            limited(self, self.log.info, "knock unanswered", error=str(exc) or type(exc).__name__)
+            return False
+        finally:
+            conn.abort()
+        if frame is None or frame.header.type != FrameType.ERROR:
+            return False
+        try:
+            err = decode_body(FrameType.ERROR, frame.body)
+        except ProtocolError:
+            return False
+        if err.code != ErrorCode.DIAL_BACK:
+            limited(self, self.log.info, "knock refused", code=err.code, message=err.message)
+        return err.code == ErrorCode.DIAL_BACK
 
     def welcomed(self, msg: m.Welcome) -> None:
         if self.pending is not None and not self.pending.done.done():

@@ -48,12 +48,13 @@ _LANE_NAMES = ("control", "token", "bulk")
 
 
 class PeerSession:
-    def __init__(self, host: SessionHost["PeerSession"], peer: Peer) -> None:
+    def __init__(self, host: SessionHost["PeerSession"], peer: Peer, index: int | None = None) -> None:
         self.host = host
         self.cfg = host.config
-        self.peer = peer
+        self.peer = peer  # a fleet member's is replaced when it registers a new certificate
         self.key = f"{peer.site}/{peer.node}"
-        self.index = host.config.peers.index(peer)  # spreads sessions over the bulk threads
+        # spreads sessions over the bulk threads (fleet members, not in config.peers, are numbered by the agent)
+        self.index = host.config.peers.index(peer) if index is None else index
         self.dialer = (self.cfg.site, self.cfg.node) < (peer.site, peer.node)
         self.log = log.bind(peer=self.key)
         self.metrics = host.metrics
@@ -77,6 +78,7 @@ class PeerSession:
             maxlen=2 * self.cfg.transfer.max_transfers)
         self.up = asyncio.Event()
         self.down_since: float | None = time.monotonic()
+        self.peer_goodbye: str | None = None  # the reason of the peer's last GOODBYE ("idle": fleet idle close)
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
         self._last_rx = time.monotonic()
@@ -89,7 +91,8 @@ class PeerSession:
         server_name = peer.server_name or peer.node
         self.dialer_loop = Dialer(TcpConnector(host_, port, ssl_client=host.ssl_client, server_name=server_name),
                                   self.cfg.timeouts, new_conn=self._new_control, hello=self._hello,
-                                  count_error=self.metrics.error, log=self.log)
+                                  count_error=self.metrics.error, log=self.log,
+                                  fingerprint=lambda: self.peer.fingerprint)
         to = self.cfg.timeouts
         self.data = transport.data_path(peer.transport, self, PathSettings(
             name=self.key, host=host_, port=port, server_name=server_name, site=self.cfg.site, node=self.cfg.node,
@@ -153,26 +156,30 @@ class PeerSession:
         t.add_done_callback(self._tasks.discard)
         return t
 
-    async def close(self) -> None:
+    async def close(self, reason: str = "shutdown") -> None:
+        """End the session (GOODBYE ``reason``: "shutdown", or "idle" for a fleet idle close)."""
         self._closing = self.dialer_loop.closing = True
         if self.control is not None and not self.control.closed:
             try:
-                self.control.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye("shutdown"))))
+                self.control.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye(reason))))
             except TransportError:
                 pass
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._drop_connections()
-        self.sender.fail_all(ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
-        await self.receiver.fail_all(ErrorCode.SHUTTING_DOWN, "agent shutting down", notify_peer=False)
+        # What is still open: the agent stops, or (a fleet session closed) the session is gone.
+        code, why = ((ErrorCode.SHUTTING_DOWN, "agent shutting down") if reason == "shutdown" else
+                     (ErrorCode.PEER_UNREACHABLE, f"the session with {self.key} was closed ({reason})"))
+        self.sender.fail_all(code, why, notify_peer=False)
+        await self.receiver.fail_all(code, why, notify_peer=False)
         self.tokens.close()
         await self.data.close()
 
     # ------------------------------------------------------------------ dialing
     def _hello(self) -> m.Hello:
         return m.Hello(versions=list(m.SUPPORTED_VERSIONS), site=self.cfg.site, node=self.cfg.node,
-                       incarnation=self.host.incarnation, capabilities=list(CAPABILITIES),
+                       incarnation=self.host.incarnation, capabilities=self._capabilities(),
                        max_body=self.cfg.limits.max_body, max_chunk=MAX_CHUNK,
                        credit_bytes=self.cfg.transfer.credit_bytes, bulk_streams=self.configured_streams,
                        ucx_address=self.data.address())
@@ -188,6 +195,9 @@ class PeerSession:
             return
         self._established(conn, msg.incarnation, msg)
         self.dialer_loop.welcomed(msg)
+
+    def _capabilities(self) -> list[str]:
+        return [c for c in CAPABILITIES if c != "offer.v1" or self.cfg.transfer.offers]
 
     def _new_control(self) -> FrameProtocol:
         conn = FrameProtocol(max_body=self.cfg.limits.max_body, max_payload=0,
@@ -210,7 +220,7 @@ class PeerSession:
         conn.on_lost = self._on_control_lost
         welcome = m.Welcome(version=version, site=self.cfg.site, node=self.cfg.node,
                             incarnation=self.host.incarnation, session=self.token,
-                            capabilities=list(CAPABILITIES), max_body=self.cfg.limits.max_body,
+                            capabilities=self._capabilities(), max_body=self.cfg.limits.max_body,
                             max_chunk=MAX_CHUNK, credit_bytes=self.cfg.transfer.credit_bytes,
                             bulk_streams=self.configured_streams,
                             resumed=self.remote_incarnation == hello.incarnation,
@@ -233,6 +243,7 @@ class PeerSession:
         restarted = not first and self.remote_incarnation != incarnation
         self.control = conn
         self._last_rx = time.monotonic()
+        self.peer_goodbye = None
         if restarted:
             self.log.warning("peer restarted; failing every transfer with it")
             self.cancel_later.clear()  # it forgot those transfers anyway
@@ -258,6 +269,7 @@ class PeerSession:
         while self.cancel_later:
             tid, cancel = self.cancel_later.popleft()
             self.send_frame(FrameType.KV_CANCEL, cancel, tid=tid)
+        self.receiver.session_up()
         self.sender.resume()
         self.tokens.resend_unacked()
         self.sender.pump()
@@ -279,6 +291,7 @@ class PeerSession:
         self.metrics.peer_up.labels(peer=self.key).set(0)
         self._drop_connections()
         self.flow.connection_lost()
+        self.sender.connection_lost()
         self.dialer_loop.failed(TransportError(f"connection lost during the handshake ({why})"))
         self.dialer_loop.lost.set()
 
@@ -308,6 +321,10 @@ class PeerSession:
     def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False) -> None:
         """A data path finished reading chunk ``k`` (main loop)."""
         self.receiver.chunk_arrived(tid, k, ok, nbytes, claimed, invalid)
+
+    def chunk_early(self, tid: int, wake) -> bool:
+        """Any thread: hold a chunk of ``tid`` (no transfer open) until its KV_BEGIN was handled?"""
+        return self.receiver.gate.hold(tid, wake)
 
     def reconnect(self, why: str) -> None:
         if self.control is not None:
@@ -366,6 +383,8 @@ class PeerSession:
                 self.send_frame(FrameType.PREFIX_MATCH, m.PrefixMatch(msg.request_id, k), tid=tid)
             case m.PrefixMatch():
                 self.sender.on_prefix_match(tid, msg)
+            case m.KvOffer() | m.KvWithdraw():
+                self.sender.on_offer(msg)
             case m.RequestAbort():
                 self.tokens.drop(msg.request_id)
                 self.host.request_aborted(self, msg)
@@ -376,6 +395,8 @@ class PeerSession:
                     self.dialer_loop.refused(msg.code, msg.message)
             case m.Goodbye():
                 self.log.info("peer said goodbye", reason=msg.reason)
+                self.peer_goodbye = msg.reason
+                self.host.peer_goodbye(self, msg.reason)
             case _:
                 err = ProtocolError(f"unexpected {FrameType(h.type).name} on the control connection",
                                     ErrorCode.UNEXPECTED_FRAME)
@@ -422,7 +443,7 @@ class PeerSession:
         self.metrics.error(code_name(code))
 
     def count_failure(self, direction: str, code: int) -> None:
-        self.metrics.transfers.labels(peer=self.key, direction=direction, outcome=code_name(code).lower()).inc()
+        self.metrics.child(self.metrics.transfers, self.key, direction, code_name(code).lower()).inc()
         self.metrics.error(code_name(code))
 
     # ------------------------------------------------------------------ PING
@@ -468,10 +489,10 @@ class PeerSession:
         None if the peer does not keep an inventory, is down, or does not answer in time."""
         return await self.sender.prefix_lookup(request_id, hashes, timeout)
 
-    def accept_in(self, tid: int, begin: m.KvBegin, engine, dest: BlockMap) -> InTransfer | None:
-        """The agent matched a KV_BEGIN with a posted receive: check it and open the transfer.
-        A refusal is sent to the peer and told to the posting engine (its post is used up)."""
-        return self.receiver.accept(tid, begin, engine, dest)
+    def accept_in(self, tid: int, begin: m.KvBegin, engine, dest: BlockMap, *, late: bool = False) -> InTransfer | None:
+        """The agent matched a KV_BEGIN with a posted receive (``late``: after the KV_BEGIN waited for
+        it): check it and open the transfer; a refusal goes to the peer and the posting engine."""
+        return self.receiver.accept(tid, begin, engine, dest, late=late)
 
     def reject_in(self, tid: int, begin: m.KvBegin, code: int, message: str) -> None:
         self.receiver.reject(tid, begin, code, message)
@@ -498,8 +519,10 @@ class PeerSession:
             any(t.request_id == request_id for t in self.inn.values())
 
     def send_abort(self, request_id: str, reason: str) -> bool:
-        """Tell the peer the request is dead (REQUEST_ABORT), if it is up and understands it."""
+        """Tell the peer the request is dead (REQUEST_ABORT), if it is up and understands it. Its
+        offer for the request goes too (the peer withdraws nothing it learns is dead this way)."""
         self.tokens.drop(request_id)
+        self.sender.offers.pop(request_id, None)
         if self.is_up and self.remote_caps is not None and "abort.v1" in self.remote_caps:
             return self.send_frame(FrameType.REQUEST_ABORT, m.RequestAbort(request_id, reason), lane=Lane.TOKEN)
         return False
@@ -536,11 +559,15 @@ class PeerSession:
                 self.est.expire(now)
                 self.link.decide_compression()
             elif self.down_since is not None and now - self.down_since > to.peer_give_up_s:
-                self.host.peer_lost(self, "peer_unreachable")
-                why = f"peer {self.key} unreachable for {to.peer_give_up_s}s"
-                self.sender.fail_all(ErrorCode.PEER_UNREACHABLE, why, notify_peer=True)
-                await self.receiver.fail_all(ErrorCode.PEER_UNREACHABLE, why, notify_peer=True)
+                await self.give_up(f"peer {self.key} unreachable for {to.peer_give_up_s}s")
             self.sender.expire(now, to.chunk_ack_s)
+
+    async def give_up(self, why: str, code: int = ErrorCode.PEER_UNREACHABLE) -> None:
+        """Fail every transfer with the peer now: PEER_UNREACHABLE after peer_give_up_s down, or at
+        once when a fleet member's lease expired; PEER_RESTARTED when its record has a new incarnation."""
+        self.host.peer_lost(self, "peer_restarted" if code == ErrorCode.PEER_RESTARTED else "peer_unreachable")
+        self.sender.fail_all(code, why, notify_peer=True)
+        await self.receiver.fail_all(code, why, notify_peer=True)
 
     # ------------------------------------------------------------------ link figures
     @contextlib.contextmanager

@@ -9,7 +9,10 @@ duplication, reordering and reconnects.
 Sender: a transfer's chunks are dispatched while the credit window (unacknowledged bytes in
 flight, the smaller of both agents' ``credit_bytes``) allows, round robin over transfers,
 each on the least loaded lane. A lane is whatever the data path moves chunks on (a bulk TCP
-connection, a UCX endpoint); the core only counts bytes on it.
+connection, a UCX endpoint); the core only counts bytes on it. A transfer that took the
+receiver's KV_OFFER (``offered``) moves from its KV_BEGIN on, without waiting for KV_ACCEPT;
+until the receiver has shown it matched it (an ack, a KV_STATUS, a late KV_ACCEPT) it is
+*unconfirmed*: a KV_ACCEPT means its early chunks were dropped, a reconnect announces it again.
 """
 
 from __future__ import annotations
@@ -50,6 +53,8 @@ class Outgoing(Protocol):
     pending: collections.deque[int]
     retransmits: int
     streams_limit: int | None
+    offered: bool  # took a KV_OFFER: moving since its KV_BEGIN
+    confirmed: bool  # the receiver showed it matched it (an ack, KV_STATUS, a late KV_ACCEPT)
 
     @property
     def total(self) -> int: ...
@@ -149,14 +154,28 @@ class SendWindow(Generic[T]):
         return t
 
     def accepted(self, tid: int) -> bool:
-        """KV_ACCEPT: an announced transfer starts moving. False if there is nothing to start."""
+        """KV_ACCEPT: an announced transfer starts moving; an offered one that was moving already
+        was matched late, so its early chunks were dropped: what was in flight goes back on the
+        queue, every chunk not acknowledged is sent (again). False if there is nothing to start."""
         t = self.out.get(tid)
-        if t is None or t.state != State.ANNOUNCED:
+        if t is None:
             return False
-        t.state = State.MOVING
-        t.pending = collections.deque(k for k in range(t.n_chunks) if k not in t.acked)
-        self._ready(t)
+        if t.state == State.MOVING and t.offered:
+            for k in range(t.n_chunks):
+                self.uninflight(tid, k)
+            t.confirmed = True
+        elif t.state != State.ANNOUNCED:
+            return False
+        self.start(tid)
         return True
+
+    def start(self, tid: int) -> None:
+        """Queue every chunk not acknowledged and move (after KV_ACCEPT, or at once when offered)."""
+        t = self.out[tid]
+        t.state = State.MOVING
+        t.pending = collections.deque(k for k in range(t.n_chunks)
+                                      if k not in t.acked and (tid, k) not in self.inflight)
+        self._ready(t)
 
     def _ready(self, t: T) -> None:
         if t.tid not in self.rr:
@@ -207,6 +226,8 @@ class SendWindow(Generic[T]):
         if t is None:
             return NOTHING
         count = max(0, min(count, t.n_chunks - first))  # the peer's numbers bound no loop of ours
+        if count:
+            t.confirmed = True
         nbytes = chunks = 0
         sent_at = []
         for k in range(max(0, first), first + count):
@@ -260,10 +281,11 @@ class SendWindow(Generic[T]):
 
     # -- reconnects
     def connection_lost(self) -> None:
-        """Moving transfers wait for the receiver's KV_STATUS after the reconnect."""
+        """Moving transfers wait for the receiver's KV_STATUS after the reconnect; an offered one
+        still unconfirmed is announced again (its KV_BEGIN may be what was lost)."""
         for t in self.out.values():
             if t.state == State.MOVING:
-                t.state = State.RESUMING
+                t.state = State.RESUMING if t.confirmed or not t.offered else State.ANNOUNCED
 
     def on_status(self, tid: int, state: int, have: set[int]) -> tuple[Resumed, Acked]:
         """KV_STATUS after a reconnect. For MOVING, also what the receiver verified whose acks
@@ -275,6 +297,7 @@ class SendWindow(Generic[T]):
             return Resumed.DONE, NOTHING
         if state != Status.RECEIVING:
             return Resumed.UNKNOWN, NOTHING
+        t.confirmed = True
         fresh = [k for k in have - t.acked if 0 <= k < t.n_chunks]
         t.acked.update(fresh)
         nbytes = sum(end - start for start, end in (chunk_range(k, t.total, t.chunk_bytes) for k in fresh))

@@ -1,14 +1,22 @@
-"""The receiving side of a peer session: KV transfers from the peer, KV_BEGIN to KV_DONE.
+"""The receiving side of a peer session: KV transfers from the peer, KV_OFFER to KV_DONE.
 
 What to answer about a chunk, a repeated KV_BEGIN or a KV_RESUME is decided by the sans-IO
 :class:`~.protocol.ReceiveLedger`; this module carries it out. Memory goes back to the engine
 only once no data path can write into it (:meth:`Receiver.fail` closes the route and waits).
+
+Offers: a receive posted for this peer is offered to it (KV_OFFER), so that its transfer moves
+without waiting for KV_ACCEPT. Such a transfer's first chunks leave right behind its KV_BEGIN,
+on other connections read by other threads, and may come before the KV_BEGIN was handled: the
+:class:`BeginGate` holds them (their data path stops reading that connection) until it was.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
+import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..errors import ErrorCode
@@ -28,6 +36,84 @@ if TYPE_CHECKING:
 DEADLINE_SLACK_S = 1.0
 #: How long a stalled data path may keep writing into a closing transfer before its lanes are cut.
 QUIESCE_S = 1.0
+#: How long a chunk may wait for its KV_BEGIN to be handled (it was sent first, on the control
+#: connection: only a stalled loop or a broken peer takes this long). Then it is dropped.
+PARK_S = 2.0
+#: Chunks of one peer held for their KV_BEGIN at once (a bulk connection holds at most one).
+MAX_PARKED = 256
+
+
+class BeginGate:
+    """Holds chunks that outran their KV_BEGIN (offered transfers only): any thread asks
+    :meth:`hold`, the session's loop reports each KV_BEGIN handled (:meth:`begun`). A chunk of a
+    transfer whose KV_BEGIN was handled is never held, so a chunk of a transfer that ended
+    (or never matched) is dropped as before; ``keep`` bounds the transfers remembered."""
+
+    def __init__(self, keep: int, count: Callable[[str], None] = lambda outcome: None) -> None:
+        self.keep = keep
+        self.count = count  # "held" / "expired", from any thread
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by open(): the peer may send early
+        self._lock = threading.Lock()
+        self._begun: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self._held: dict[int, list[Callable[[], None]]] = {}
+        self.holding = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self._loop is not None
+
+    def open(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Hold early chunks from now on (``loop``: the session's), or never (None): the peer
+        sends before KV_ACCEPT only where both sides advertised offer.v1."""
+        self._loop = loop
+
+    def hold(self, tid: int, wake: Callable[[], None]) -> bool:
+        """Any thread: should a chunk of ``tid``, whose transfer is not open, wait? If so
+        ``wake()`` is called (from the session's loop) once its KV_BEGIN was handled or after
+        :data:`PARK_S`; it must be safe to call from there."""
+        loop = self._loop
+        with self._lock:
+            if loop is None or tid in self._begun or self.holding >= MAX_PARKED:
+                return False
+            self._held.setdefault(tid, []).append(wake)
+            self.holding += 1
+        self.count("held")
+        loop.call_soon_threadsafe(loop.call_later, PARK_S, self._expire, tid, wake)
+        return True
+
+    def begun(self, tid: int) -> None:
+        """The session's loop handled the KV_BEGIN of ``tid`` (opened, refused or waiting)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            self._begun[tid] = None
+            if len(self._begun) > self.keep:
+                self._begun.popitem(last=False)
+            wakes = self._held.pop(tid, ())
+            self.holding -= len(wakes)
+        for wake in wakes:
+            wake()
+
+    def _expire(self, tid: int, wake: Callable[[], None]) -> None:
+        with self._lock:
+            waiting = self._held.get(tid, [])
+            if wake not in waiting:
+                return
+            waiting.remove(wake)
+            if not waiting:
+                del self._held[tid]
+            self.holding -= 1
+        self.count("expired")
+        wake()
+
+    def clear(self) -> None:
+        """The peer restarted: its transfer ids start again from 1."""
+        with self._lock:
+            self._begun.clear()
+            held, self._held, self.holding = self._held, {}, 0
+        for wakes in held.values():
+            for wake in wakes:
+                wake()
 
 
 class Receiver:
@@ -36,8 +122,57 @@ class Receiver:
         self.inn: dict[int, InTransfer] = {}
         self.routes: dict[int, Route] = {}  # read by data-path threads; mutated only here
         self.ledger = ReceiveLedger(keep=4 * session.cfg.transfer.max_transfers)
+        self.gate = BeginGate(4 * session.cfg.transfer.max_transfers,
+                              lambda outcome: session.metrics.child(session.metrics.chunks_held, session.key,
+                                                                    outcome).inc())
+        # Receives offered to this peer (KV_OFFER): request id -> (total, block bytes, until).
+        self.offered: dict[str, tuple[int, int, float]] = {}
 
+    # -- offers
+    def offers_on(self) -> bool:
+        s = self.s
+        return s.cfg.transfer.offers and s.is_up and "offer.v1" in (s.remote_caps or ())
+
+    def offer(self, request_id: str, dest: BlockMap, until: float) -> bool:
+        """Offer a receive posted for this peer (sent now and again after a reconnect, until
+        :meth:`withdraw`). False if the peer takes no offers or has its share of them."""
+        if not self.offers_on() or (len(self.offered) >= self.s.cfg.transfer.max_transfers
+                                    and request_id not in self.offered):
+            return False
+        self.offered[request_id] = (dest.total, dest.block_bytes, until)
+        self._send_offer(request_id, asyncio.get_running_loop().time())
+        return True
+
+    def _send_offer(self, request_id: str, now: float) -> None:
+        total, block, until = self.offered[request_id]
+        self.s.send_frame(FrameType.KV_OFFER, m.KvOffer(request_id, total, block, max(1, int((until - now) * 1000))))
+        self.s.metrics.child(self.s.metrics.offers, self.s.key, "sent").inc()
+
+    def withdraw(self, request_id: str, *, tell: bool) -> None:
+        """The offered receive is gone (taken, aborted, expired); ``tell``: the peer may still hold
+        the offer (it is not the one whose transfer took the receive)."""
+        if self.offered.pop(request_id, None) is not None and tell and self.s.is_up:
+            self.s.send_frame(FrameType.KV_WITHDRAW, m.KvWithdraw(request_id))
+
+    def session_up(self) -> None:
+        """The control connection is (back) up: the peer forgot our offers with the last one."""
+        loop = asyncio.get_running_loop()
+        self.gate.open(loop if self.s.cfg.transfer.offers and "offer.v1" in (self.s.remote_caps or ()) else None)
+        if not self.gate.enabled:
+            self.offered.clear()
+            return
+        now = loop.time()
+        for rid in [r for r, (_, _, until) in self.offered.items() if until <= now]:
+            del self.offered[rid]
+        for rid in self.offered:
+            self._send_offer(rid, now)
+
+    # -- transfers
     def on_begin(self, tid: int, begin: m.KvBegin) -> None:
+        self._on_begin(tid, begin)
+        self.gate.begun(tid)  # chunks that came before it go on now (into the route, if it matched)
+
+    def _on_begin(self, tid: int, begin: m.KvBegin) -> None:
         s = self.s
         t = self.inn.get(tid)
         if t is not None:
@@ -49,7 +184,9 @@ class Receiver:
             return
         s.host.incoming_begin(s, tid, begin)
 
-    def accept(self, tid: int, begin: m.KvBegin, engine, dest: BlockMap) -> InTransfer | None:
+    def accept(self, tid: int, begin: m.KvBegin, engine, dest: BlockMap, *, late: bool = False) -> InTransfer | None:
+        """``late``: matched after its KV_BEGIN waited for the post (an offered sender is told
+        with KV_ACCEPT then: the chunks it sent meanwhile were dropped)."""
         s = self.s
         problem = None
         if dest.total != begin.total_bytes or dest.block_bytes != begin.block_bytes:
@@ -74,9 +211,10 @@ class Receiver:
         self.routes[tid] = t.route
         t.timer = loop.call_at(t.deadline + DEADLINE_SLACK_S, self.fail_later, t, ErrorCode.TRANSFER_TIMEOUT,
                                "transfer deadline passed", True)
-        s.metrics.inflight.labels(direction="in").inc()
+        s.metrics.child(s.metrics.inflight, "in").inc()
         s.data.expect(tid, t.route)
-        s.send_frame(FrameType.KV_ACCEPT, m.KvAccept(begin.request_id), tid=tid)
+        if late or not begin.offered:
+            s.send_frame(FrameType.KV_ACCEPT, m.KvAccept(begin.request_id), tid=tid)
         return t
 
     def reject(self, tid: int, begin: m.KvBegin, code: int, message: str) -> None:
@@ -89,10 +227,11 @@ class Receiver:
     def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False) -> None:
         s = self.s
         t = self.inn.get(tid)
+        # Complete: every chunk's arrival handled here, not only written (a report may be on its way).
+        last = t is not None and t.state == State.MOVING and len(t.landed) + (k not in t.landed) == t.route.n_chunks
         verdict = self.ledger.landing(
             tid, is_open=t is not None, verified=t is not None and k in t.route.verified, claimed=claimed,
-            ok=ok, invalid=invalid,
-            complete=t is not None and t.state == State.MOVING and t.route.complete)
+            ok=ok, invalid=invalid, complete=last)
         match verdict:
             case Landing.DROP:
                 return
@@ -117,22 +256,31 @@ class Receiver:
                               request_id=t.request_id, chunk=k)
                 s.send_frame(FrameType.KV_NACK, m.KvNack(k), tid=tid)
             case Landing.ACK | Landing.ACK_COMPLETE:
-                s.metrics.bytes.labels(peer=s.key, lane="bulk", direction="rx").inc(nbytes)
-                s.metrics.chunks.labels(peer=s.key, direction="rx").inc()
-                s.send_frame(FrameType.KV_ACK, m.KvAck(k, 1), tid=tid)
-                if verdict is Landing.ACK_COMPLETE:
-                    t.state = State.DONE
+                s.metrics.child(s.metrics.bytes, s.key, "bulk", "rx").inc(nbytes)
+                s.metrics.child(s.metrics.chunks, s.key, "rx").inc()
+                t.landed.add(k)
+                if verdict is Landing.ACK:
+                    s.send_frame(FrameType.KV_ACK, m.KvAck(k, 1), tid=tid)
+                    return
+                # The last one: KV_DONE acknowledges it with the rest, once nothing writes any more.
+                t.state = State.DONE
+                if t.route.close().done():
+                    self._completed(t)
+                else:
                     s.spawn(self._complete(t), f"complete{tid}")
 
     async def _complete(self, t: InTransfer) -> None:
+        await t.route.quiesced
+        self._completed(t)
+
+    def _completed(self, t: InTransfer) -> None:
         s = self.s
-        await t.route.close()
         self._forget(t)
         self.ledger.completed_transfer(t.tid, t.request_id)
+        s.host.kv_received(t)  # the engine first: it waits for this, the sender only frees its pages
         s.send_frame(FrameType.KV_DONE, m.KvDone(t.request_id, t.total), tid=t.tid)
-        s.metrics.transfers.labels(peer=s.key, direction="in", outcome="done").inc()
-        s.metrics.transfer_seconds.labels(direction="in").observe(time.monotonic() - t.started)
-        s.host.kv_received(t)
+        s.metrics.child(s.metrics.transfers, s.key, "in", "done").inc()
+        s.metrics.child(s.metrics.transfer_seconds, "in").observe(time.monotonic() - t.started)
 
     async def _quiesce(self, route: Route) -> None:
         try:
@@ -146,7 +294,7 @@ class Receiver:
 
     def _forget(self, t: InTransfer) -> None:
         if self.inn.pop(t.tid, None) is not None:
-            self.s.metrics.inflight.labels(direction="in").dec()
+            self.s.metrics.child(self.s.metrics.inflight, "in").dec()
             self.s.host.transfer_ended()
         self.routes.pop(t.tid, None)
         if t.timer is not None:
@@ -196,3 +344,4 @@ class Receiver:
         for t in list(self.inn.values()):
             self.fail_later(t, ErrorCode.PEER_RESTARTED, f"peer {self.s.key} restarted", False)
         self.ledger.clear()
+        self.gate.clear()

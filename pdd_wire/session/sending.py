@@ -2,14 +2,17 @@
 
 The books (credit, chunks in flight, acks, what to send again) are the sans-IO
 :class:`~.protocol.SendWindow`; this module turns control frames into its inputs and its
-answers into frames, timers and engine events.
+answers into frames, timers and engine events. It also keeps the peer's KV_OFFERs (receives
+posted there for this agent to fill): a send that finds its request's offer moves at once,
+without the KV_ACCEPT round trip.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import ErrorCode, PddWireError
 from ..memory import BlockMap
@@ -29,11 +32,50 @@ SEND_RETRY_S = 0.1
 GOODPUT_MIN_BYTES = 1 << 20
 
 
+class Offer(NamedTuple):
+    """A receive the peer posted for us to fill (KV_OFFER): its sizes, and until when it stands."""
+
+    total_bytes: int
+    block_bytes: int
+    until: float  # loop time
+
+
 class Sender:
     def __init__(self, session: "Shell", flow: SendWindow[OutTransfer]) -> None:
         self.s = session
         self.flow = flow
         self._lookups: dict[str, list[asyncio.Future]] = {}  # PREFIX_QUERYs of choose_pipeline
+        # The peer's standing KV_OFFERs by request id (at most transfer.max_transfers, the oldest
+        # dropped first), and how many open transfers each request has here (an offer for a
+        # request already being sent is stale: ignored).
+        self.offers: collections.OrderedDict[str, Offer] = collections.OrderedDict()
+        self._sending: collections.Counter[str] = collections.Counter()
+
+    # -- offers
+    def on_offer(self, msg: m.KvOffer | m.KvWithdraw) -> None:
+        """KV_OFFER: held (the newest per request, at most max_transfers); KV_WITHDRAW: dropped."""
+        s = self.s
+        if isinstance(msg, m.KvWithdraw):
+            self.offers.pop(msg.request_id, None)
+            return
+        if self._sending[msg.request_id]:
+            s.metrics.child(s.metrics.offers, s.key, "stale").inc()
+            return
+        self.offers[msg.request_id] = Offer(msg.total_bytes, msg.block_bytes,
+                                            asyncio.get_running_loop().time() + msg.ttl_ms / 1000)
+        self.offers.move_to_end(msg.request_id)
+        if len(self.offers) > s.cfg.transfer.max_transfers:
+            self.offers.popitem(last=False)
+            s.metrics.child(s.metrics.offers, s.key, "dropped").inc()
+
+    def _take_offer(self, request_id: str, blocks: BlockMap, now: float) -> bool:
+        """Whether a send of ``blocks`` may move at once on the peer's offer (which it uses up)."""
+        offer = self.offers.pop(request_id, None)
+        if offer is None:
+            return False
+        fits = offer.until > now and (offer.total_bytes, offer.block_bytes) == (blocks.total, blocks.block_bytes)
+        self.s.metrics.child(self.s.metrics.offers, self.s.key, "taken" if fits else "unfit").inc()
+        return fits
 
     # -- starting
     def start(self, engine, request_id: str, blocks: BlockMap, deadline_s: float,
@@ -44,11 +86,14 @@ class Sender:
                                ErrorCode.TOO_MANY_TRANSFERS)
         loop = asyncio.get_running_loop()
         chunk = s.data.chunk_bytes(s.chunk_bytes, window=self.flow.window, peer_max_chunk=s.peer_max_chunk)
-        t = OutTransfer(s.host.next_transfer_id(), request_id, engine, s.key, blocks, chunk, loop.time() + deadline_s)
+        now = loop.time()
+        t = OutTransfer(s.host.next_transfer_id(), request_id, engine, s.key, blocks, chunk, now + deadline_s)
         t.post_wait_ms = int(post_wait_s * 1000)
+        t.offered = self._take_offer(request_id, blocks, now) if self.offers else False
         self.flow.add(t)
+        self._sending[request_id] += 1
         t.timer = loop.call_at(t.deadline, self._deadline, t)
-        s.metrics.inflight.labels(direction="out").inc()
+        s.metrics.child(s.metrics.inflight, "out").inc()
         if hashes and blocks.n_blocks > 1 and s.is_up and "prefix.v1" in (s.remote_caps or ()):
             # Ask first which leading blocks the receiver's node holds; at least one block is
             # always sent (the last one is usually partial and never shared anyway).
@@ -126,10 +171,13 @@ class Sender:
 
     def _announce(self, t: OutTransfer) -> None:
         remaining = max(1, int((t.deadline - asyncio.get_running_loop().time()) * 1000))
-        self.s.send_frame(FrameType.KV_BEGIN, m.KvBegin(t.request_id, t.total, t.chunk_bytes, t.n_chunks,
-                                                        t.blocks.block_bytes, t.blocks.n_blocks, remaining, t.skip,
-                                                        t.post_wait_ms),
-                          tid=t.tid)
+        sent = self.s.send_frame(FrameType.KV_BEGIN, m.KvBegin(t.request_id, t.total, t.chunk_bytes, t.n_chunks,
+                                                               t.blocks.block_bytes, t.blocks.n_blocks, remaining,
+                                                               t.skip, t.post_wait_ms, t.offered),
+                                 tid=t.tid)
+        if t.offered and sent:  # the receiver posted for it already: no KV_ACCEPT to wait for (and if the
+            self.flow.start(t.tid)  # connection is down, it stays ANNOUNCED: the reconnect announces it)
+            self.pump()
 
     # -- moving
     def on_accept(self, tid: int) -> None:
@@ -147,13 +195,18 @@ class Sender:
         s.metrics.child(s.metrics.inflight_bytes, s.key).set(self.flow.in_flight_bytes)
 
     def on_ack(self, tid: int, first: int, count: int) -> None:
+        self._acked(tid, first, count)
+        self.pump()
+
+    def _acked(self, tid: int, first: int, count: int) -> None:
         s = self.s
         acked = self.flow.on_ack(tid, first, count)
+        if not acked.chunks and not acked.sent_at:
+            return
         now = time.monotonic()
         for sent in acked.sent_at:
             s.metrics.chunk_seconds.observe(now - sent)
         self._count_tx(acked.nbytes, acked.chunks)
-        self.pump()
         if acked.nbytes:
             s.link.acks_landed(now, acked.nbytes, busy=bool(self.flow.inflight))
 
@@ -204,25 +257,31 @@ class Sender:
         t = self.flow.out.get(tid)
         if t is None:
             return
+        self._acked(tid, 0, t.n_chunks)  # KV_DONE acknowledges every chunk (the last has no KV_ACK of its own)
         self._release(t)
+        self.pump()  # the credit it held
         t.state = State.DONE
         s = self.s
         dt = time.monotonic() - t.started
-        s.metrics.transfers.labels(peer=s.key, direction="out", outcome="done").inc()
-        s.metrics.transfer_seconds.labels(direction="out").observe(dt)
+        s.metrics.child(s.metrics.transfers, s.key, "out", "done").inc()
+        s.metrics.child(s.metrics.transfer_seconds, "out").observe(dt)
         if t.total >= GOODPUT_MIN_BYTES and dt > 0:
             s.link.transfer_goodput(t.total / dt)
         s.host.kv_sent(t)
 
     def _release(self, t: OutTransfer) -> None:
         self.flow.remove(t.tid)
+        self._sending[t.request_id] -= 1
+        if not self._sending[t.request_id]:
+            del self._sending[t.request_id]
         self.s.host.transfer_ended()
         if t.timer is not None:
             t.timer.cancel()
         if t.query_timer is not None:
             t.query_timer.cancel()
-        self.s.metrics.inflight.labels(direction="out").dec()
-        self.s.metrics.inflight_bytes.labels(peer=self.s.key).set(self.flow.in_flight_bytes)
+        mx = self.s.metrics
+        mx.child(mx.inflight, "out").dec()
+        mx.child(mx.inflight_bytes, self.s.key).set(self.flow.in_flight_bytes)
 
     def fail(self, t: OutTransfer, code: int, message: str, *, notify_peer: bool) -> None:
         if self.flow.out.get(t.tid) is not t:
@@ -268,6 +327,10 @@ class Sender:
             self.fail(t, msg.code, msg.message, notify_peer=False)
 
     # -- resume after a reconnect
+    def connection_lost(self) -> None:
+        """The peer's offers end with the control connection (it sends them again once back)."""
+        self.offers.clear()
+
     def resume(self) -> None:
         for t in list(self.flow.out.values()):
             if t.state == State.QUERYING:  # the answer may be lost: do not wait for it

@@ -26,7 +26,7 @@ Example (what a session does with its data path)::
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
 from .route import Route
@@ -57,6 +57,14 @@ class DataPathOwner(Protocol):
     def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False) -> None:
         """Chunk ``k`` of ``tid`` was read: ``claimed``: into the transfer's blocks (through its
         route); ``ok``: its checksum held; ``invalid``: it does not fit the transfer."""
+
+    def chunk_early(self, tid: int, wake: Callable[[], None]) -> bool:
+        """Any thread: a chunk of ``tid`` arrived and no transfer ``tid`` is open. True: it may
+        have outrun its KV_BEGIN (an offered transfer's chunks leave right behind it, on another
+        connection): hold it, reading nothing more of that connection, until ``wake()`` is called
+        (on the owner's loop; once the KV_BEGIN was handled, or after a bound), then look its
+        route up again. False: drop it, as before."""
+        return False
 
     def reconnect(self, why: str) -> None:
         """The data path cannot go on with this control connection (a peer restarted its

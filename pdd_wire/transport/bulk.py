@@ -20,7 +20,7 @@ from ..errors import ErrorCode, ProtocolError
 from ..memory import scatter
 from ..wire import FrameType, Lane, decode_body, encode, encode_body
 from ..wire import messages as m
-from ..wire.frame import Flags, Frame, payload_checksum
+from ..wire.frame import DEFER, Flags, Frame, Header, payload_checksum
 from ..wire.handshake import MAX_CHUNK
 from .route import Route
 from .tcp import FrameProtocol
@@ -96,6 +96,8 @@ class BulkHandler:
         self._lz: tuple[list, int] | None = None  # an lz4 chunk's destination views and length
         self._lz_buf = bytearray()
         self._lz_stage = bytearray()
+        self._held: Header | None = None  # a chunk waiting for its KV_BEGIN (owner.chunk_early)
+        self._loop: asyncio.AbstractEventLoop | None = None  # its bulk loop
         self.conn = FrameProtocol(max_body=max_body, max_payload=MAX_CHUNK, sink=self._sink, bulk=True)
         self.conn.on_frame = self._on_frame
         self.conn.on_lost = self._on_lost
@@ -116,7 +118,31 @@ class BulkHandler:
         self._lz = None
         if route is None:
             self._claim = None
+            # It may have outrun its KV_BEGIN: then read nothing more of this connection until that
+            # is handled (the wake may come at once, from another thread: set up first).
+            self._held, self._loop = header, asyncio.get_running_loop()
+            if self.session.chunk_early(header.transfer_id, self._wake):
+                self.conn.transport.pause_reading()
+                return DEFER
+            self._held = None
             return None
+        return self._land(route, header)
+
+    def _wake(self) -> None:
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._release_held)
+
+    def _release_held(self) -> None:
+        header, self._held = self._held, None
+        if header is None or self.conn.closed or self.session is None:
+            return
+        route = self.session.routes.get(header.transfer_id)
+        self.conn.reader.resume(self._land(route, header) if route is not None else None)
+        if self.conn.transport is not None:
+            self.conn.transport.resume_reading()
+
+    def _land(self, route: Route, header: Header):
+        """Where chunk ``header.seq`` of ``route``'s transfer lands (None: scratch)."""
         if header.flags & Flags.LZ4:
             # The payload is smaller than the chunk: read it into scratch, decode it into the
             # claimed blocks when it is complete (_on_frame).
@@ -208,6 +234,7 @@ class BulkHandler:
 
     def _on_lost(self, conn: FrameProtocol, exc) -> None:
         self._lz = None
+        self._held = None
         claim, self._claim = self._claim, None
         if claim is not None:
             claim[0].settle(claim[1], False)

@@ -56,10 +56,12 @@ class InprocDataPath(DataPath):
         self.sent += 1
         asyncio.get_running_loop().call_soon(peer._land, tid, k, data)
 
-    def _land(self, tid: int, k: int, data: bytes) -> None:
+    def _land(self, tid: int, k: int, data: bytes, held: bool = False) -> None:
         """What a bulk connection's reader does with a chunk (:mod:`.bulk`)."""
         route = self.owner.routes.get(tid)
         if route is None:
+            if not held and self.owner.chunk_early(tid, lambda: self._land(tid, k, data, held=True)):
+                return  # it outran its KV_BEGIN: landed once that is handled
             self.owner.chunk_arrived(tid, k, True, len(data), False)
             return
         if not route.fits(k, len(data)):

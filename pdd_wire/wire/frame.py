@@ -57,6 +57,8 @@ class FrameType(enum.IntEnum):
     REQUEST_ABORT = 27
     PREFIX_QUERY = 28
     PREFIX_MATCH = 29
+    KV_OFFER = 30
+    KV_WITHDRAW = 31
 
 
 class Lane(enum.IntEnum):
@@ -145,8 +147,20 @@ LANE_OF: dict[int, int] = {int(t): Lane.BULK if t == FrameType.KV_CHUNK else
 
 KNOWN_FLAGS = int(Flags.PAYLOAD_CHECKSUM | Flags.LZ4 | Flags.SHUFFLE16)  # LZ4 only to peers with lz4.v1
 
-#: ``sink(header, body) -> buffers`` gives where a frame's payload must land, or None to
-#: have it read into scratch space (and then discarded by the caller).
+
+
+class _Defer:
+    def __repr__(self) -> str:
+        return "DEFER"
+
+
+#: A payload sink's "not yet": the reader holds the frame (header and body read, not a payload
+#: byte) until :meth:`FrameReader.resume` names where the payload goes. The caller stops feeding
+#: the reader meanwhile (a bulk connection pauses reading its socket).
+DEFER: Any = _Defer()
+
+#: ``sink(header, body) -> buffers`` gives where a frame's payload must land, None to have it
+#: read into scratch space (and then discarded by the caller), or :data:`DEFER`.
 PayloadSink = Callable[[Header, bytes], "Sequence[memoryview] | None"]
 
 
@@ -158,7 +172,7 @@ class FrameReader:
     caller must then close the connection (a half-read stream is never reused).
     """
 
-    _HDR, _BODY, _PAYLOAD = 0, 1, 2
+    _HDR, _BODY, _PAYLOAD, _WAIT = 0, 1, 2, 3
 
     def __init__(self, *, max_body: int = 1 << 20, max_payload: int = 0,
                  sink: PayloadSink | None = None) -> None:
@@ -188,6 +202,9 @@ class FrameReader:
             return self._hview[self._n:]
         if self._state == self._BODY:
             return self._bview[self._n:]
+        if self._state == self._WAIT:
+            raise ProtocolError("frame reader asked for bytes while its payload sink has not answered",
+                                ErrorCode.INTERNAL)
         return self._segments[self._seg][self._n:]
 
     def advance(self, n: int) -> Frame | None:
@@ -281,6 +298,25 @@ class FrameReader:
             got: Sequence[memoryview] | None = [memoryview(bytearray(h.payload_len))]
         else:
             got = self._sink(h, bytes(self._body))
+            if got is DEFER:
+                self._state = self._WAIT
+                return None
+        self._start_payload(h, got)
+        return None
+
+    @property
+    def waiting(self) -> bool:
+        """The sink answered :data:`DEFER` and :meth:`resume` has not been called yet."""
+        return self._state == self._WAIT
+
+    def resume(self, got: Sequence[memoryview] | None) -> None:
+        """The answer the sink deferred: where the held frame's payload lands (None: scratch)."""
+        if self._state != self._WAIT:
+            raise ProtocolError("resume() without a deferred payload", ErrorCode.INTERNAL)
+        assert self._header is not None  # set by _on_header
+        self._start_payload(self._header, got)
+
+    def _start_payload(self, h: Header, got: Sequence[memoryview] | None) -> None:
         if got is None:
             # The sink declined: read into scratch space, reused, for the caller to drop.
             if self._scratch is None or len(self._scratch) < h.payload_len:
@@ -295,7 +331,6 @@ class FrameReader:
         # An lz4 payload's checksum covers the decoded chunk: the caller checks it after decoding.
         self._hasher = xxhash.xxh3_64() if h.flags & Flags.PAYLOAD_CHECKSUM and not h.flags & Flags.LZ4 else None
         self._state = self._PAYLOAD
-        return None
 
     def _finish(self, *, payload_done: bool) -> Frame:
         h = self._header

@@ -15,7 +15,8 @@ from .messages import SUPPORTED_VERSIONS, Hello, Welcome
 MAX_CHUNK = 64 << 20
 
 #: What this implementation can do beyond the base protocol (advertised in Hello/Welcome).
-CAPABILITIES = ("kv.v1", "tokens.v1", "resume.v1", "handoff.v1", "abort.v1", "prefix.v1", "lz4.v1")
+CAPABILITIES = ("kv.v1", "tokens.v1", "resume.v1", "handoff.v1", "abort.v1", "prefix.v1", "lz4.v1", "fleet.v1",
+                "offer.v1")
 
 
 def choose_version(offered: list[int], supported: Iterable[int] = SUPPORTED_VERSIONS) -> int:

@@ -156,6 +156,9 @@ class KvBegin(msgspec.Struct, **_fast):
     # The sender's lease: how long the receiver holds this KV_BEGIN until its receive is posted
     # (capped by the receiver's transfer.post_ttl_s); 0 = the receiver's transfer.unposted_wait_s.
     post_wait_ms: DeadlineMs = 0
+    # Taken from a KV_OFFER: the chunks follow at once, without waiting for KV_ACCEPT (which the
+    # receiver then sends only if it matched the transfer late: the early chunks were dropped).
+    offered: bool = False
 
     def __post_init__(self) -> None:
         if self.total_bytes != self.block_bytes * self.n_blocks:
@@ -331,6 +334,28 @@ class PrefixMatch(msgspec.Struct, **_fast):
     matched: Annotated[int, Meta(ge=0, le=MAX_CHUNKS)]
 
 
+class KvOffer(msgspec.Struct, **_fast):
+    """KV receiver -> sender: a receive is posted for ``request_id`` that this peer may fill; a
+    transfer of exactly these sizes may start moving at once (KV_BEGIN ``offered``). Stands for
+    ``ttl_ms`` or until KV_WITHDRAW, the control connection's end, or the sender's own send."""
+
+    request_id: RequestId
+    total_bytes: Annotated[int, Meta(ge=1, le=MAX_TOTAL_BYTES)]  # the whole post (before any matched prefix)
+    block_bytes: Annotated[int, Meta(ge=1, le=MAX_TOTAL_BYTES)]
+    ttl_ms: Annotated[int, Meta(ge=1, le=MAX_DEADLINE_MS)]
+
+    def __post_init__(self) -> None:
+        if self.total_bytes % self.block_bytes:
+            raise ValueError(f"total_bytes {self.total_bytes} is not a whole number of {self.block_bytes}-byte blocks")
+
+
+class KvWithdraw(msgspec.Struct, **_fast):
+    """KV receiver -> sender: the KV_OFFER for ``request_id`` no longer stands (its receive was
+    taken by another transfer, aborted, or expired)."""
+
+    request_id: RequestId
+
+
 BODY_TYPES: dict[int, type] = {
     FrameType.HELLO: Hello,
     FrameType.WELCOME: Welcome,
@@ -359,6 +384,8 @@ BODY_TYPES: dict[int, type] = {
     FrameType.REQUEST_ABORT: RequestAbort,
     FrameType.PREFIX_QUERY: PrefixQuery,
     FrameType.PREFIX_MATCH: PrefixMatch,
+    FrameType.KV_OFFER: KvOffer,
+    FrameType.KV_WITHDRAW: KvWithdraw,
 }
 TYPE_OF: dict[type, int] = {v: k for k, v in BODY_TYPES.items()}
 

@@ -167,6 +167,10 @@ def build(v: Vectors) -> None:
          frame(FrameType.BULK_HELLO, m.BulkHello(session=SESSION_TOKEN, stream=2, site="A", node="a1")))
     v.ok("bulk_welcome", "BULK_WELCOME for stream 2", frame(FrameType.BULK_WELCOME, m.BulkWelcome(2)))
     v.ok("goodbye", "GOODBYE", frame(FrameType.GOODBYE, m.Goodbye("shutdown")))
+    v.ok("goodbye_idle", "GOODBYE of a fleet idle close (handshake.md section 8)",
+         frame(FrameType.GOODBYE, m.Goodbye("idle")))
+    v.ok("error_dial_back", "ERROR DIAL_BACK: the answer to a fleet knock (handshake.md section 8)",
+         frame(FrameType.ERROR, m.Error(int(ErrorCode.DIAL_BACK), "A/a1 dials you: dialing now")))
 
     tid = 41
     total, chunk, block = 5 << 20, 2 << 20, 1 << 20  # 5 blocks of 1 MiB in chunks of 2 MiB -> 3 chunks
@@ -222,6 +226,13 @@ def build(v: Vectors) -> None:
          frame(FrameType.PREFIX_MATCH, m.PrefixMatch("req-42", 2), transfer_id=9))
     v.ok("request_abort", "REQUEST_ABORT: the request is dead on every site",
          frame(FrameType.REQUEST_ABORT, m.RequestAbort("req-42", "client disconnected"), lane=Lane.TOKEN))
+    v.ok("kv_offer", "KV_OFFER: a receive of 5 blocks of 1 MiB is posted for this peer, for 60 s more",
+         frame(FrameType.KV_OFFER, m.KvOffer("req-42", total, block, 60_000)))
+    v.ok("kv_withdraw", "KV_WITHDRAW: the offered receive is gone",
+         frame(FrameType.KV_WITHDRAW, m.KvWithdraw("req-42")))
+    v.ok("kv_begin_offered", "KV_BEGIN taking the KV_OFFER (offered true; skip_blocks and post_wait_ms 0): "
+                             "its chunks follow at once, no KV_ACCEPT",
+         frame(FrameType.KV_BEGIN, m.KvBegin("req-42", total, chunk, 3, block, 5, 30_000, 0, 0, True), transfer_id=tid))
 
     # -- two frames back to back, fed in two pieces split at an odd offset inside the second header
     f1 = frame(FrameType.KV_ACK, m.KvAck(5, 1), transfer_id=tid)
@@ -316,6 +327,10 @@ def build(v: Vectors) -> None:
          encode_bytes(FrameType.KV_ACCEPT, enc(["r" * 257]), transfer_id=tid)),
         ("range_request_id_empty", "KV_RESUME with an empty request id",
          encode_bytes(FrameType.KV_RESUME, enc([""]), transfer_id=tid)),
+        ("range_kv_offer_ttl_0", "KV_OFFER ttl_ms 0 (an offer stands 1 ms .. 7 days)",
+         encode_bytes(FrameType.KV_OFFER, enc(["req-42", 8 << 20, 4 << 20, 0]))),
+        ("range_kv_offer_total_not_blocks", "KV_OFFER total_bytes 8 MiB + 1 with blocks of 4 MiB",
+         encode_bytes(FrameType.KV_OFFER, enc(["req-42", (8 << 20) + 1, 4 << 20, 1000]))),
         ("range_bulk_stream_64", "BULK_HELLO stream 64 (streams are 0..63)",
          encode_bytes(FrameType.BULK_HELLO, enc({"session": SESSION_TOKEN, "stream": 64, "site": "A", "node": "a1"}))),
     ):

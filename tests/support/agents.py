@@ -13,11 +13,13 @@ from pdd_wire.agent import Agent
 
 def two_site_toml(tmp: Path, *, streams: int = 4, chunk: int = 4 << 20, extra: str = "",
                   wan_override: dict | None = None, tls: dict | None = None,
-                  ports: dict | None = None, plaintext: bool = False) -> dict[str, str]:
+                  ports: dict | None = None, plaintext: bool = False, dead_after_s: float = 1.5) -> dict[str, str]:
     """TOML texts for sites A (node a1) and B (node b1) on loopback, free ports.
     ``wan_override[site]`` replaces the address the *other* site dials (e.g. a relay).
     Peers authenticate: ``tls`` certificates, else the PKI the agents generate in the shared
-    directory; ``plaintext``: neither (tls.allow_plaintext)."""
+    directory; ``plaintext``: neither (tls.allow_plaintext). ``dead_after_s``: a peer silent this
+    long is dropped (short, for the tests of it; tests beside vLLM servers, whose loop those
+    servers may starve on a loaded machine, give it longer: see :data:`BESIDE_VLLM_DEAD_AFTER_S`)."""
     ports = ports or {"A": free_port(), "B": free_port()}
     out = {}
     for site, node, other, onode in (("A", "a1", "B", "b1"), ("B", "b1", "A", "a1")):
@@ -42,7 +44,7 @@ streams = {streams}
 chunk_bytes = {chunk}
 [timeouts]
 heartbeat_s = 0.2
-dead_after_s = 1.5
+dead_after_s = {dead_after_s}
 reconnect_max_backoff_s = 0.2
 shutdown_grace_s = 2
 {tls_txt}
@@ -50,6 +52,15 @@ shutdown_grace_s = 2
 """
     out["ports"] = ports
     return out
+
+
+# In-process agents beside vLLM servers: the servers' processes spin (a busy server takes about
+# 1.5 cores) and, on a loaded 2-core machine, may starve the test's loop for seconds; 1.5 s of
+# missed heartbeats there dropped every session, and the reconnections' TLS handshakes (CPU, on
+# the same starved loop) made the stall longer (CI: 24 s, a router request timed out). Those
+# tests check KV, tokens and handoffs, not the detection of a silent peer (tests/test_robustness.py
+# and the session tests do, at 1.5 s).
+BESIDE_VLLM_DEAD_AFTER_S = 20.0
 
 
 @contextlib.asynccontextmanager
@@ -81,10 +92,11 @@ async def wait_links(agent: Agent, timeout: float = 10) -> None:
 
 def cluster_toml(tmp: Path, nodes: list[tuple[str, str]], *, local_transport: str = "tcp", streams: int = 4,
                  extra: str = "", ports: dict[str, int] | None = None,
-                 dial: dict[tuple[str, str], int] | None = None) -> dict[str, str]:
+                 dial: dict[tuple[str, str], int] | None = None, dead_after_s: float = 1.5) -> dict[str, str]:
     """TOML texts keyed by node name, every agent a peer of every other; same-site peers use
     ``local_transport``. Sockets are ``tmp/<node>.sock``. ``dial[(node, peer)]``: the port
-    ``node`` dials to reach ``peer`` (a fault relay in front of it)."""
+    ``node`` dials to reach ``peer`` (a fault relay in front of it). ``dead_after_s``: as in
+    :func:`two_site_toml`."""
     ports = ports or {n: free_port() for _, n in nodes}
     dial = dial or {}
     out = {}
@@ -103,7 +115,7 @@ engine_socket = "{tmp}/{node}.sock"
 {peers}
 [timeouts]
 heartbeat_s = 0.2
-dead_after_s = 1.5
+dead_after_s = {dead_after_s}
 reconnect_max_backoff_s = 0.2
 shutdown_grace_s = 2
 {extra}

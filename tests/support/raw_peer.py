@@ -78,10 +78,11 @@ class RawPeer:
         self.writer.close()
 
 
-async def hello(port: int, site: str = "A", node: str = "a1", incarnation: int = 77) -> tuple[RawPeer, m.Welcome]:
+async def hello(port: int, site: str = "A", node: str = "a1", incarnation: int = 77,
+                capabilities: tuple[str, ...] = ("kv.v1", "tokens.v1", "abort.v1")) -> tuple[RawPeer, m.Welcome]:
     peer = await RawPeer.dial(port, KIND_CONTROL)
     peer.send(FrameType.HELLO, m.Hello(versions=[1], site=site, node=node, incarnation=incarnation,
-                                       capabilities=["kv.v1", "tokens.v1", "abort.v1"]))
+                                       capabilities=list(capabilities)))
     t, welcome, _ = await peer.next()
     assert t == FrameType.WELCOME, (t, welcome)
     return peer, welcome

@@ -23,7 +23,8 @@ from .harness import AgentPair, metric_value
 
 MiB = 1 << 20
 # Figure groups of --only, in the order they run; every one by default.
-GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "latency", "prefix", "handoff")
+GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "fleet", "latency", "prefix",
+          "handoff", "wan")
 
 
 class Figures:
@@ -349,10 +350,21 @@ async def _run(args) -> int:
 
         await bench_vllm.add_figures(figs, quick)
     if "router" in groups:
-        figs.step("router: per-token overhead against vllm serve direct, then the one-shot handoff stall")
+        figs.step("router: per-token overhead against vllm serve direct, the one-shot and catch-up handoff stalls, "
+                  "then PDD's TTFT against plain PD through it (the demo's run, smaller)")
         from . import bench_router
 
         await bench_router.add_figures(figs, quick)
+    if "fleet" in groups:
+        figs.step("fleet: 100 and 1,000 members registered and watched on one etcd")
+        from . import bench_fleet
+
+        await bench_fleet.add_figures(figs, quick)
+    if "wan" in groups:
+        figs.step("wan: per-transfer overhead, 4 MiB goodput, transfers over a 40 ms RTT link")
+        from . import bench_wan
+
+        await bench_wan.add_figures(figs, quick)
     if not groups & {"goodput", "latency", "handoff", "prefix"}:
         return 0
     async with AgentPair() as pair:

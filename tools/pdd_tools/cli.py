@@ -23,8 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--json", action="store_true")
     b.add_argument("--quick", action="store_true", help="fewer repetitions")
     b.add_argument("--only", default="", help="comma-separated figure groups: goodput, ucx, probe, compress, "
-                   "register, vllm, router, latency, prefix, handoff (probe and compress need root: network "
-                   "namespaces; vllm and router the vLLM venv of scripts/vllm-env)")
+                   "register, vllm, router, latency, prefix, handoff, wan (probe and compress need root: network "
+                   "namespaces, wan uses them as root; vllm and router the vLLM venv of scripts/vllm-env)")
     args = ap.parse_args(argv)
     try:
         if args.cmd == "demo":

@@ -31,10 +31,19 @@ the namespaces removed on exit, whatever happens (Ctrl-C, SIGTERM, errors).
 Each site's engines run in a process of their own (``python -m pdd_tools.demo --site-engines
 SPEC``), driven over its stdin/stdout by this process, which plays the router and the user.
 
+**``--engine vllm``**: the same two runs through ``pdd-wire router`` over three real ``vllm
+serve`` instances of the tiny model, on the same agents, namespaces and shaper, the trace scaled
+to the model (:mod:`~pdd_tools.demo.tiny`); this process is the users, and every output is
+compared with a single server's greedy answer (:mod:`~pdd_tools.demo.vllm_runner`,
+:mod:`~pdd_tools.demo.vllm_stack`). ``--engine vllm --side-by-side``: three prompts' tokens side
+by side instead (:mod:`pdd_tools.vllm.demo`).
+
 Modules: :mod:`~pdd_tools.demo.config` (options, scaled constants), :mod:`~pdd_tools.demo.layout`
 (where the processes live, the agents' configs, the processes), :mod:`~pdd_tools.demo.runner`
 (one run, both runs), :mod:`~pdd_tools.demo.site` (a site's engines process),
-:mod:`~pdd_tools.demo.report` (figures, table, CDF).
+:mod:`~pdd_tools.demo.report` (figures, table, CDF); with vLLM :mod:`~pdd_tools.demo.tiny` (the
+scale), :mod:`~pdd_tools.demo.vllm_stack` (agents, shapers, servers, the router),
+:mod:`~pdd_tools.demo.vllm_runner` (the runs).
 """
 from .config import DemoConfig, add_demo_args, config_from_args
 from .report import RunResult

@@ -65,7 +65,30 @@ def layout_for(cfg: DemoConfig, netns: bool, sock_dir: str, sites=None) -> Layou
                   4 if netns else 1, "ucx" if ucx else "tcp")
 
 
-def agent_toml(lay: Layout, role: str, shaper_addr: tuple[str, int]) -> str:
+def wan_of(cfg: DemoConfig) -> tuple[bool, str, str]:
+    """(two network namespaces or loopback, how the WAN is shaped, the link in words)."""
+    netns = cfg.where == "netns" or (cfg.where == "auto" and os.geteuid() == 0)
+    if netns and os.geteuid() != 0:
+        raise PermissionError("--where netns needs root (network namespaces); use --where loopback")
+    where = (f"two network namespaces ({cfg.prefix}-a, {cfg.prefix}-b), tbf {cfg.link_mbit:g} Mbit/s on the veth"
+             if netns else f"loopback (not root), the shaper limits each connection to {cfg.link_mbit:g} Mbit/s")
+    return netns, where, f"{cfg.link_mbit:g} Mbit/s, RTT {cfg.rtt_ms:g} ms ± {cfg.jitter_ms:g} ms"
+
+
+SIM_POLICY = f"""[policy.pipeline]
+anomaly_min_input_tokens = {ANOMALY_MIN_INPUT}
+anomaly_max_output_tokens = {ANOMALY_MAX_OUTPUT}
+
+[policy.handoff]
+catchup_gap_tokens = {CATCHUP_GAP}
+"""
+
+
+def agent_toml(lay: Layout, role: str, shaper_addr: tuple[str, int], *, chunk_bytes: int = 1 * MiB,
+               credit_bytes: int = 8 * MiB, policy: str = SIM_POLICY) -> str:
+    """Node ``role``'s agent config. ``chunk_bytes``, ``credit_bytes``: its transfers' (the sim's
+    KV is MiBs per request, the tiny vLLM model's tens of KiB); ``policy``: its ``[policy.*]``
+    tables (the sim's scaled thresholds by default)."""
     me = lay.nodes[role]
     peers = []
     for r, other in lay.nodes.items():
@@ -91,20 +114,14 @@ engine_socket = "{me.socket}"
 
 {chr(10).join(peers)}
 [transfer]
-chunk_bytes = {1 * MiB}
-credit_bytes = {8 * MiB}
+chunk_bytes = {chunk_bytes}
+credit_bytes = {credit_bytes}
 unposted_wait_s = 60.0
 
 [timeouts]
 handoff_s = 60.0
 
-[policy.pipeline]
-anomaly_min_input_tokens = {ANOMALY_MIN_INPUT}
-anomaly_max_output_tokens = {ANOMALY_MAX_OUTPUT}
-
-[policy.handoff]
-catchup_gap_tokens = {CATCHUP_GAP}
-
+{policy}
 [tls]
 allow_plaintext = {"true" if lay.netns else "false"}
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
 import signal
 import sys
@@ -14,7 +13,7 @@ import time
 from pathlib import Path
 
 from .config import MD_PEER, PUBLISHED, DemoConfig, config_from_args
-from .layout import Procs, agent_toml, layout_for
+from .layout import Procs, agent_toml, layout_for, wan_of
 from .report import RunResult, plot_cdf, summary, table
 
 
@@ -267,12 +266,7 @@ async def run(cfg: DemoConfig) -> tuple[dict, dict[str, RunResult]]:
     out.mkdir(parents=True, exist_ok=True)
     tr = tracemod.generate(n_requests=cfg.requests, rate_per_s=cfg.rate, seed=cfg.seed, **cfg.trace_overrides)
     tstats = tracemod.stats(tr, cfg.kv_bytes_per_token)
-    netns = cfg.where == "netns" or (cfg.where == "auto" and os.geteuid() == 0)
-    if netns and os.geteuid() != 0:
-        raise PermissionError("--where netns needs root (network namespaces); use --where loopback")
-    where = (f"two network namespaces ({cfg.prefix}-a, {cfg.prefix}-b), tbf {cfg.link_mbit:g} Mbit/s on the veth"
-             if netns else f"loopback (not root), the shaper limits each connection to {cfg.link_mbit:g} Mbit/s")
-    link = f"{cfg.link_mbit:g} Mbit/s, RTT {cfg.rtt_ms:g} ms ± {cfg.jitter_ms:g} ms"
+    netns, where, link = wan_of(cfg)
     if not cfg.quiet:
         print(f"pdd-tools demo: {len(tr)} requests ({tstats['conversations']} conversations, mean prefix hit "
               f"{tstats['mean_hit'] * 100:.1f}%, {tstats['frac_hit_above_95'] * 100:.0f}% above 95%, "
@@ -302,7 +296,9 @@ async def run(cfg: DemoConfig) -> tuple[dict, dict[str, RunResult]]:
     return figures, results
 
 
-async def _main(cfg: DemoConfig) -> int:
+async def _main(cfg: DemoConfig, run_fn=run, out: Path | None = None,
+                what: str = "per-request figures and logs") -> int:
+    """Run ``run_fn(cfg)`` (both runs), print the table and where things went; the exit status."""
     from pdd_wire import log
 
     log.configure("warning", "console")
@@ -311,19 +307,19 @@ async def _main(cfg: DemoConfig) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, task.cancel)
     t0 = time.monotonic()
+    out = out or Path(cfg.out)
     try:
-        figures, results = await run(cfg)
+        figures, results = await run_fn(cfg)
     except asyncio.CancelledError:
         print("\npdd-tools demo: interrupted; everything it started is stopped", file=sys.stderr)
         return 130
     except (OSError, RuntimeError, TimeoutError) as exc:
-        print(f"\npdd-tools demo: failed: {exc}\n(everything it started is stopped; logs under {cfg.out}/)",
+        print(f"\npdd-tools demo: failed: {exc}\n(everything it started is stopped; logs under {out}/)",
               file=sys.stderr)
         return 1
     print()
     print(table(figures, cfg))
-    out = Path(cfg.out)
-    print(f"\nwrote {out / 'figures.json'}, {out / 'ttft_cdf.png'}, per-request figures and logs in {out}/<run>/ "
+    print(f"\nwrote {out / 'figures.json'}, {out / 'ttft_cdf.png'}, {what} in {out}/<run>/ "
           f"(total {time.monotonic() - t0:.0f} s)")
     failures = [f for res in results.values() for f in res.failures]
     if failures:
@@ -334,14 +330,22 @@ async def _main(cfg: DemoConfig) -> int:
 
 def run_demo(args) -> int:
     cfg = config_from_args(args)
-    if cfg.engine == "vllm":
-        # Three tiny vLLM engines instead of simulated ones: pdd_tools.vllm.demo.
+    if cfg.engine == "vllm" and cfg.side_by_side:
+        # Three prompts' tokens side by side, the handoff driven by the agents: pdd_tools.vllm.demo.
         from ..vllm import demo as vllm_demo
 
         return vllm_demo.run_demo(args)
     import uvloop
 
+    if cfg.engine == "vllm":
+        # The trace through pdd-wire router over real vllm serve instances.
+        from . import vllm_runner
+
+        main = _main(cfg, vllm_runner.run, Path(cfg.out) / "vllm",
+                     "per-request rows and the router's log (the servers' and agents' logs in logs/)")
+    else:
+        main = _main(cfg)
     try:
-        return uvloop.run(_main(cfg))
+        return uvloop.run(main)
     except KeyboardInterrupt:
         return 130

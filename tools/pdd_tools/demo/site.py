@@ -14,7 +14,7 @@ from pathlib import Path
 from .config import MD_PEER, RLD_PEER, MiB
 
 
-async def _connect(path: str, name: str, timeout: float = 30.0):
+async def connect_engine(path: str, name: str, timeout: float = 30.0):
     from pdd_wire.engine.client import EngineClient
     from pdd_wire.errors import TransportError
 
@@ -28,7 +28,7 @@ async def _connect(path: str, name: str, timeout: float = 30.0):
             await asyncio.sleep(0.05)
 
 
-async def _peers_up(clients, timeout: float = 40.0) -> None:
+async def peers_up(clients, timeout: float = 40.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         ok = True
@@ -43,17 +43,21 @@ async def _peers_up(clients, timeout: float = 40.0) -> None:
         await asyncio.sleep(0.1)
 
 
-def _metrics(admin: str) -> list:
+def agent_samples(admin: str) -> list:
+    """An agent's metrics (its admin ``host:port``), as prometheus_client samples."""
     import urllib.request
 
+    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=5) as r:
+        return samples_of(r.read().decode())
+
+
+def samples_of(text: str) -> list:
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"http://{admin}/metrics", timeout=5) as r:
-        text = r.read().decode()
     return [s for fam in text_string_to_metric_families(text) for s in fam.samples]
 
 
-def _site_figures(samples: list, site: str) -> dict:
+def site_figures(samples: list, site: str) -> dict:
     """WAN bytes (this node and peers of the other site), KV bytes sent there, and the handoff
     and pipeline counters, from one agent's metrics."""
     out: dict = {"wan_bytes": 0, "wan_kv_bytes_tx": 0, "wan_bytes_tx": 0, "handoff_modes": {}, "handoffs": {},
@@ -100,8 +104,8 @@ async def _site_main(spec: dict) -> int:
     watch = None
     try:
         if site == "A":
-            pc = await _connect(nodes["P"]["socket"], "prefill-sim")
-            rc = await _connect(nodes["RLD"]["socket"], "rld-sim")
+            pc = await connect_engine(nodes["P"]["socket"], "prefill-sim")
+            rc = await connect_engine(nodes["RLD"]["socket"], "rld-sim")
             clients += [pc, rc]
             pp = KvPool(spec["pool_mib"]["P"] * MiB, block, "prefill-kv")
             rp = KvPool(spec["pool_mib"]["RLD"] * MiB, block, "rld-kv")
@@ -111,13 +115,13 @@ async def _site_main(spec: dict) -> int:
                                   kv_bytes_per_token=kvb).start()
             engines += [prefill, rld]
         else:
-            mc = await _connect(nodes["MD"]["socket"], "md-sim")
+            mc = await connect_engine(nodes["MD"]["socket"], "md-sim")
             clients.append(mc)
             mp = KvPool(spec["pool_mib"]["MD"] * MiB, block, "md-kv")
             pools.append(mp)
             md = await DecodeSim(mc, mp, GPU_B, role="MD", peer=RLD_PEER, kv_from="A", kv_bytes_per_token=kvb).start()
             engines.append(md)
-        await _peers_up(clients)
+        await peers_up(clients)
         out.send({"ev": "ready"})
 
         async def serve_a(cmd: dict) -> None:
@@ -172,8 +176,8 @@ async def _site_main(spec: dict) -> int:
                 break
         figures = {}
         for role, n in nodes.items():
-            samples = await asyncio.to_thread(_metrics, n["admin"])
-            figures[role] = _site_figures(samples, site)
+            samples = await asyncio.to_thread(agent_samples, n["admin"])
+            figures[role] = site_figures(samples, site)
         eng = {}
         for e, pool in zip(engines, pools):
             name = "P" if isinstance(e, PrefillSim) else e.role

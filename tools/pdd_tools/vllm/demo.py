@@ -1,4 +1,5 @@
-"""``scripts/demo --engine vllm``: the PD and PDD flows with three tiny vLLM instances.
+"""``scripts/demo --engine vllm --side-by-side``: the PD and PDD flows with three tiny vLLM
+instances, token by token (the trace through ``pdd-wire router`` is :mod:`pdd_tools.demo.vllm_runner`).
 
 Three agents on loopback as PDD places them -- prefill ``a1`` and relay decode ``a2`` in site A
 (UCX between them), main decode ``b1`` in site B (TCP) -- and one vLLM engine per role

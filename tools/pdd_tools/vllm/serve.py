@@ -77,13 +77,51 @@ async def running(tmp: Path, agents: list, servers: list[VllmServer]):
             await a.shutdown(0)
         shutil.rmtree(tmp, ignore_errors=True)
 
+def pin_session(sid: int, cpus: set[int]) -> int:
+    """Bind every thread of every process in session ``sid`` to ``cpus``; how many threads."""
+    n = 0
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if int((proc / "stat").read_text().rpartition(")")[2].split()[3]) != sid:  # field 6: session
+                continue
+            for task in (proc / "task").iterdir():
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    os.sched_setaffinity(int(task.name), cpus)
+                    n += 1
+    return n
+
+
+async def until_healthy(url: str, proc: asyncio.subprocess.Process, timeout: float, died, every_s: float = 0.5) -> None:
+    """Until ``GET url`` answers 200 (a server's health endpoint; it has no readiness event to
+    await). ``died()``: the RuntimeError's message should ``proc`` exit first."""
+    async with aiohttp.ClientSession() as http, asyncio.timeout(timeout):
+        while True:
+            if proc.returncode is not None:
+                raise RuntimeError(died())
+            with contextlib.suppress(aiohttp.ClientError):
+                async with http.get(url) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(every_s)
+
+
 class VllmServer:
     """One OpenAI server. ``cli``: started as users type it (``vllm serve MODEL``), else as
-    ``python -m vllm.entrypoints.openai.api_server --model MODEL``."""
+    ``python -m vllm.entrypoints.openai.api_server --model MODEL``. ``cpu``: the core its compute
+    threads are bound to; ``pin``: all of its processes and threads too, once it is up (it starts
+    on every core, which is faster): vLLM's engine loop spins while a request waits for its KV,
+    which would otherwise take a core from whatever runs there. ``nice``: its niceness, every
+    process and thread of it (``nice -n``): the tests run their servers below the agents and the
+    router they test, which share the same cores (a busy vLLM's engine and worker processes each
+    spin on ``sched_yield`` for a second after every message they exchange: about 1.5 cores per
+    decoding server, on a 2-core machine)."""
 
     def __init__(self, name: str, log: Path, *, kv: dict | None = None, cpu: str | None = None, cli: bool = True,
                  max_num_seqs: int = 64, kv_cache_bytes: int = 64 << 20, prefix_caching: bool = False,
-                 failure_policy: str | None = None, max_model_len: int = 512) -> None:
+                 failure_policy: str | None = None, max_model_len: int = 512, pin: bool = False,
+                 nice: int = 0) -> None:
         self.name, self.log = name, log
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -102,7 +140,10 @@ class VllmServer:
             if failure_policy:
                 kv = {**kv, "kv_load_failure_policy": failure_policy}
             cmd += ["--kv-transfer-config", json.dumps(kv)]
+        if nice:
+            cmd = ["nice", "-n", str(nice), *cmd]
         self.cmd = cmd
+        self.pin = {int(c) for c in cpu.split(",")} if pin and cpu and cpu[0].isdigit() else None
         self.env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": checkout_path(),
                     "VLLM_CPU_OMP_THREADS_BIND": cpu or "auto", "VLLM_LOGGING_LEVEL": "INFO",
                     "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
@@ -112,16 +153,11 @@ class VllmServer:
         with open(self.log, "wb") as logf:
             self.proc = await asyncio.create_subprocess_exec(*self.cmd, stdout=logf, stderr=logf, env=self.env,
                                                              start_new_session=True)
-        async with aiohttp.ClientSession() as http:
-            async with asyncio.timeout(timeout):
-                while True:
-                    if self.proc.returncode is not None:
-                        raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
-                    with contextlib.suppress(aiohttp.ClientError):
-                        async with http.get(f"{self.url}/health") as r:
-                            if r.status == 200:
-                                return self
-                    await asyncio.sleep(0.5)
+        await until_healthy(f"{self.url}/health", self.proc, timeout,
+                            lambda: f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
+        if self.pin:
+            pin_session(self.proc.pid, self.pin)
+        return self
 
     def tail(self, n: int = 40) -> str:
         try:
