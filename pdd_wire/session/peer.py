@@ -73,9 +73,8 @@ class PeerSession:
         self.receiver = Receiver(self)
         self.tokens = TokenRelay(self)
         self.acks = AckBatch(self.send_frame)  # KV_ACKs of this loop turn, sent as ranges
-        # KV_CANCELs that could not be sent (peer down), sent on reconnect; bounded.
         self.cancel_later: collections.deque[tuple[int, m.KvCancel]] = collections.deque(
-            maxlen=2 * self.cfg.transfer.max_transfers)
+            maxlen=2 * self.cfg.transfer.max_transfers)  # KV_CANCELs unsent (peer down), sent on reconnect
         self.up = asyncio.Event()
         self.down_since: float | None = time.monotonic()
         self.peer_goodbye: str | None = None  # the reason of the peer's last GOODBYE ("idle": fleet idle close)
@@ -404,8 +403,7 @@ class PeerSession:
                 conn.fail(err)
 
     def send_frame(self, ftype: int, body, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool:
-        """Send a control-connection frame; False if the connection is down (nothing queued).
-        ``lane``: CONTROL or TOKEN (the frame header's lane: token frames are counted apart)."""
+        """Send a control-connection frame on ``lane`` CONTROL or TOKEN (counted apart); False if down."""
         c = self.control
         if c is None or c.closed:
             return False
@@ -426,13 +424,11 @@ class PeerSession:
         return True
 
     def send_message(self, body, *, lane: int = Lane.TOKEN) -> bool:
-        """Send a control message whose frame type follows from its body (handoff messages);
-        False if the control connection is down (the caller resends on reconnect)."""
+        """A control message, its frame type from its body; False if down (the caller resends)."""
         return self.send_frame(m.TYPE_OF[type(body)], body, lane=lane)
 
     def cancel_transfer(self, tid: int, msg: m.KvCancel) -> None:
-        """KV_CANCEL now, or at the next reconnect if the peer is unreachable: a transfer given
-        up on while the link was down must not stay open on the other side once it is back."""
+        """KV_CANCEL now, or at the next reconnect (the other side must not keep it open)."""
         if not self.send_frame(FrameType.KV_CANCEL, msg, tid=tid):
             self.cancel_later.append((tid, msg))
 
