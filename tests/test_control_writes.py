@@ -207,3 +207,39 @@ def test_acks_of_one_turn_go_as_ranges_in_that_turns_write_none_overtaken(run):
         assert got == [(1, 0, 4), (2, 4, 2), 77, (1, 6, 2), (1, 9, 1)], got
         assert a.transport.writes == 1
     run(scenario)
+
+
+def test_a_flush_callback_that_raises_does_not_stop_the_connections_writes(run):
+    """``on_flush`` (the session's ack batch) raising is a bug, logged: the turn's frames still
+    leave, and later turns still flush (the flush-due mark is reset whatever it did)."""
+    async def scenario(a, b):
+        calls = []
+
+        def broken():
+            calls.append(1)
+            if len(calls) == 1:
+                raise RuntimeError("a bug in the flush callback")
+
+        a.on_flush = broken
+        for i in range(3):
+            a.send(ping(i))
+        assert await nonces(b, 3) == [0, 1, 2]
+        for i in range(3, 6):  # the next turn flushes too: nothing is left queued behind the raise
+            a.send(ping(i))
+        assert await nonces(b, 3) == [3, 4, 5]
+        assert len(calls) == 2 and a.transport.writes == 2
+    run(scenario)
+
+
+def test_children_of_a_forgotten_peer_are_looked_up_again():
+    """Metrics.child caches ``labels()``; once a peer's series are removed (a closed fleet
+    session), its cached children must go too, or counts would go to a series no longer exported."""
+    from pdd_wire.metrics import Metrics
+
+    metrics = Metrics()
+    metrics.child(metrics.frames, "B/b1", "control", "tx").inc()
+    metrics.frames.remove("B/b1", "control", "tx")
+    metrics.drop_children("B/b1")
+    metrics.child(metrics.frames, "B/b1", "control", "tx").inc(2)
+    text = metrics.render().decode()
+    assert 'pddwire_frames_total{direction="tx",lane="control",peer="B/b1"} 2.0' in text

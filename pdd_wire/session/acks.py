@@ -65,10 +65,10 @@ class AckBatch:
         runs, self.runs = self.runs, {}
         if conn is not self.conn or conn.closed:
             return
-        self._sending = True
+        sending, self._sending = self._sending, True  # a nested flush (fail() within a send) keeps it
         try:
             for tid, rs in runs.items():
                 for first, count in rs:
                     self.send(FrameType.KV_ACK, m.KvAck(first, count), tid=tid)
         finally:
-            self._sending = False
+            self._sending = sending

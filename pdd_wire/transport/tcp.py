@@ -28,6 +28,7 @@ import struct
 import threading
 from collections.abc import Callable
 
+import structlog
 import uvloop
 
 from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError
@@ -35,6 +36,8 @@ from ..wire import FrameReader, FrameType, encode_body, encode_bytes
 from ..wire.frame import Frame, PayloadSink
 from ..wire.messages import Error
 from .base import Connector
+
+_log = structlog.get_logger("pdd_wire.transport")
 
 PREAMBLE = struct.Struct("<4sBBH")
 PREAMBLE_MAGIC = b"PDDW"
@@ -301,12 +304,19 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._flush_due = True
             self._loop.call_soon(self._flush)
 
+    def _open(self) -> bool:
+        return self.transport is not None and not self.closed and not self.transport.is_closing()
+
     def _flush(self) -> None:
         """Hand this turn's frames to the transport as one write (a no-op once flushed)."""
-        open_ = self.transport is not None and not self.closed and not self.transport.is_closing()
-        if open_ and self.on_flush is not None:
-            self.on_flush()  # what it sends joins this write (no second flush: one is due)
+        if self.on_flush is not None and self._open():
+            self._flush_due = True  # what on_flush sends joins this write (no second flush)
+            try:
+                self.on_flush()
+            except Exception:  # a bug there must not stop this connection's writes
+                _log.exception("control connection: flush callback failed")
         self._flush_due = False
+        open_ = self._open()  # again: on_flush may have failed the connection
         if not self._queue:
             return
         queue, self._queue, self._queued = self._queue, [], 0
