@@ -270,6 +270,7 @@ class Agent:
     def _forget_series(self, key: str) -> None:
         """Every metric series labelled with the closed fleet session's ``peer`` (gauges,
         counters, histograms): their labels would otherwise grow with every member ever met."""
+        self.metrics.drop_children(key)
         for metric in vars(self.metrics).values():
             if not isinstance(metric, MetricWrapperBase):
                 continue

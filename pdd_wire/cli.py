@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import signal
@@ -85,6 +86,10 @@ async def _serve(cfg: cfgmod.Config, config_path: str | None = None) -> int:
         structlog.get_logger("pdd_wire").error("cannot start", error=str(exc))
         await agent.shutdown(0)
         return 1
+    # What start-up made lives as long as the daemon: frozen, the cyclic collector no longer
+    # walks it at each full collection (a pause on the loop that carries token frames). No
+    # gc.collect() first: that is one such pause, while the sessions' handshakes run.
+    gc.freeze()
     await stop.wait()
     await agent.shutdown()
     return 0

@@ -121,5 +121,11 @@ class Metrics:
             c = self._children[key] = metric.labels(*values)
         return c
 
+    def drop_children(self, value: str) -> None:
+        """Forget the looked-up children with ``value`` among their labels (their series are
+        being removed: a child kept here would count into a series no longer exported)."""
+        for key in [k for k in self._children if value in k[1]]:
+            del self._children[key]
+
     def render(self) -> bytes:
         return generate_latest(self.registry)

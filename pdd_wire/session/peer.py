@@ -33,6 +33,7 @@ from ..wire import HEADER_SIZE, FrameType, Lane, decode_body, encode, encode_bod
 from ..wire import messages as m
 from ..wire.frame import Frame
 from ..wire.handshake import CAPABILITIES, MAX_CHUNK, Limits, check_welcome, choose_version, negotiate
+from .acks import AckBatch
 from .dialer import Dialer
 from .host import SessionHost
 from .link import LinkState
@@ -71,9 +72,9 @@ class PeerSession:
         self.sender = Sender(self, self.flow)
         self.receiver = Receiver(self)
         self.tokens = TokenRelay(self)
-        # KV_CANCELs that could not be sent (peer down), sent on reconnect; bounded.
+        self.acks = AckBatch(self.send_frame)  # KV_ACKs of this loop turn, sent as ranges
         self.cancel_later: collections.deque[tuple[int, m.KvCancel]] = collections.deque(
-            maxlen=2 * self.cfg.transfer.max_transfers)
+            maxlen=2 * self.cfg.transfer.max_transfers)  # KV_CANCELs unsent (peer down), sent on reconnect
         self.up = asyncio.Event()
         self.down_since: float | None = time.monotonic()
         self.peer_goodbye: str | None = None  # the reason of the peer's last GOODBYE ("idle": fleet idle close)
@@ -402,11 +403,12 @@ class PeerSession:
                 conn.fail(err)
 
     def send_frame(self, ftype: int, body, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool:
-        """Send a control-connection frame; False if the connection is down (nothing queued).
-        ``lane``: CONTROL or TOKEN (the frame header's lane: token frames are counted apart)."""
+        """Send a control-connection frame on ``lane`` CONTROL or TOKEN (counted apart); False if down."""
         c = self.control
         if c is None or c.closed:
             return False
+        if self.acks.hold(c, ftype, body, tid):  # a KV_ACK: goes as a range with the turn's frames
+            return True
         frame = encode(ftype, encode_body(body), lane=lane, transfer_id=tid)
         try:
             c.send(frame)
@@ -422,13 +424,11 @@ class PeerSession:
         return True
 
     def send_message(self, body, *, lane: int = Lane.TOKEN) -> bool:
-        """Send a control message whose frame type follows from its body (handoff messages);
-        False if the control connection is down (the caller resends on reconnect)."""
+        """A control message, its frame type from its body; False if down (the caller resends)."""
         return self.send_frame(m.TYPE_OF[type(body)], body, lane=lane)
 
     def cancel_transfer(self, tid: int, msg: m.KvCancel) -> None:
-        """KV_CANCEL now, or at the next reconnect if the peer is unreachable: a transfer given
-        up on while the link was down must not stay open on the other side once it is back."""
+        """KV_CANCEL now, or at the next reconnect (the other side must not keep it open)."""
         if not self.send_frame(FrameType.KV_CANCEL, msg, tid=tid):
             self.cancel_later.append((tid, msg))
 

@@ -198,7 +198,7 @@ class TokenRelay:
             ts.pending += len(part)
             ts.unacked.append((seq, part, now))
             self.s.send_frame(FrameType.TOKENS, m.Tokens(request_id, seq, part, ts.handoff), lane=Lane.TOKEN)
-        self.s.metrics.tokens.labels(peer=self.s.key, direction="tx").inc(len(tokens))
+        self.s.metrics.child(self.s.metrics.tokens, self.s.key, "tx").inc(len(tokens))
         return first
 
     def _evict_token_streams(self) -> None:
@@ -234,7 +234,7 @@ class TokenRelay:
         if len(self.tok_in) > self.s.cfg.transfer.max_transfers * 4:
             self.tok_in.popitem(last=False)  # least recently used
         self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, end), lane=Lane.TOKEN)
-        self.s.metrics.tokens.labels(peer=self.s.key, direction="rx").inc(len(fresh))
+        self.s.metrics.child(self.s.metrics.tokens, self.s.key, "rx").inc(len(fresh))
         self.s.tokens_arrived(m.Tokens(msg.request_id, expect, fresh, msg.handoff))
 
     def on_ack(self, msg: m.TokensAck) -> None:
