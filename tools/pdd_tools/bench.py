@@ -7,6 +7,7 @@ line: ``figure``, ``value``, ``unit`` and, where a baseline exists, ``baseline``
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import os
 import statistics
@@ -25,6 +26,16 @@ MiB = 1 << 20
 # Figure groups of --only, in the order they run; every one by default.
 GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "fleet", "latency", "prefix",
           "handoff", "wan")
+# Groups whose figures live in a module of their own (``add_figures(figs, quick)``), imported only
+# when asked for (several need the vLLM venv or etcd): group -> (module, what its step line says).
+_MODULE_GROUPS = {
+    "register": ("bench_register", "memory pools paged in while the agent keeps serving"),
+    "vllm": ("bench_vllm", "P -> D through the agents against one vllm serve"),
+    "router": ("bench_router", "per-token overhead against vllm serve direct, the one-shot and catch-up "
+               "handoff stalls, then PDD's TTFT against plain PD through it (the demo's run, smaller)"),
+    "fleet": ("bench_fleet", "100 and 1,000 members registered and watched on one etcd"),
+    "wan": ("bench_wan", "per-transfer overhead, 4 MiB goodput, transfers over a 40 ms RTT link"),
+}
 
 
 class Figures:
@@ -339,32 +350,10 @@ async def _run(args) -> int:
     if "compress" in groups:
         figs.step("compress: lz4 on real KV, then through the agents")
         await _compress_figures(figs, quick)
-    if "register" in groups:
-        figs.step("register: memory pools paged in while the agent keeps serving")
-        from . import bench_register
-
-        await bench_register.add_figures(figs, quick)
-    if "vllm" in groups:
-        figs.step("vllm: P -> D through the agents against one vllm serve")
-        from . import bench_vllm
-
-        await bench_vllm.add_figures(figs, quick)
-    if "router" in groups:
-        figs.step("router: per-token overhead against vllm serve direct, the one-shot and catch-up handoff stalls, "
-                  "then PDD's TTFT against plain PD through it (the demo's run, smaller)")
-        from . import bench_router
-
-        await bench_router.add_figures(figs, quick)
-    if "fleet" in groups:
-        figs.step("fleet: 100 and 1,000 members registered and watched on one etcd")
-        from . import bench_fleet
-
-        await bench_fleet.add_figures(figs, quick)
-    if "wan" in groups:
-        figs.step("wan: per-transfer overhead, 4 MiB goodput, transfers over a 40 ms RTT link")
-        from . import bench_wan
-
-        await bench_wan.add_figures(figs, quick)
+    for group, (module, what) in _MODULE_GROUPS.items():
+        if group in groups:
+            figs.step(f"{group}: {what}")
+            await importlib.import_module(f".{module}", __package__).add_figures(figs, quick)
     if not groups & {"goodput", "latency", "handoff", "prefix"}:
         return 0
     async with AgentPair() as pair:
