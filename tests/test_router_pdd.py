@@ -45,7 +45,7 @@ from pdd_tools.vllm.serve import (
 from pdd_wire.router import Router, loads
 from support.agents import BESIDE_VLLM_DEAD_AFTER_S, cluster_toml, free_port, run_agents
 from test_router_vllm import prompt_for, sample
-from test_vllm_serve import NICE, Cluster
+from test_vllm_serve import NICE, Cluster, settles_after_each_test
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -236,14 +236,7 @@ async def pdd():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest_asyncio.fixture(autouse=True, loop_scope="module")
-async def _settles(request):
-    """After each test, passed or failed, nothing is left running or pinned (Pdd.settled): a
-    failed test's requests and the KV it left pinned until its lease are not the next test's."""
-    c = request.getfixturevalue("pdd") if "pdd" in request.fixturenames else None
-    yield
-    if c is not None:
-        await c.settled()
+_settles = settles_after_each_test("pdd")
 
 
 @pytest.mark.parametrize(("mode", "pos"), [("one-shot", 0), ("one-shot", 5), ("one-shot", 21), ("one-shot", 40),

@@ -37,7 +37,7 @@ from pdd_tools.vllm.serve import (
 )
 from pdd_wire.router import Router, loads
 from support.agents import BESIDE_VLLM_DEAD_AFTER_S, run_agents, two_site_toml
-from test_vllm_serve import NICE, Cluster
+from test_vllm_serve import NICE, Cluster, settles_after_each_test
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
@@ -142,14 +142,7 @@ async def cluster():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest_asyncio.fixture(autouse=True, loop_scope="module")
-async def _settles(request):
-    """After each test, passed or failed, nothing is left running or pinned (Cluster.settled): a
-    failed test's requests and the KV it left pinned until its lease are not the next test's."""
-    c = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
-    yield
-    if c is not None:
-        await c.settled()
+_settles = settles_after_each_test("cluster")
 
 
 @pytest.mark.parametrize("length", [5, 75, 300])

@@ -142,14 +142,20 @@ async def cluster():
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest_asyncio.fixture(autouse=True, loop_scope="module")
-async def _settles(request):
-    """After each test, passed or failed, nothing is left running or pinned (Cluster.settled): a
-    failed test's requests and the KV it left pinned until its lease are not the next test's."""
-    c = request.getfixturevalue("cluster") if "cluster" in request.fixturenames else None
-    yield
-    if c is not None:
-        await c.settled()
+def settles_after_each_test(name: str):
+    """An autouse fixture: after each test using fixture ``name`` (a Cluster or a Pdd), passed or
+    failed, nothing is left running or pinned (its ``settled()``): a failed test's requests and
+    the KV it left pinned until its lease are not the next test's. ``_settles = ...`` in a module."""
+    @pytest_asyncio.fixture(autouse=True, loop_scope="module")
+    async def _settles(request):
+        c = request.getfixturevalue(name) if name in request.fixturenames else None
+        yield
+        if c is not None:
+            await c.settled()
+    return _settles
+
+
+_settles = settles_after_each_test("cluster")
 
 
 async def test_stock_proxy_pd_gives_the_single_server_output(cluster):
