@@ -31,7 +31,7 @@ import time
 import structlog
 from prometheus_client.metrics import MetricWrapperBase
 
-from . import systemd
+from . import loopwatch, systemd
 from .admin import AdminServer
 from .config import Config, parse_hostport
 from .desk.admission import Gate
@@ -73,6 +73,7 @@ class Agent:
         self._ssl_server: ssl.SSLContext | None = None
         self._ssl_client: ssl.SSLContext | None = None
         self.pki: Pki | None = None  # the TLS files, resolved (or generated) at start
+        self._unwatch_loop = lambda: None
         # Bulk connections run TLS with configured certificates; with the generated PKI (loopback
         # only) they are bound to the TLS-authenticated session by its secret token instead
         # (proto/handshake.md §5: TLS on loopback bulk cost 3x of the goodput here).
@@ -120,6 +121,7 @@ class Agent:
             self._ssl_server = server_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
             self._ssl_client = client_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
         log_tls_mode(self.log, cfg, self.pki)
+        self._unwatch_loop = loopwatch.watch(self.log, self._loop_stalled, cfg.timeouts.loop_stall_warn_s)
         # 1. bulk threads, then every listener (a failure here leaves nothing serving: the caller
         #    runs shutdown(), which stops whatever did start)
         for i in range(cfg.transfer.bulk_threads):
@@ -218,7 +220,12 @@ class Agent:
             await self.admin.stop()
         for bl in self.bulk_loops:
             await asyncio.to_thread(bl.stop)
+        self._unwatch_loop()
         self.log.info("stopped")
+
+    def _loop_stalled(self, stall_s: float) -> None:
+        self.metrics.loop_stalls.inc()
+        self.metrics.loop_stall_seconds.observe(stall_s)
 
     # ------------------------------------------------------------------ SessionHost (called by sessions)
     def next_transfer_id(self) -> int:

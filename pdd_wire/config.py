@@ -94,6 +94,7 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     shutdown_grace_s: float = 10.0
     handoff_s: float = 60.0  # RLD commits a handoff by then or keeps the output (per request: deadline_s)
     handoff_md_margin_s: float = 5.0  # MD's deadline is handoff_s plus this: it rarely races a commit
+    loop_stall_warn_s: float = 1.0  # the event loop blocked this long is logged with its stack (0: not watched)
 
 
 class Tls(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -105,6 +105,10 @@ class Metrics:
                                          "it starts emitting)", ["role", "mode"], buckets=_LAT + (5, 10, 30),
                                          registry=r)
         self.handoffs_open = Gauge(p + "handoffs_open", "Handoffs this agent tracks", ["role"], registry=r)
+        self.loop_stalls = Counter(p + "loop_stalls", "Times the event loop did not turn for "
+                                   "timeouts.loop_stall_warn_s or more (logged with its stack)", registry=r)
+        self.loop_stall_seconds = Histogram(p + "loop_stall_seconds", "Length of each such stall",
+                                            buckets=(1, 2, 5, 10, 20, 30, 60, 120), registry=r)
         self.handoff_errors = Counter(p + "handoff_protocol_errors", "Handoff messages that broke the protocol",
                                       ["peer"], registry=r)
 
