@@ -87,7 +87,7 @@ async def _goodput(session: PeerSession, blocks, sink: ProbeSink, seconds: float
     t0 = time.monotonic()
     inflight: set[asyncio.Future] = set()
     i = 0
-    with session.acks_recorded(maxlen=1 << 16) as acks:
+    with session.link.acks_recorded(1 << 16) as acks:
         while time.monotonic() - t0 < warmup + seconds:
             while len(inflight) < depth:
                 rid = f"{PROBE_PREFIX}{os.getpid()}-{time.monotonic_ns()}-{i}"

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import itertools
 import secrets
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
@@ -25,6 +24,7 @@ import structlog
 from .. import policy, transport
 from ..config import Peer, parse_hostport
 from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError
+from ..loopwatch import LateTicks
 from ..memory import BlockMap
 from ..transfer import InTransfer, OutTransfer
 from ..transport.tcp import FrameProtocol, TcpConnector
@@ -541,12 +541,15 @@ class PeerSession:
     # ------------------------------------------------------------------ heartbeat and housekeeping
     async def _tick_forever(self) -> None:
         to = self.cfg.timeouts
+        late = LateTicks(to.heartbeat_s)  # after a stall of this process, read before judging
         while True:
+            due = time.monotonic() + to.heartbeat_s
             await asyncio.sleep(to.heartbeat_s)
             now = time.monotonic()
+            stalled = late.hold(due, now)  # the stall itself: pdd_wire.loopwatch logs it
             control = self.control
             if control is not None and self.is_up:
-                if now - self._last_rx > to.dead_after_s:
+                if now - self._last_rx > to.dead_after_s and not stalled:
                     self.log.warning("peer silent; dropping the control connection",
                                      silent_s=round(now - self._last_rx, 2))
                     control.abort()
@@ -554,9 +557,10 @@ class PeerSession:
                     self._ping()
                 self.est.expire(now)
                 self.link.decide_compression()
-            elif self.down_since is not None and now - self.down_since > to.peer_give_up_s:
+            elif self.down_since is not None and now - self.down_since > to.peer_give_up_s and not stalled:
                 await self.give_up(f"peer {self.key} unreachable for {to.peer_give_up_s}s")
-            self.sender.expire(now, to.chunk_ack_s)
+            if not stalled:
+                self.sender.expire(now, to.chunk_ack_s)
 
     async def give_up(self, why: str, code: int = ErrorCode.PEER_UNREACHABLE) -> None:
         """Fail every transfer with the peer now: PEER_UNREACHABLE after peer_give_up_s down, or at
@@ -566,13 +570,6 @@ class PeerSession:
         await self.receiver.fail_all(code, why, notify_peer=True)
 
     # ------------------------------------------------------------------ link figures
-    @contextlib.contextmanager
-    def acks_recorded(self, maxlen: int = 1 << 16) -> Iterator[collections.deque[tuple[float, int]]]:
-        """Record ``(time, KV bytes acknowledged ever)`` at each acknowledgement while inside
-        (the active probe measures goodput from it)."""
-        with self.link.acks_recorded(maxlen) as acks:
-            yield acks
-
     def link_figures(self) -> "policy.LinkFigures":
         """The live estimate of this link (:class:`~.estimator.LinkEstimator`): delivery rate
         while busy (falling back to finished transfers' goodput), the KV bytes still to send, and

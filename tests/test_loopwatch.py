@@ -1,0 +1,71 @@
+"""The event loop watch (pdd_wire.loopwatch): a loop that does not turn for
+``timeouts.loop_stall_warn_s`` is reported once, with the stack of the code that blocks it, and
+counted when it turns again; one watch per loop however many agents share it."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+
+import structlog
+from structlog.testing import capture_logs
+
+from pdd_wire import loopwatch
+from support.agents import run_agents, two_site_toml
+
+
+def a_blocking_call_on_the_loop(seconds: float) -> None:
+    time.sleep(seconds)  # what a slow callback does to the loop
+
+
+async def test_a_blocked_loop_is_logged_with_the_blocking_stack_and_counted():
+    stalls: list[float] = []
+    with capture_logs() as logs:
+        unwatch = loopwatch.watch(structlog.get_logger("t"), stalls.append, warn_s=0.3, period_s=0.05)
+        try:
+            await asyncio.sleep(0.2)  # turning: nothing reported
+            assert not [e for e in logs if "event loop" in e["event"]]
+            a_blocking_call_on_the_loop(0.8)
+            await asyncio.sleep(0.2)
+        finally:
+            unwatch()
+    blocked = [e for e in logs if e["event"] == "event loop blocked"]
+    again = [e for e in logs if e["event"] == "event loop turning again"]
+    assert len(blocked) == 1 and blocked[0]["log_level"] == "warning", logs
+    assert "a_blocking_call_on_the_loop" in blocked[0]["stack"]
+    assert 0.3 <= blocked[0]["blocked_s"] < 0.8
+    assert len(again) == 1 and 0.7 <= again[0]["blocked_s"] < 2.0, again
+    assert len(stalls) == 1 and 0.7 <= stalls[0] < 2.0
+    assert not [t for t in threading.enumerate() if t.name == "pdd-loopwatch"]  # stopped with its last owner
+
+
+async def test_agents_sharing_a_loop_share_one_watch_and_each_counts_the_stall(tmp_sock_dir):
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        assert len([t for t in threading.enumerate() if t.name == "pdd-loopwatch"]) == 1
+        with capture_logs() as logs:
+            a_blocking_call_on_the_loop(1.4)  # the default warn_s is 1 s (and dead_after_s 1.5)
+            await asyncio.sleep(0.3)
+        assert len([e for e in logs if e["event"] == "event loop blocked"]) == 1, logs
+        for a in agents.values():
+            text = a.metrics.render().decode()
+            assert "pddwire_loop_stalls_total 1.0" in text
+            assert "pddwire_loop_stall_seconds_count 1.0" in text
+
+
+async def test_a_process_that_did_not_run_keeps_its_sessions_up(tmp_sock_dir):
+    """Both agents' loop blocked past ``dead_after_s`` (1.5 s): the peers' heartbeats of that
+    time are in the sockets, unread. The first late tick gives no verdict on silence; the loop
+    reads them and no session is dropped (before: every session dropped and reconnected)."""
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        sessions = [s for a in agents.values() for s in a.sessions.values()]
+        with capture_logs() as logs:
+            a_blocking_call_on_the_loop(2.5)
+            await asyncio.sleep(1.0)  # five heartbeats
+        assert all(s.is_up for s in sessions)
+        assert not [e for e in logs if e["event"] == "peer silent; dropping the control connection"], logs
+        for a in agents.values():
+            reconnects = re.findall(r"^pddwire_reconnects_total\{.*\} (\S+)$", a.metrics.render().decode(), re.M)
+            assert all(float(v) == 0 for v in reconnects), reconnects
+
