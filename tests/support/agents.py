@@ -57,9 +57,11 @@ shutdown_grace_s = 2
 # In-process agents beside vLLM servers: the servers' processes spin (a busy server takes about
 # 1.5 cores) and, on a loaded 2-core machine, may starve the test's loop for seconds; 1.5 s of
 # missed heartbeats there dropped every session, and the reconnections' TLS handshakes (CPU, on
-# the same starved loop) made the stall longer (CI: 24 s, a router request timed out). Those
-# tests check KV, tokens and handoffs, not the detection of a silent peer (tests/test_robustness.py
-# and the session tests do, at 1.5 s).
+# the same starved loop) made the stall longer (CI: 24 s, a router request timed out). The
+# servers run niced, their sessions' scheduler groups too (pdd_tools.vllm.serve.nice_session:
+# with autogroups, nice alone did not lower them), and a stall of this process is logged with
+# its stack (pdd_wire.loopwatch). Those tests check KV, tokens and handoffs, not the detection
+# of a silent peer (tests/test_robustness.py and the session tests do, at 1.5 s).
 BESIDE_VLLM_DEAD_AFTER_S = 20.0
 
 

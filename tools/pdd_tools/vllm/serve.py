@@ -77,6 +77,22 @@ async def running(tmp: Path, agents: list, servers: list[VllmServer]):
             await a.shutdown(0)
         shutil.rmtree(tmp, ignore_errors=True)
 
+def nice_session(sid: int, nice: int) -> bool:
+    """Give session ``sid``'s scheduler autogroup the niceness ``nice``; False where the kernel
+    has no autogroups (``kernel.sched_autogroup_enabled`` off: there ``nice -n`` is enough).
+
+    With autogroups on (Debian's default), every session is one scheduling group and the groups
+    share the CPUs equally, whatever their processes' niceness: a server started in a session of
+    its own at ``nice -n 10`` still gets as much CPU as the session that started it (seen in CI:
+    four decoding servers held the test's in-process agents off the CPU for 25 s). The group's
+    own niceness (``/proc/PID/autogroup``) is what weighs it against the others."""
+    try:
+        Path(f"/proc/{sid}/autogroup").write_text(f"{nice}\n")
+        return True
+    except OSError:
+        return False
+
+
 def pin_session(sid: int, cpus: set[int]) -> int:
     """Bind every thread of every process in session ``sid`` to ``cpus``; how many threads."""
     n = 0
@@ -113,7 +129,8 @@ class VllmServer:
     threads are bound to; ``pin``: all of its processes and threads too, once it is up (it starts
     on every core, which is faster): vLLM's engine loop spins while a request waits for its KV,
     which would otherwise take a core from whatever runs there. ``nice``: its niceness, every
-    process and thread of it (``nice -n``): the tests run their servers below the agents and the
+    process and thread of it (``nice -n``), and its session's scheduler group (see
+    :func:`nice_session`): the tests run their servers below the agents and the
     router they test, which share the same cores (a busy vLLM's engine and worker processes each
     spin on ``sched_yield`` for a second after every message they exchange: about 1.5 cores per
     decoding server, on a 2-core machine)."""
@@ -142,7 +159,7 @@ class VllmServer:
             cmd += ["--kv-transfer-config", json.dumps(kv)]
         if nice:
             cmd = ["nice", "-n", str(nice), *cmd]
-        self.cmd = cmd
+        self.cmd, self.nice = cmd, nice
         self.pin = {int(c) for c in cpu.split(",")} if pin and cpu and cpu[0].isdigit() else None
         self.env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": checkout_path(),
                     "VLLM_CPU_OMP_THREADS_BIND": cpu or "auto", "VLLM_LOGGING_LEVEL": "INFO",
@@ -153,6 +170,8 @@ class VllmServer:
         with open(self.log, "wb") as logf:
             self.proc = await asyncio.create_subprocess_exec(*self.cmd, stdout=logf, stderr=logf, env=self.env,
                                                              start_new_session=True)
+        if self.nice:
+            nice_session(self.proc.pid, self.nice)
         await until_healthy(f"{self.url}/health", self.proc, timeout,
                             lambda: f"{self.name} exited with {self.proc.returncode}:\n{self.tail()}")
         if self.pin:
