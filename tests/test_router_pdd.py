@@ -44,13 +44,16 @@ from pdd_tools.vllm.serve import (
 )
 from pdd_wire.router import Router, loads
 from support.agents import BESIDE_VLLM_DEAD_AFTER_S, cluster_toml, free_port, run_agents
-from test_router_vllm import prompt_for, sample
+from test_router_vllm import counted_by_label, prompt_for, sample
 from test_vllm_serve import NICE, Cluster, settles_after_each_test
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
 
 N = 96  # tokens generated per request: room for a clean text boundary in the tiny model's output
 SALT = "tiny-llama/torch.float32"
+# What a failed assertion on one handoff counter shows of the others (which came instead)
+OUTCOMES = ("pddwire_router_handoffs_total", "pddwire_router_handoff_modes_total", "pddwire_router_fallbacks_total",
+            "pddwire_router_rld_load_scrapes_total", "pddwire_router_pipeline_choices_total")
 
 
 class Pdd:
@@ -302,7 +305,7 @@ async def test_p_rld_md_gives_the_single_server_output_streamed_and_not(pdd, mod
             async with pdd.http.post(f"{router.url}/v1/completions", json=completion_body(prompt, N)) as r:
                 assert r.status == 200
                 whole = await r.json()
-            assert sample(router, "pddwire_router_handoffs_total", mode=mode) == 2
+            assert sample(router, "pddwire_router_handoffs_total", mode=mode) == 2, counted_by_label(router, *OUTCOMES)
         assert whole.keys() == base.keys() and whole["choices"][0].keys() == base["choices"][0].keys()
         assert whole["object"] == base["object"] and whole["model"] == base["model"]
         for k in ("text", "token_ids", "finish_reason", "stop_reason", "prompt_token_ids", "logprobs"):
@@ -365,17 +368,20 @@ async def test_the_mode_follows_rlds_live_load(pdd):
     gap is above ``catchup_gap_tokens``: declared with one sequence, RLD running another
     client's long request (500 tokens, in the same batch: it outlasts this request's first 24
     whatever the machine's speed) is busy (one-shot, ``rld_busy``); with 64 it has headroom
-    (catch-up, ``rld_headroom``)."""
+    (catch-up, ``rld_headroom``). 300 tokens, not N: MD must be ready before RLD ends alone
+    (no switch, no mode: seen on a slow machine at 96 tokens, RLD being unhurried)."""
+    n = 300
     for seqs, mode, reason in ((1, "one-shot", "rld_busy"), (64, "catch-up", "rld_headroom")):
         prompt = prompt_for(30 + seqs, 70)
-        base = await pdd.baseline(prompt)
+        base = await pdd.baseline(prompt, n)
         async with pdd.http.post(f"{pdd.RLD.url}/v1/completions",
                                  json=completion_body(prompt_for(39, 8), 500, stream=True)) as other:
             await other.content.readline()  # running on RLD
             async with pdd.router(rld_seqs=seqs, min_rld_tokens=24, policy={"catchup_gap_tokens": 8}) as router:
-                chunks, _ = await stream(pdd.http, router, completion_body(prompt, N))
-                check_one_stream(chunks, base)
-                assert sample(router, "pddwire_router_handoff_modes_total", mode=mode, reason=reason) == 1
+                chunks, _ = await stream(pdd.http, router, completion_body(prompt, n))
+                check_one_stream(chunks, base, n)
+                assert sample(router, "pddwire_router_handoff_modes_total", mode=mode, reason=reason) == 1, \
+                    counted_by_label(router, *OUTCOMES)
                 assert sample(router, "pddwire_router_rld_load_scrapes_total", outcome="ok") >= 1
                 assert sample(router, "pddwire_router_handoffs_total", mode=mode) == 1
             other.close()  # vLLM aborts it

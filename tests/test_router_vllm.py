@@ -80,6 +80,13 @@ def sample(router: Router, name: str, **labels) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def counted_by_label(router: Router, *names: str) -> dict:
+    """Every non-zero sample of these router counters, by labels: what an assertion on one of
+    them shows when it fails (which mode, reason or fallback was counted instead)."""
+    return {f"{s.name}{s.labels}": s.value for m in router.metrics.registry.collect() for s in m.samples
+            if s.name in names and s.value}
+
+
 class RouterCluster(Cluster):
     router: Router
 
