@@ -6,12 +6,12 @@ process starved of CPU shows up first as peers dropped for silence, far from its
 watch thread beside the loop sees a beat the loop stamps every ``period_s``; when the beat is
 older than ``warn_s`` it logs ``event loop blocked`` once, with the loop thread's stack at that
 moment (the code that blocks it, or the selector's wait when the process was not scheduled),
-and ``event loop turning again`` (a warning too) with the whole stall's length once the loop runs. Stalls are
-counted in ``pddwire_loop_stalls_total`` and ``pddwire_loop_stall_seconds``.
+and ``event loop turning again`` (a warning too) with the whole stall's length once the loop
+runs. Stalls are counted in ``pddwire_loop_stalls_total`` and ``pddwire_loop_stall_seconds``.
 
 Several agents (and a router) may share one loop (the tests run them in-process): one watch per
-loop, shared, reference-counted; each owner's metrics count the stalls and the first owner's
-logger reports them.
+loop, shared, reference-counted, with the first owner's ``warn_s``; each owner's metrics count
+the stalls and the first owner's logger reports them.
 """
 
 from __future__ import annotations

@@ -77,15 +77,16 @@ async def running(tmp: Path, agents: list, servers: list[VllmServer]):
             await a.shutdown(0)
         shutil.rmtree(tmp, ignore_errors=True)
 
+
 def nice_session(sid: int, nice: int) -> bool:
     """Give session ``sid``'s scheduler autogroup the niceness ``nice``; False where the kernel
     has no autogroups (``kernel.sched_autogroup_enabled`` off: there ``nice -n`` is enough).
 
     With autogroups on (Debian's default), every session is one scheduling group and the groups
     share the CPUs equally, whatever their processes' niceness: a server started in a session of
-    its own at ``nice -n 10`` still gets as much CPU as the session that started it (seen in CI:
-    four decoding servers held the test's in-process agents off the CPU for 25 s). The group's
-    own niceness (``/proc/PID/autogroup``) is what weighs it against the others."""
+    its own at ``nice -n 10`` still gets as much CPU as the session that started it (here, each
+    test server's ``/proc/PID/autogroup`` read ``nice 0``). The group's own niceness is what
+    weighs it against the others."""
     try:
         Path(f"/proc/{sid}/autogroup").write_text(f"{nice}\n")
         return True
