@@ -27,7 +27,7 @@ async def test_a_blocked_loop_is_logged_with_the_blocking_stack_and_counted():
         try:
             await asyncio.sleep(0.2)  # turning: nothing reported
             assert not [e for e in logs if "event loop" in e["event"]]
-            a_blocking_call_on_the_loop(0.8)
+            a_blocking_call_on_the_loop(1.5)  # the watch thread has 1.2 s to see it, on a loaded machine too
             await asyncio.sleep(0.2)
         finally:
             unwatch()
@@ -35,9 +35,9 @@ async def test_a_blocked_loop_is_logged_with_the_blocking_stack_and_counted():
     again = [e for e in logs if e["event"] == "event loop turning again"]
     assert len(blocked) == 1 and blocked[0]["log_level"] == "warning", logs
     assert "a_blocking_call_on_the_loop" in blocked[0]["stack"]
-    assert 0.3 <= blocked[0]["blocked_s"] < 0.8
-    assert len(again) == 1 and 0.7 <= again[0]["blocked_s"] < 2.0, again
-    assert len(stalls) == 1 and 0.7 <= stalls[0] < 2.0
+    assert 0.3 <= blocked[0]["blocked_s"] < 1.5
+    assert len(again) == 1 and again[0]["blocked_s"] >= 1.4, again
+    assert len(stalls) == 1 and stalls[0] >= 1.4
     assert not [t for t in threading.enumerate() if t.name == "pdd-loopwatch"]  # stopped with its last owner
 
 
@@ -45,7 +45,7 @@ async def test_agents_sharing_a_loop_share_one_watch_and_each_counts_the_stall(t
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
         assert len([t for t in threading.enumerate() if t.name == "pdd-loopwatch"]) == 1
         with capture_logs() as logs:
-            a_blocking_call_on_the_loop(1.4)  # the default warn_s is 1 s (and dead_after_s 1.5)
+            a_blocking_call_on_the_loop(2.5)  # past the default warn_s (1 s): the watch has 1.5 s to see it
             await asyncio.sleep(0.3)
         assert len([e for e in logs if e["event"] == "event loop blocked"]) == 1, logs
         for a in agents.values():

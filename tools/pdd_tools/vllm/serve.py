@@ -78,20 +78,17 @@ async def running(tmp: Path, agents: list, servers: list[VllmServer]):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def nice_session(sid: int, nice: int) -> bool:
-    """Give session ``sid``'s scheduler autogroup the niceness ``nice``; False where the kernel
-    has no autogroups (``kernel.sched_autogroup_enabled`` off: there ``nice -n`` is enough).
+def nice_session(sid: int, nice: int) -> None:
+    """Give session ``sid``'s scheduler autogroup the niceness ``nice`` (nothing where the kernel
+    has no autogroups, ``kernel.sched_autogroup_enabled`` off: there ``nice -n`` is enough).
 
     With autogroups on (Debian's default), every session is one scheduling group and the groups
     share the CPUs equally, whatever their processes' niceness: a server started in a session of
     its own at ``nice -n 10`` still gets as much CPU as the session that started it (here, each
     test server's ``/proc/PID/autogroup`` read ``nice 0``). The group's own niceness is what
     weighs it against the others."""
-    try:
+    with contextlib.suppress(OSError):
         Path(f"/proc/{sid}/autogroup").write_text(f"{nice}\n")
-        return True
-    except OSError:
-        return False
 
 
 def pin_session(sid: int, cpus: set[int]) -> int:
