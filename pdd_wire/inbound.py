@@ -35,7 +35,7 @@ from .errors import ErrorCode, FatalHandshakeError, PddWireError, ProtocolError,
 from .metrics import Metrics
 from .pki import peer_fingerprint
 from .transport.bulk import BulkHandler
-from .transport.tcp import KIND_CONTROL, BulkLoop, FrameProtocol, adopt, read_preamble
+from .transport.tcp import KIND_CONTROL, BulkLoop, FrameProtocol, adopt, control_protocol, read_preamble
 from .wire import FrameType, decode_body
 from .wire import messages as m
 from .wire.handshake import check_peer
@@ -168,9 +168,16 @@ class Inbound:
         """Close the handshake of lowest rank (what the agent has verified), the oldest of those."""
         old = min(self._handshaking, key=lambda h: h.stage)  # min keeps the first (oldest) of equals
         del self._handshaking[old]
-        old.close()
-        if old.task is not None:
+        if old.task is not None and not old.task.done():
+            # Its task may be waiting in sock_recv on the raw socket. Closed under that wait, the
+            # socket's number goes to the next socket opened while the loop still holds a reader
+            # for it: the next socket's reader is then never registered, or is removed when the
+            # wait is cancelled, and its reads are never seen (an engine connection, a peer's).
+            # So the task lets go of the socket first, and then it is closed.
+            old.task.add_done_callback(lambda _task, h=old: h.close())
             old.task.cancel()
+        else:
+            old.close()
         self.cut += 1
         self.metrics.error(ErrorCode.HANDSHAKE_TIMEOUT)
         now = time.monotonic()
@@ -199,8 +206,8 @@ class Inbound:
                     kind = await read_preamble(h.sock, to.handshake_s)
                     h.stage = UNVERIFIED
                     if kind == KIND_CONTROL:
-                        conn = h.conn = FrameProtocol(max_body=self.config.limits.max_body, max_payload=0,
-                                                      max_unsent=self.config.limits.control_buffer_bytes)
+                        conn = h.conn = control_protocol(max_body=self.config.limits.max_body,
+                                                         max_unsent=self.config.limits.control_buffer_bytes)
                         first = loop.create_future()
                         conn.on_frame = lambda c, f: first.done() or first.set_result(f)
                         conn.on_lost = lambda c, e: first.done() or first.set_exception(
