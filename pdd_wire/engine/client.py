@@ -92,7 +92,9 @@ class EngineClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._events = EventBox(max_events=max_events, max_request_events=max_request_events,
                                 on_overflow=on_overflow)
-        self._reader: asyncio.Task | None = None
+        self._reading = False  # the socket is registered with the loop's reader callbacks
+        self._decoder = p.Decoder(to_agent=False)
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed_exc: BaseException | None = None
         self._wlock: asyncio.Lock | None = None
         self._expected: collections.OrderedDict[str, None] = collections.OrderedDict()  # wait_tokens asked
@@ -108,7 +110,12 @@ class EngineClient:
             raise TransportError(f"cannot reach the agent at {self.path}: {exc.strerror or exc}") from exc
         self._sock = sock
         self._wlock = asyncio.Lock()
-        self._reader = asyncio.create_task(self._read_forever(sock), name="engine-client-reader")
+        # Replies and events are read in a reader callback, not a task looping on sock_recv: that
+        # re-registered the socket with epoll and stepped a task for every message, about 1 ms of
+        # CPU per transfer here (docs/benchmarks.md, "The per-transfer overhead").
+        self._loop = loop
+        loop.add_reader(sock.fileno(), self._readable)
+        self._reading = True
         self.agent = await self._call(p.Hello(engine=self.engine, pid=os.getpid()))
         return self
 
@@ -119,10 +126,7 @@ class EngineClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            await asyncio.gather(self._reader, return_exceptions=True)
-            self._reader = None
+        self._stop_reading()
         if self._sock is not None:
             self._sock.close()
             self._sock = None
@@ -337,30 +341,47 @@ class EngineClient:
         if n < len(data):
             await loop.sock_sendall(sock, data[n:])  # the fd went with the first byte
 
-    async def _read_forever(self, sock: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        dec = p.Decoder(to_agent=False)
+    def _stop_reading(self) -> None:
+        if self._reading and self._sock is not None and self._loop is not None:
+            self._loop.remove_reader(self._sock.fileno())
+        self._reading = False
+
+    def _readable(self) -> None:
+        """The socket is readable (on the loop): take what is there, hand each message on."""
+        sock = self._sock
+        if sock is None:
+            return
         try:
-            while True:
-                data = await loop.sock_recv(sock, 256 * 1024)
-                if not data:
-                    raise TransportError("the agent closed the engine socket")
-                for msg in dec.feed(data):
-                    if isinstance(msg, (p.Ok, p.Err)) and msg.id:
-                        fut = self._pending.pop(msg.id, None)
-                        if fut is not None and not fut.done():
-                            fut.set_result(msg)
-                    elif isinstance(msg, p.Err):
-                        raise EngineRequestError(msg.message, ErrorCode(msg.code))
-                    else:
-                        self._events.put(msg)
-        except asyncio.CancelledError:
-            raise
+            data = sock.recv(256 * 1024)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._broken(TransportError(f"engine socket failed: {exc}"))
+            return
+        if not data:
+            self._broken(TransportError("the agent closed the engine socket"))
+            return
+        try:
+            for msg in self._decoder.feed(data):
+                if isinstance(msg, (p.Ok, p.Err)) and msg.id:
+                    fut = self._pending.pop(msg.id, None)
+                    if fut is not None and not fut.done():
+                        fut.set_result(msg)
+                elif isinstance(msg, p.Err):
+                    raise EngineRequestError(msg.message, ErrorCode(msg.code))
+                else:
+                    self._events.put(msg)
+        except (TransportError, EngineRequestError) as exc:
+            self._broken(exc)
         except Exception as exc:
-            self._closed_exc = exc if isinstance(exc, (TransportError, EngineRequestError)) else \
-                TransportError(f"engine socket failed: {exc}")
-            self._fail_pending(self._closed_exc)
-            self._events.close(self._closed_exc)
+            self._broken(TransportError(f"engine socket failed: {exc}"))
+
+    def _broken(self, exc: BaseException) -> None:
+        """The connection cannot go on: every pending call and every wait raises ``exc``."""
+        self._stop_reading()
+        self._closed_exc = exc
+        self._fail_pending(exc)
+        self._events.close(exc)
 
     def _fail_pending(self, exc: BaseException) -> None:
         for fut in self._pending.values():
