@@ -134,6 +134,7 @@ class Agent:
         gids = {cfg.listen.engine_gid} if cfg.listen.engine_gid is not None else set()
         self.engine_server = EngineServer(cfg.listen.engine_socket, cfg.listen.engine_socket_mode,
                                           handler=self.requests.handle, on_gone=self.requests.engine_gone,
+                                          now_handler=self.requests.handle_now, now_types=EngineRequests.NOW,
                                           max_engines=cfg.limits.max_engines, max_message=16 << 20,
                                           allowed_uids=uids, allowed_gids=gids, on_error=self.metrics.error,
                                           max_out=cfg.limits.engine_queue_bytes,

@@ -46,7 +46,30 @@ class EngineRequests:
         self.regions: dict[int, HostRegion] = {}
         self._region_ids = itertools.count(1)
 
+    #: The requests answered without waiting for anything (:meth:`handle_now`): the engine
+    #: socket answers them as soon as it reads them, when none of the engine's requests is ahead.
+    NOW: frozenset[type] = frozenset({
+        p.Hello, p.PostRecv, p.SendKv, p.SendTokens, p.ExpectTokens, p.Status, p.Estimate, p.KvStored,
+        p.KvEvict, p.PrefixRelease, p.SetLoad, p.HandoffRld, p.HandoffMd, p.HandoffTokens,
+        p.HandoffExtended, p.HandoffFail})
+
     async def handle(self, ec: "EngineConn", msg: p.Msg, fd: int | None) -> dict | None:
+        match msg:
+            case p.Register():
+                return await self._register(ec, msg, fd)
+            case p.Deregister():
+                await self._deregister(ec, msg.region)
+                return None
+            case p.Abort():
+                return {"cancelled": await self.kv.abort(ec, msg.request_id, msg.reason)}
+            case p.ChoosePipeline():
+                return await self._choose_pipeline(msg)
+        if type(msg) in self.NOW:
+            return self.handle_now(ec, msg)
+        raise EngineRequestError(f"unknown request {type(msg).__name__}", ErrorCode.BAD_REQUEST)
+
+    def handle_now(self, ec: "EngineConn", msg: p.Msg) -> dict | None:
+        """A request of :attr:`NOW`, answered without awaiting."""
         match msg:
             case p.Hello():
                 ec.name = f"{msg.engine}#{ec.number}"
@@ -54,11 +77,6 @@ class EngineRequests:
                 self._count_engines()
                 return {"site": self.config.site, "node": self.config.node, "protocol": p.ENGINE_PROTOCOL_VERSION,
                         "peers": sorted(self.peers.by_key), "chunk_bytes": self.config.transfer.chunk_bytes}
-            case p.Register():
-                return await self._register(ec, msg, fd)
-            case p.Deregister():
-                await self._deregister(ec, msg.region)
-                return None
             case p.PostRecv():
                 self.kv.post(ec, msg)
                 return None
@@ -71,12 +89,8 @@ class EngineRequests:
                 self.kv.check_mine(ec, msg.request_id, "expect_tokens")  # no taking over a live engine's request
                 sites = None if msg.from_site is None else frozenset({msg.from_site})
                 return {"delivered": self.kv.own(msg.request_id, ec, sites, widen=False)}
-            case p.Abort():
-                return {"cancelled": await self.kv.abort(ec, msg.request_id, msg.reason)}
             case p.Status():
                 return self.describe()
-            case p.ChoosePipeline():
-                return await self._choose_pipeline(msg)
             case p.Estimate():
                 return self._estimate(msg)
             case p.KvStored():

@@ -56,6 +56,7 @@ class EngineConn:
         self.load = 0.0  # the engine's decode load, as it last reported (set_load)
         self._queue: asyncio.Queue = asyncio.Queue()
         self._reading = True  # paused while MAX_QUEUED requests wait: the kernel buffer holds the rest
+        self._busy = False  # the worker holds a request (answering one now would overtake it)
         self._worker = asyncio.create_task(self._serve(), name=f"{self.name}:serve")
         self.loop.add_reader(sock.fileno(), self._readable)
         # The first message, and then every message begun, must be complete within the read
@@ -87,8 +88,14 @@ class EngineConn:
             return
         try:
             msgs = self._decoder.feed(data)
+            now = self.server.now_types
             for msg in msgs:
-                self._queue.put_nowait(msg)
+                # A request that never waits is answered here, in the read, when nothing is ahead
+                # of it: no task wake-up per request (on the path of every transfer).
+                if not self._busy and not self._queue.qsize() and type(msg) in now and not self.closed:
+                    self._answer_now(msg)
+                else:
+                    self._queue.put_nowait(msg)
             if self._queue.qsize() >= MAX_QUEUED and self._reading:
                 self.loop.remove_reader(self.sock.fileno())
                 self._reading = False
@@ -101,27 +108,47 @@ class EngineConn:
         """Requests are handled one at a time, in order, so an engine sees its own effects in order."""
         while True:
             msg = await self._queue.get()
-            if not self._reading and self._queue.qsize() < MAX_QUEUED // 2 and not self.closed:
-                self.loop.add_reader(self.sock.fileno(), self._readable)
-                self._reading = True
-                self._rearm(restart=True)
-            fd = None
-            if isinstance(msg, p.Register):
-                if not self._fds:
-                    self.send(p.Err(id=msg.id, code=int(ErrorCode.BAD_REQUEST),
-                                    message="register needs one file descriptor sent with it (SCM_RIGHTS)"))
-                    continue
-                fd = self._fds.pop(0)
+            self._busy = True
             try:
-                result = await self.server.handler(self, msg, fd)
-            except (EngineRequestError, PddWireError) as exc:
-                self.server.on_error(exc.code)
-                self.send(p.Err(id=msg.id, code=int(exc.code), message=str(exc)))
-            except Exception as exc:  # a bug must not take the agent down with it
-                self.log.exception("engine request failed", op=type(msg).__name__)
-                self.send(p.Err(id=msg.id, code=int(ErrorCode.INTERNAL), message=f"internal error: {exc}"))
-            else:
-                self.send(p.Ok(id=msg.id, result=result or {}))
+                await self._answer(msg)
+            finally:
+                self._busy = False
+
+    async def _answer(self, msg: p.Msg) -> None:
+        if not self._reading and self._queue.qsize() < MAX_QUEUED // 2 and not self.closed:
+            self.loop.add_reader(self.sock.fileno(), self._readable)
+            self._reading = True
+            self._rearm(restart=True)
+        fd = None
+        if isinstance(msg, p.Register):
+            if not self._fds:
+                self.send(p.Err(id=msg.id, code=int(ErrorCode.BAD_REQUEST),
+                                message="register needs one file descriptor sent with it (SCM_RIGHTS)"))
+                return
+            fd = self._fds.pop(0)
+        try:
+            result = await self.server.handler(self, msg, fd)
+        except Exception as exc:
+            self._failed(msg, exc)
+        else:
+            self.send(p.Ok(id=msg.id, result=result or {}))
+
+    def _answer_now(self, msg: p.Msg) -> None:
+        assert self.server.now_handler is not None  # now_types is empty without one
+        try:
+            result = self.server.now_handler(self, msg)
+        except Exception as exc:
+            self._failed(msg, exc)
+        else:
+            self.send(p.Ok(id=msg.id, result=result or {}))
+
+    def _failed(self, msg: p.Msg, exc: Exception) -> None:
+        if isinstance(exc, (EngineRequestError, PddWireError)):
+            self.server.on_error(exc.code)
+            self.send(p.Err(id=msg.id, code=int(exc.code), message=str(exc)))
+        else:  # a bug must not take the agent down with it
+            self.log.error("engine request failed", op=type(msg).__name__, exc_info=exc)
+            self.send(p.Err(id=msg.id, code=int(ErrorCode.INTERNAL), message=f"internal error: {exc}"))
 
     def _rearm(self, *, restart: bool) -> None:
         """A deadline runs while a message is begun (and the agent is reading): from its first
@@ -195,16 +222,22 @@ class EngineConn:
 
 class EngineServer:
     """Listens on the engine Unix socket. ``handler(conn, msg, fd)`` serves each request;
-    ``on_gone(conn)`` runs once per engine when it disconnects."""
+    ``on_gone(conn)`` runs once per engine when it disconnects. Requests of ``now_types`` may
+    instead be answered by ``now_handler(conn, msg)`` (synchronous) as soon as they are read,
+    when none of the engine's requests is ahead of them: the same answer, without a task step."""
 
     def __init__(self, path: str, mode: int, *, handler: Callable[..., Awaitable[dict | None]],
                  on_gone: Callable[[EngineConn], Awaitable[None]], max_engines: int, max_message: int,
                  allowed_uids: set[int], allowed_gids: set[int] | frozenset[int] = frozenset(),
                  on_error=lambda code: None,
-                 max_out: int = 64 << 20, max_per_uid: int | None = None, read_deadline_s: float = 5.0) -> None:
+                 max_out: int = 64 << 20, max_per_uid: int | None = None, read_deadline_s: float = 5.0,
+                 now_handler: Callable[..., dict | None] | None = None,
+                 now_types: frozenset[type] = frozenset()) -> None:
         self.path = path
         self.mode = mode
         self.handler = handler
+        self.now_handler = now_handler
+        self.now_types = now_types if now_handler is not None else frozenset()
         self.on_gone = on_gone
         self.on_error = on_error
         self.max_engines = max_engines
