@@ -94,6 +94,7 @@ async def test_a_matched_prefix_longer_than_the_receiver_allows_is_sent_whole(tm
         ev = await D.wait("r4", timeout=10)
         assert isinstance(ev, p.KvReceived) and ev.reused_blocks == 0 and ev.bytes == 6 * MiB, ev
         assert bytes(dst.buf[8 * MiB:14 * MiB]) == bytes(src.buf[:6 * MiB])
+        assert isinstance(await P.wait("r4", timeout=10), p.KvSent)  # A counts bytes as they are acknowledged
         assert metric(agents["A"], "pddwire_bytes_total", peer="B/b1", lane="bulk", direction="tx") - tx0 == 6 * MiB
         # Within the cap: the 4 held blocks are not sent.
         await D.post_recv("r5", [rd.blocks(8, 6)], from_site="A", max_skip_blocks=4)
