@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from .errors import MAX_DURATION_S, ConfigError
+from .errors import INLINE_MAX, MAX_DURATION_S, ConfigError
 from .policy import HandoffPolicy, PipelineConfig
 from .rundir import default_socket_dir
 
@@ -68,6 +68,11 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     # Offer receives posted for a peer (KV_OFFER, capability offer.v1): its transfer then moves
     # at once instead of waiting a round trip for KV_ACCEPT.
     offers: bool = True
+    # Chunks of at most this many bytes go on the control connection itself (capability
+    # inline.v1), no more than this many in flight there at once: a small transfer then costs no
+    # hop to a bulk thread on either side, and a token frame waits behind at most this much KV.
+    # 0: none sent, and inline.v1 not advertised (so none received). At most 64 KiB.
+    inline_bytes: int = 64 * 1024
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -254,6 +259,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("transfer.ucx_chunk_bytes", f"must be 64 KiB..64 MiB, got {t.ucx_chunk_bytes}")
     if not t.chunk_bytes <= t.credit_bytes <= 1 << 48:  # proto/messages.md: credit_bytes on the wire
         raise ConfigError("transfer.credit_bytes", "must be at least transfer.chunk_bytes and at most 2^48")
+    if not 0 <= t.inline_bytes <= INLINE_MAX:
+        raise ConfigError("transfer.inline_bytes", f"must be 0..{INLINE_MAX} (64 KiB), got {t.inline_bytes}")
     if not 1 <= t.bulk_threads <= 64:
         raise ConfigError("transfer.bulk_threads", f"must be 1..64, got {t.bulk_threads}")
     for key in ("max_transfers",):

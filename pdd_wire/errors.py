@@ -80,6 +80,9 @@ class PddWireError(Exception):
 
 
 MAX_DURATION_S = 7 * 86400  # the longest deadline, ttl or lease an engine may ask for
+#: The largest KV_CHUNK payload a control connection carries (capability inline.v1,
+#: proto/transfer.md §17); here so that the config can check against it (the wire re-exports it).
+INLINE_MAX = 64 << 10
 
 
 def check_duration(name: str, value: float) -> float:

@@ -16,6 +16,9 @@ class Metrics:
         self.bytes = Counter(p + "bytes", "Bytes moved, by peer, lane and direction",
                              ["peer", "lane", "direction"], registry=r)
         self.chunks = Counter(p + "chunks", "KV chunks moved", ["peer", "direction"], registry=r)
+        self.inline_chunks = Counter(p + "kv_inline_chunks", "KV chunks sent or received on the control connection "
+                                     "(inline.v1: chunks of at most transfer.inline_bytes)", ["peer", "direction"],
+                                     registry=r)
         self.frames = Counter(p + "frames", "Control-connection frames", ["peer", "lane", "direction"],
                               registry=r)
         self.transfers = Counter(p + "transfers", "Transfers finished, by outcome",

@@ -8,7 +8,8 @@ Two parts:
   on :class:`ReceiveLedger` through simulated lanes (FIFO each, like one TCP connection, read
   in any order across lanes) and a control connection (FIFO), with chunks lost, duplicated and
   corrupted, lanes lost, ack timeouts, transfers cancelled, and the control connection lost
-  and resumed at any point; transfers that took a KV_OFFER (moving before KV_ACCEPT, chunks
+  and resumed at any point; chunks inline on the control connection (inline.v1), in order with
+  its frames; transfers that took a KV_OFFER (moving before KV_ACCEPT, chunks
   that outrun their KV_BEGIN held by the receiver's gate) and receives posted late. After
   every step: credit never exceeds the window and equals it minus what is in flight; each
   lane's count is what is in flight on it. At the end, once everything is delivered: every
@@ -27,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pdd_wire.memory import chunk_range, n_chunks
-from pdd_wire.session.protocol import Landing, ReceiveLedger, Resumed, SendWindow, Status, code_name
+from pdd_wire.session.protocol import INLINE, Landing, ReceiveLedger, Resumed, SendWindow, Status, code_name
 from pdd_wire.transfer import State
 
 
@@ -105,6 +106,39 @@ def test_a_lost_lane_requeues_its_chunks_first_and_a_nack_repairs_one():
     assert [d.k for d in w.dispatch(2.0)] == [0]
     w.on_ack(1, 0, 4)
     assert not w.on_nack(1, 0)  # acknowledged meanwhile: nothing to repair
+
+
+def test_the_inline_lane_takes_small_chunks_while_its_bound_allows_and_nothing_big():
+    """inline.v1 (proto/transfer.md §17): chunks of at most inline_bytes go on the control
+    connection while at most inline_bytes are in flight there; the rest on the bulk lanes."""
+    from pdd_wire.transport.ucx_path import UCX_LANE
+
+    assert INLINE not in (UCX_LANE, 0)  # a UCX peer's one lane is not the control connection
+    w = SendWindow(100, inline_bytes=8)
+    w.lane_up(INLINE)
+    big = Tx(1, 16, 16)  # one 16-byte chunk: never inline
+    w.add(big)
+    w.accepted(1)
+    assert w.dispatch(0.0) == []  # only the control connection is up, and the chunk is too big for it
+    smalls = [Tx(tid, 4, 4) for tid in (2, 3, 4)]
+    for t in smalls:
+        w.add(t)
+        w.accepted(t.tid)
+    assert w.dispatch(0.0) == []  # the big chunk heads the round robin: it waits for a bulk lane
+    w.lane_up(0)
+    sent = w.dispatch(0.0)
+    assert [(d.tid, d.lane) for d in sent] == [(1, 0), (2, INLINE), (3, INLINE), (4, 0)]
+    assert w.lanes == {INLINE: 8, 0: 20}
+    w.on_ack(2, 0, 1)
+    assert w.lanes[INLINE] == 4
+    t5 = Tx(5, 4, 4)
+    w.add(t5)
+    w.accepted(5)
+    assert [(d.tid, d.lane) for d in w.dispatch(1.0)] == [(5, INLINE)]
+    # The control connection goes: what was in flight on it is queued again, and goes bulk.
+    assert w.lane_down(INLINE) == 2 and INLINE not in w.lanes
+    assert sorted((d.tid, d.lane) for d in w.dispatch(2.0)) == [(3, 0), (5, 0)]
+    assert w.credit == 100 - 16 - 4 - 4 - 4
 
 
 def test_an_ack_timeout_sends_again_and_the_late_ack_counts_once():
@@ -208,9 +242,11 @@ class SessionCore(RuleBasedStateMachine):
     CHUNK = 4
     ACK_TIMEOUT = 10.0
 
-    @initialize(window_chunks=st.integers(1, 5))
-    def setup(self, window_chunks: int) -> None:
-        self.w = SendWindow(window_chunks * self.CHUNK)
+    @initialize(window_chunks=st.integers(1, 5), inline_chunks=st.sampled_from([0, 0, 1, 2]))
+    def setup(self, window_chunks: int, inline_chunks: int) -> None:
+        """``inline_chunks``: the control connection is a lane too (inline.v1) for that many
+        chunks in flight; its chunks travel in order with the control frames."""
+        self.w = SendWindow(window_chunks * self.CHUNK, inline_bytes=inline_chunks * self.CHUNK)
         self.ledger = ReceiveLedger(keep=1000)
         self.tx: dict[int, Tx] = {}
         self.rx: dict[int, Rx] = {}
@@ -227,6 +263,8 @@ class SessionCore(RuleBasedStateMachine):
         self.held: list[tuple[int, int, bool]] = []  # chunks that outran their KV_BEGIN
         for lane in range(self.LANES):
             self.lane_up(lane)
+        if self.w.inline_bytes:
+            self.w.lane_up(INLINE)
 
     # -- helpers
     def lane_up(self, lane: int) -> None:
@@ -238,6 +276,10 @@ class SessionCore(RuleBasedStateMachine):
             return
         for d in self.w.dispatch(self.now):
             t = self.tx[d.tid]
+            if d.lane == INLINE:  # on the control connection, behind what was sent before it
+                assert d.nbytes <= self.w.inline_bytes
+                self.to_receiver.append(("chunk", d.tid, d.k, True))
+                continue
             assert d.nbytes == size(t, d.k) and d.lane in self.lanes
             self.lanes[d.lane].append((d.tid, d.k, True))
 
@@ -380,9 +422,12 @@ class SessionCore(RuleBasedStateMachine):
     @precondition(lambda self: self.to_receiver)
     @rule()
     def deliver_to_receiver(self) -> None:
-        kind, tid = self.to_receiver.popleft()
+        kind, tid, *rest = self.to_receiver.popleft()
         t = self.tx[tid]
-        if kind == "begin":
+        if kind == "chunk":  # inline: its KV_BEGIN came first on this connection, so it is never held
+            assert tid in self.begun or tid in self.rx or tid not in self.w.out
+            self.land(tid, *rest)
+        elif kind == "begin":
             rx = self.rx.get(tid)
             # (a KV_CANCEL of a transfer not yet begun here is the sender's not opening it)
             if rx is None and tid not in self.ledger.completed and tid in self.w.out:
@@ -412,6 +457,8 @@ class SessionCore(RuleBasedStateMachine):
             del self.lanes[lane]
             self.w.lane_down(lane)
         self.held.clear()  # their bulk connections went with the control connection
+        if INLINE in self.w.lanes:  # and the inline chunks in flight on it
+            self.w.lane_down(INLINE)
         self.w.connection_lost()
         self.to_sender.clear()
         self.to_receiver.clear()
@@ -427,6 +474,8 @@ class SessionCore(RuleBasedStateMachine):
                 self.to_receiver.append(("resume", t.tid))
         for lane in range(self.LANES):
             self.lane_up(lane)
+        if self.w.inline_bytes:
+            self.w.lane_up(INLINE)
         for t in self.tx.values():
             if t.tid in self.w.out and t.state == State.ANNOUNCED:
                 self.announce(t)
@@ -472,6 +521,7 @@ class SessionCore(RuleBasedStateMachine):
         assert w.window - w.credit == sum(n for _, n, _ in w.inflight.values())
         for lane, out in w.lanes.items():
             assert out == sum(n for on, n, _ in w.inflight.values() if on == lane)
+        assert w.lanes.get(INLINE, 0) <= w.inline_bytes
         assert all(key[0] in w.out for key in w.inflight), "chunks in flight of an ended transfer"
 
     @invariant()

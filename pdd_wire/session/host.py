@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from ..metrics import Metrics
     from ..transfer import InTransfer, OutTransfer
     from ..transport.base import DataPath
-    from ..transport.tcp import BulkLoop
+    from ..transport.tcp import BulkLoop, FrameProtocol
     from .link import LinkState
 
 S = TypeVar("S", contravariant=True)
@@ -54,12 +54,13 @@ class Shell(Protocol):
     data: "DataPath"
     link: "LinkState"
     remote_caps: frozenset[str] | None
+    control: "FrameProtocol | None"
     chunk_bytes: int
     peer_max_chunk: int
 
     @property
     def is_up(self) -> bool: ...
-    def send_frame(self, ftype: int, body: Any, *, tid: int = 0, lane: int = ...) -> bool: ...
+    def send_frame(self, ftype: int, body: Any, *, tid: int = 0, lane: int = ..., now: bool = ...) -> bool: ...
     def spawn(self, coro: Any, name: str) -> Any: ...
     def cancel_transfer(self, tid: int, msg: m.KvCancel) -> None: ...
     def count_error(self, code: int) -> None: ...

@@ -27,7 +27,7 @@ from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportErr
 from ..loopwatch import LateTicks
 from ..memory import BlockMap
 from ..transfer import InTransfer, OutTransfer
-from ..transport.tcp import FrameProtocol, TcpConnector
+from ..transport.tcp import FrameProtocol, TcpConnector, control_protocol
 from ..transport.tcp_path import PathSettings
 from ..wire import HEADER_SIZE, FrameType, Lane, decode_body, encode, encode_body
 from ..wire import messages as m
@@ -196,11 +196,11 @@ class PeerSession:
         self.dialer_loop.welcomed(msg)
 
     def _capabilities(self) -> list[str]:
-        return [c for c in CAPABILITIES if c != "offer.v1" or self.cfg.transfer.offers]
+        off = {"offer.v1": not self.cfg.transfer.offers, "inline.v1": not self.cfg.transfer.inline_bytes}
+        return [c for c in CAPABILITIES if not off.get(c)]
 
     def _new_control(self) -> FrameProtocol:
-        conn = FrameProtocol(max_body=self.cfg.limits.max_body, max_payload=0,
-                             max_unsent=self.cfg.limits.control_buffer_bytes)
+        conn = control_protocol(max_body=self.cfg.limits.max_body, max_unsent=self.cfg.limits.control_buffer_bytes)
         conn.on_frame = self._on_control_frame
         conn.on_lost = self._on_control_lost
         return conn
@@ -334,6 +334,8 @@ class PeerSession:
     def _on_control_frame(self, conn: FrameProtocol, frame: Frame) -> None:
         self._last_rx = time.monotonic()
         h = frame.header
+        if h.type == FrameType.KV_CHUNK:  # inline.v1: a small chunk on the control connection
+            return self.receiver.inline_chunk(conn, frame)
         try:
             msg = decode_body(h.type, frame.body)
         except ProtocolError as exc:
@@ -402,8 +404,9 @@ class PeerSession:
                 self.metrics.error(err.code)
                 conn.fail(err)
 
-    def send_frame(self, ftype: int, body, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool:
-        """Send a control-connection frame on ``lane`` CONTROL or TOKEN (counted apart); False if down."""
+    def send_frame(self, ftype: int, body, *, tid: int = 0, lane: int = Lane.CONTROL, now: bool = False) -> bool:
+        """A control-connection frame on ``lane`` CONTROL or TOKEN (counted apart); False if down.
+        ``now``: written at once with the frames queued before it, not at the end of the turn."""
         c = self.control
         if c is None or c.closed:
             return False
@@ -411,7 +414,7 @@ class PeerSession:
             return True
         frame = encode(ftype, encode_body(body), lane=lane, transfer_id=tid)
         try:
-            c.send(frame)
+            c.send(frame, now=now)
         except TransportError as exc:
             if exc.code == ErrorCode.PEER_NOT_READING:
                 self.metrics.error(exc.code)

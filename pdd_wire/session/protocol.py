@@ -9,7 +9,10 @@ duplication, reordering and reconnects.
 Sender: a transfer's chunks are dispatched while the credit window (unacknowledged bytes in
 flight, the smaller of both agents' ``credit_bytes``) allows, round robin over transfers,
 each on the least loaded lane. A lane is whatever the data path moves chunks on (a bulk TCP
-connection, a UCX endpoint); the core only counts bytes on it. A transfer that took the
+connection, a UCX endpoint); the core only counts bytes on it. One lane is special: ``INLINE``,
+the control connection itself (capability ``inline.v1``), which takes a chunk of at most
+``inline_bytes`` while no more than ``inline_bytes`` are in flight on it, so a small transfer
+costs no hop to a bulk thread and a token frame waits behind at most that much KV. A transfer that took the
 receiver's KV_OFFER (``offered``) moves from its KV_BEGIN on, without waiting for KV_ACCEPT;
 until the receiver has shown it matched it (an ack, a KV_STATUS, a late KV_ACCEPT) it is
 *unconfirmed*: a KV_ACCEPT means its early chunks were dropped, a reconnect announces it again.
@@ -65,6 +68,10 @@ class Outgoing(Protocol):
 
 T = TypeVar("T", bound=Outgoing)
 
+#: The control connection as a lane (proto/transfer.md §17). Bulk TCP streams are lanes 0..n-1 and
+#: a UCX endpoint is lane -1 (``transport.ucx_path.UCX_LANE``): this one is apart from both.
+INLINE = -2
+
 
 @dataclass(frozen=True, slots=True)
 class Dispatch:
@@ -101,8 +108,9 @@ class Resumed(enum.Enum):
 class SendWindow(Generic[T]):
     """The sender's books for one peer: open transfers, credit, chunks in flight per lane."""
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, window: int, inline_bytes: int = 0) -> None:
         self.window = window
+        self.inline_bytes = inline_bytes  # the most KV in flight on the INLINE lane (when it is up)
         self.credit = window
         self.out: dict[int, T] = {}
         # (tid, k) -> (lane, nbytes, sent at)
@@ -199,12 +207,19 @@ class SendWindow(Generic[T]):
             n = end - start
             if n > self.credit:
                 break
+            inline = self.lanes.get(INLINE)
+            if inline is not None and inline + n <= self.inline_bytes:
+                lane = INLINE
+            else:
+                limit = t.streams_limit
+                bulk = [lane for lane in self.lanes if lane != INLINE]
+                pool = [lane for lane in bulk if limit is None or lane < limit] or bulk
+                if not pool:  # only the control connection is up, and this chunk is too big for it
+                    break
+                lane = min(pool, key=self.lanes.__getitem__)
             t.pending.popleft()
             self.rr.rotate(-1)
             self.credit -= n
-            limit = t.streams_limit
-            pool = [lane for lane in self.lanes if limit is None or lane < limit] or list(self.lanes)
-            lane = min(pool, key=self.lanes.__getitem__)
             self.lanes[lane] += n
             self.inflight[(t.tid, k)] = (lane, n, now)
             out.append(Dispatch(t.tid, k, n, lane))

@@ -19,16 +19,17 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..errors import ErrorCode
+from ..errors import ErrorCode, ProtocolError
 from ..memory import BlockMap
 from ..transfer import InTransfer, State
 from ..transport.route import Route
-from ..wire import FrameType
+from ..wire import Flags, Frame, FrameType, Header
 from ..wire import messages as m
 from ..wire.handshake import MAX_CHUNK
 from .protocol import Landing, ReceiveLedger, Status, code_name
 
 if TYPE_CHECKING:
+    from ..transport.tcp import FrameProtocol
     from .host import Shell
 
 #: The receiver's own clock ends a transfer this long after the sender's deadline, so that
@@ -116,6 +117,55 @@ class BeginGate:
                 wake()
 
 
+class InlineLanding:
+    """Inline chunks (inline.v1) of one control connection: KV_CHUNKs of at most INLINE_MAX read
+    on the session's loop, landing in the posted memory exactly as a bulk connection's would
+    (proto/transfer.md §7 and §17). At most one is being read at a time (one stream)."""
+
+    def __init__(self, receiver: "Receiver", conn: "FrameProtocol") -> None:
+        self.receiver = receiver
+        self.conn = conn
+        self._claim: tuple[Route, int] | None = None
+        self._invalid = False
+        conn.payload_sink = self.sink
+        conn.add_close_callback(self.lost)
+
+    def sink(self, header: Header, body: bytes):
+        """Where the chunk's payload goes (the frame reader checked: a KV_CHUNK, <= INLINE_MAX)."""
+        if not header.flags & Flags.PAYLOAD_CHECKSUM:
+            raise ProtocolError("KV_CHUNK without its payload checksum (flag bit 0)", ErrorCode.MALFORMED_BODY)
+        if header.flags & Flags.LZ4:
+            raise ProtocolError("an inline KV_CHUNK is never compressed (flag LZ4)", ErrorCode.MALFORMED_BODY)
+        self._claim, self._invalid = None, False
+        route = self.receiver.routes.get(header.transfer_id)
+        if route is None:
+            return None  # read into scratch: the transfer is not open (§7)
+        if not route.fits(header.seq, header.payload_len):
+            self._invalid = True
+            return None
+        views = route.claim(header.seq, header.payload_len)
+        if views is not None:
+            self._claim = (route, header.seq)
+        return views
+
+    def landed(self, frame: Frame) -> None:
+        h = frame.header
+        claim, self._claim = self._claim, None
+        invalid, self._invalid = self._invalid or not h.payload_len, False
+        if claim is not None:
+            claim[0].settle(claim[1], frame.payload_ok)
+        s = self.receiver.s
+        s.metrics.child(s.metrics.inline_chunks, s.key, "rx").inc()
+        self.receiver.chunk_arrived(h.transfer_id, h.seq, frame.payload_ok, h.payload_len, claim is not None,
+                                    invalid)
+
+    def lost(self) -> None:
+        """The connection ended, maybe in the middle of a payload: nothing writes any more."""
+        claim, self._claim = self._claim, None
+        if claim is not None:
+            claim[0].settle(claim[1], False)
+
+
 class Receiver:
     def __init__(self, session: "Shell") -> None:
         self.s = session
@@ -127,6 +177,7 @@ class Receiver:
                                                                     outcome).inc())
         # Receives offered to this peer (KV_OFFER): request id -> (total, block bytes, until).
         self.offered: dict[str, tuple[int, int, float]] = {}
+        self.inline: InlineLanding | None = None  # the control connection's, when this agent takes inline chunks
 
     # -- offers
     def offers_on(self) -> bool:
@@ -156,6 +207,9 @@ class Receiver:
 
     def session_up(self) -> None:
         """The control connection is (back) up: the peer forgot our offers with the last one."""
+        c = self.s.control
+        # This agent advertised inline.v1 (transfer.inline_bytes > 0): the connection takes inline chunks.
+        self.inline = InlineLanding(self, c) if c is not None and self.s.cfg.transfer.inline_bytes else None
         loop = asyncio.get_running_loop()
         self.gate.open(loop if self.s.cfg.transfer.offers and "offer.v1" in (self.s.remote_caps or ()) else None)
         if not self.gate.enabled:
@@ -223,6 +277,15 @@ class Receiver:
         s.log.warning("refused incoming KV", transfer_id=tid, request_id=begin.request_id,
                       code=code_name(code), reason=message)
         s.send_frame(FrameType.KV_REJECT, m.KvReject(begin.request_id, int(code), message), tid=tid)
+
+    def inline_chunk(self, conn: "FrameProtocol", frame: Frame) -> None:
+        """A KV_CHUNK on the control connection ``conn``, read whole."""
+        if self.inline is None or self.inline.conn is not conn:  # this agent did not advertise inline.v1
+            self.s.count_error(ErrorCode.UNEXPECTED_FRAME)
+            conn.fail(ProtocolError("KV_CHUNK on the control connection (inline.v1 not advertised)",
+                                    ErrorCode.UNEXPECTED_FRAME))
+            return
+        self.inline.landed(frame)
 
     def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False) -> None:
         s = self.s

@@ -14,12 +14,12 @@ import collections
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
-from ..errors import ErrorCode, PddWireError
+from ..errors import ErrorCode, PddWireError, TransportError
 from ..memory import BlockMap
 from ..transfer import OutTransfer, State
-from ..wire import FrameType
+from ..wire import FrameType, Lane, encode
 from ..wire import messages as m
-from .protocol import Resumed, SendWindow, Status
+from .protocol import INLINE, Resumed, SendWindow, Status
 
 if TYPE_CHECKING:
     from .host import Shell
@@ -174,7 +174,10 @@ class Sender:
         sent = self.s.send_frame(FrameType.KV_BEGIN, m.KvBegin(t.request_id, t.total, t.chunk_bytes, t.n_chunks,
                                                                t.blocks.block_bytes, t.blocks.n_blocks, remaining,
                                                                t.skip, t.post_wait_ms, t.offered),
-                                 tid=t.tid)
+                                 tid=t.tid, now=t.offered and not self._goes_inline(t))
+        # An offered transfer's first chunk leaves at once: on a bulk thread, its KV_BEGIN is written
+        # first (now=), or the chunk usually reaches the receiver before it and is held there;
+        # inline, it follows the KV_BEGIN in the same write.
         if t.offered and sent:  # the receiver posted for it already: no KV_ACCEPT to wait for (and if the
             self.flow.start(t.tid)  # connection is down, it stays ANNOUNCED: the reconnect announces it)
             self.pump()
@@ -191,8 +194,36 @@ class Sender:
             return
         for d in self.flow.dispatch(time.monotonic()):
             t = self.flow.out[d.tid]
-            s.data.send(d.lane, d.tid, d.k, t.chunk(d.k), s.link.compression_for(t, s.remote_caps))
+            if d.lane == INLINE:
+                self._send_inline(d.tid, d.k, t.chunk(d.k))
+            else:
+                s.data.send(d.lane, d.tid, d.k, t.chunk(d.k), s.link.compression_for(t, s.remote_caps))
         s.metrics.child(s.metrics.inflight_bytes, s.key).set(self.flow.in_flight_bytes)
+
+    def _send_inline(self, tid: int, k: int, views: list[memoryview]) -> None:
+        """A chunk of at most transfer.inline_bytes, on the control connection (inline.v1): hashed
+        here (xxh3 of 64 KiB: microseconds) and copied, so no engine memory waits in its queue."""
+        s, c = self.s, self.s.control
+        frame = encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=tid, seq=k, payload=views)
+        try:
+            if c is None or c.closed:
+                raise TransportError("control connection closed")
+            c.send([frame[0], b"".join(frame[1:])])
+        except TransportError:
+            self.send_failed(tid, k, "connection_lost")
+            return
+        s.metrics.child(s.metrics.inline_chunks, s.key, "tx").inc()
+
+    def _goes_inline(self, t: OutTransfer) -> bool:
+        return INLINE in self.flow.lanes and min(t.total, t.chunk_bytes) <= self.flow.inline_bytes
+
+    def inline_lane(self) -> None:
+        """The control connection is up: it is a lane too where both agents advertised inline.v1
+        and KV goes over TCP (a UCX peer's chunks stay on UCX: zero copy)."""
+        s, size = self.s, self.s.cfg.transfer.inline_bytes
+        if size and s.data.kind == "tcp" and "inline.v1" in (s.remote_caps or ()):
+            self.flow.inline_bytes = size
+            self.flow.lane_up(INLINE)
 
     def on_ack(self, tid: int, first: int, count: int) -> None:
         self._acked(tid, first, count)
@@ -328,10 +359,14 @@ class Sender:
 
     # -- resume after a reconnect
     def connection_lost(self) -> None:
-        """The peer's offers end with the control connection (it sends them again once back)."""
+        """The peer's offers end with the control connection (it sends them again once back), and
+        the inline chunks in flight on it are sent again."""
         self.offers.clear()
+        if INLINE in self.flow.lanes:
+            self.lane_lost(INLINE)
 
     def resume(self) -> None:
+        self.inline_lane()
         for t in list(self.flow.out.values()):
             if t.state == State.QUERYING:  # the answer may be lost: do not wait for it
                 if t.query_timer is not None:

@@ -32,7 +32,7 @@ import structlog
 import uvloop
 
 from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError
-from ..wire import FrameReader, FrameType, encode_body, encode_bytes
+from ..wire import INLINE_MAX, FrameReader, FrameType, encode_body, encode_bytes
 from ..wire.frame import Frame, PayloadSink
 from ..wire.messages import Error
 from .base import Connector
@@ -176,6 +176,17 @@ class BulkLoop:
             self.loop.close()
 
 
+#: What a control connection reads: frame payloads only on inline KV_CHUNKs (inline.v1).
+CONTROL_PAYLOAD_TYPES = frozenset({FrameType.KV_CHUNK})
+
+
+def control_protocol(*, max_body: int, max_unsent: int) -> "FrameProtocol":
+    """A control connection's protocol: frames up to ``max_body``, payloads only on an inline
+    KV_CHUNK (at most INLINE_MAX, accepted once a session sets ``payload_sink``)."""
+    return FrameProtocol(max_body=max_body, max_payload=INLINE_MAX, max_unsent=max_unsent,
+                         payload_types=CONTROL_PAYLOAD_TYPES)
+
+
 class FrameProtocol(asyncio.BufferedProtocol):
     """One framed connection. ``on_frame(conn, frame)`` runs on the owning loop for each frame;
     ``on_lost(conn, exc)`` once when the connection ends. A framing error sends an ERROR frame,
@@ -196,8 +207,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
     """
 
     def __init__(self, *, max_body: int, max_payload: int, sink: PayloadSink | None = None,
-                 bulk: bool = False, max_unsent: int = 0) -> None:
-        self.reader = FrameReader(max_body=max_body, max_payload=max_payload, sink=sink)
+                 bulk: bool = False, max_unsent: int = 0, payload_types: frozenset[int] | None = None) -> None:
+        #: Where frame payloads land (``max_payload`` > 0); may be set once the connection is
+        #: known (a control connection's inline chunks). None: a payload is refused.
+        self.payload_sink = sink
+        self.reader = FrameReader(max_body=max_body, max_payload=max_payload,
+                                  sink=self._sink if max_payload else None, payload_types=payload_types)
         self.bulk = bulk
         self.max_unsent = max_unsent  # 0: no cap (bulk connections: the credit window bounds them)
         self.transport: asyncio.Transport | None = None
@@ -218,6 +233,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
         #: Called when the turn's frames are about to be written (also by fail/close/abort), while
         #: the connection is open; it may send more (a session's ranged acks, :meth:`flush_soon`).
         self.on_flush: Callable[[], None] | None = None
+
+    def _sink(self, header, body):
+        if self.payload_sink is None:
+            raise ProtocolError(f"a payload on frame type {header.type}: not accepted on this connection now "
+                                "(an inline KV_CHUNK needs an established session and inline.v1)",
+                                ErrorCode.UNEXPECTED_FRAME)
+        return self.payload_sink(header, body)
 
     def add_close_callback(self, cb: Callable[[], None]) -> None:
         """``cb()`` runs (on this connection's loop) once the connection has ended."""
@@ -249,10 +271,17 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 if frame is not None and not self.closed:
                     self.on_frame(self, frame)
             else:
-                for frame in self.reader.feed(self._gulp_view[:nbytes]):
-                    if self.closed:
-                        break
-                    self.on_frame(self, frame)
+                # Each frame is handled as soon as it is complete, before the next is read: the
+                # payload sink of an inline KV_CHUNK must see the KV_BEGIN that came before it.
+                reader, mv = self.reader, self._gulp_view[:nbytes]
+                while mv and not self.closed:
+                    buf = reader.buffer()
+                    k = min(len(buf), len(mv))
+                    buf[:k] = mv[:k]
+                    mv = mv[k:]
+                    frame = reader.advance(k)
+                    if frame is not None:
+                        self.on_frame(self, frame)
         except ProtocolError as exc:
             self.fail(exc)
 
@@ -273,10 +302,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
             cb()
 
     # use ------------------------------------------------------------------------------
-    def send(self, buffers) -> None:
+    def send(self, buffers, *, now: bool = False) -> None:
         """Queue a frame's buffers (from :func:`pdd_wire.wire.encode`); memoryviews are not copied
         on bulk connections. There is no drain: what a session queues on its bulk connections is
-        bounded by its credit window (and held as views of registered memory). Control frames
+        bounded by its credit window (and held as views of registered memory). ``now``: this turn's
+        frames are written now, this one last (before work another thread starts at once and whose
+        result the peer needs this frame to use: an offered KV_BEGIN, before its first chunk leaves
+        on a bulk connection). Control frames
         are small, but a peer that stops reading would let them pile up: past ``max_unsent``
         unsent bytes (the transport's and this turn's queue) the connection fails
         (``PEER_NOT_READING``, raised as a TransportError with that code)."""
@@ -297,6 +329,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.fail(exc)
             self.abort()  # the buffer goes now: the ERROR frame would only queue behind it
             raise exc
+        if now and self.coalesce:
+            self._flush()
 
     def flush_soon(self) -> None:
         """Make this turn end with a flush (and so an ``on_flush`` call), also if nothing is sent."""

@@ -17,6 +17,7 @@ from typing import Any
 import crc32c
 import xxhash
 
+from ..errors import INLINE_MAX as INLINE_MAX  # the largest KV_CHUNK on a control connection (inline.v1)
 from ..errors import ErrorCode, ProtocolError
 
 MAGIC = b"PDDW"
@@ -175,11 +176,14 @@ class FrameReader:
     _HDR, _BODY, _PAYLOAD, _WAIT = 0, 1, 2, 3
 
     def __init__(self, *, max_body: int = 1 << 20, max_payload: int = 0,
-                 sink: PayloadSink | None = None) -> None:
+                 sink: PayloadSink | None = None, payload_types: frozenset[int] | None = None) -> None:
         if max_body > MAX_BODY or max_payload > MAX_PAYLOAD:
             raise ValueError("limit above the format's ceiling")
         self.max_body = max_body
         self.max_payload = max_payload
+        # The frame types that may carry a payload here (None: any); for the others the limit is 0
+        # (a control connection: only an inline KV_CHUNK, proto/frames.md §3).
+        self.payload_types = payload_types
         self._sink = sink
         self._hbuf = bytearray(HEADER_SIZE)
         self._hview = memoryview(self._hbuf)
@@ -264,6 +268,9 @@ class FrameReader:
         if plen > self.max_payload:
             raise ProtocolError(f"frame payload of {plen} bytes exceeds the limit of {self.max_payload}",
                                 ErrorCode.FRAME_TOO_LARGE)
+        if plen and self.payload_types is not None and typ not in self.payload_types:
+            raise ProtocolError(f"frame payload of {plen} bytes exceeds the limit of 0 for frame type {typ} "
+                                "on this connection", ErrorCode.FRAME_TOO_LARGE)
         self._header = Header(type=typ, flags=flags, lane=lane, transfer_id=tid, seq=seq,
                               body_len=blen, payload_len=plen, payload_xxh3=xx, version=ver)
         self._check = check
