@@ -16,8 +16,9 @@ the same run (``scripts/bench --only wan``):
 
     scripts/bench --only wan [--json] [--quick]
 
-(``python -m pdd_tools.bench_wan --link-server|--link-client ...`` are the link measurement's two
-ends, run inside the namespaces.)
+``python -m pdd_tools.bench_wan --overhead [--quick] [--json]`` prints the per-transfer overhead
+alone (about 30 s). ``--link-server|--link-client ...`` are the link measurement's two ends, run
+inside the namespaces.
 """
 
 from __future__ import annotations
@@ -106,7 +107,7 @@ class Engines:
 
 # ---------------------------------------------------------------------------------------------
 # loopback: per-transfer overhead and 4 MiB goodput
-async def _overhead(figs, quick: bool) -> None:
+async def _overhead(figs, quick: bool, *, goodput: bool = True) -> None:
     rounds, per_round = (3, 100) if quick else (6, 200)
     on, off = AgentPair(), AgentPair()
     for path in off.configs.values():
@@ -115,25 +116,36 @@ async def _overhead(figs, quick: bool) -> None:
         async with Engines(on.sockets["A"], on.sockets["B"], MiB, 4096) as e_on, \
                 Engines(off.sockets["A"], off.sockets["B"], MiB, 4096) as e_off:
             got: dict[str, list[float]] = {"on": [], "off": []}
+            # CPU per transfer, on (offers): both agents, and this process (the two engine clients)
+            cpu = {"agents": 0.0, "clients": 0.0}
             for r in range(rounds + 1):  # the first round warms up
-                for mode, e in (("on", e_on), ("off", e_off)):
+                for mode, e, pair in (("on", e_on, on), ("off", e_off, off)):
+                    c0, p0 = pair.cpu_seconds(), time.process_time()
                     lat = [await timed_transfer(e.ea, e.eb, f"ovh-{mode}-{r}-{i}", [e.ra.blocks(0, 1)],
                                                 [e.rb.blocks(0, 1)], to="B", from_site="A",
                                                 prefill_s=PREFILL_LOOPBACK_S)
                            for i in range(per_round)]
                     if r:
                         got[mode] += lat
+                        if mode == "on":
+                            cpu["agents"] += pair.cpu_seconds() - c0
+                            cpu["clients"] += time.process_time() - p0
             e_on.check(4096)
             held = metric_value(on.metrics("B"), "pddwire_chunks_held_total", outcome="held")
             taken = metric_value(on.metrics("A"), "pddwire_kv_offers_total", event="taken")
+            inline = metric_value(on.metrics("A"), "pddwire_kv_inline_chunks_total", direction="tx")
             rtt = _control_rtt_ms(on)
-        await _goodput_4mib(figs, on, quick)
+        if goodput:
+            await _goodput_4mib(figs, on, quick)
     med = {m: statistics.median(v) * 1e3 for m, v in got.items()}
     figs.add("kv_transfer_overhead_ms", med["on"], "ms", f"bound ({OVERHEAD_BOUND_MS:g} ms)", OVERHEAD_BOUND_MS,
              note=f"send_kv to kv_received, one 4 KiB block, receive posted {PREFILL_LOOPBACK_S * 1e3:g} ms before, "
                   f"median of {len(got['on'])}; "
                   f"offers off (KV_ACCEPT round trip) {med['off']:.3f} ms; {taken:.0f} offers taken, {held:.0f} "
-                  f"chunks held for their KV_BEGIN; control RTT {rtt:.3f} ms; TLS")
+                  f"chunks held for their KV_BEGIN; {inline:.0f} chunks sent inline; control RTT {rtt:.3f} ms; TLS; "
+                  f"CPU per transfer: both agents "
+                  f"{cpu['agents'] / len(got['on']) * 1e3:.3f} ms, the two engine clients "
+                  f"{cpu['clients'] / len(got['on']) * 1e3:.3f} ms (one process, its 2 ms sleeps idle)")
     figs.add("kv_transfer_overhead_ms_no_offers", med["off"], "ms", f"bound ({OVERHEAD_BOUND_MS:g} ms)",
              OVERHEAD_BOUND_MS, note="the same with transfer.offers = false, rounds interleaved")
 
@@ -412,14 +424,21 @@ async def add_figures(figs, quick: bool) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[:1] == ["--overhead"] and set(argv[1:]) <= {"--quick", "--json"}:
+        # The per-transfer overhead alone (about 30 s), for comparing changes to it.
+        import uvloop
+
+        from .bench import Figures
+        uvloop.run(_overhead(Figures("--json" in argv), "--quick" in argv, goodput=False))
+        return 0
     if argv[:1] == ["--link-server"] and len(argv) == 2:
         _link_server(argv[1])
         return 0
     if argv[:1] == ["--link-client"] and len(argv) == 4:
         _link_client(argv[1], int(argv[2]), int(argv[3]))
         return 0
-    print("usage: python -m pdd_tools.bench_wan --link-server HOST:PORT | --link-client HOST:PORT SAMPLES BYTES "
-          "(the figures: scripts/bench --only wan)", file=sys.stderr)
+    print("usage: python -m pdd_tools.bench_wan --overhead [--quick] [--json] | --link-server HOST:PORT | "
+          "--link-client HOST:PORT SAMPLES BYTES (every figure: scripts/bench --only wan)", file=sys.stderr)
     return 2
 
 
