@@ -32,6 +32,7 @@ MAX_FDS = 4
 
 
 MAX_QUEUED = 1024  # requests of one engine decoded and waiting; more stay in the socket
+NOW_PER_READ = 32  # requests answered within one read (EngineServer.now_types); the rest are queued
 
 class EngineConn:
     """One connected engine."""
@@ -88,12 +89,16 @@ class EngineConn:
             return
         try:
             msgs = self._decoder.feed(data)
-            now = self.server.now_types
+            now, budget = self.server.now_types, NOW_PER_READ
             for msg in msgs:
                 # A request that never waits is answered here, in the read, when nothing is ahead
-                # of it: no task wake-up per request (on the path of every transfer).
-                if not self._busy and not self._queue.qsize() and type(msg) in now and not self.closed:
+                # of it: no task wake-up per request (on the path of every transfer). At most
+                # NOW_PER_READ of them: a read full of requests does not hold the loop.
+                if budget and not self._busy and not self._queue.qsize() and type(msg) in now:
+                    budget -= 1
                     self._answer_now(msg)
+                    if self.closed:  # its answer overflowed the engine's queue: it is cut off
+                        return
                 else:
                     self._queue.put_nowait(msg)
             if self._queue.qsize() >= MAX_QUEUED and self._reading:

@@ -130,3 +130,51 @@ async def test_one_uid_cannot_take_every_engine_slot(tmp_sock_dir):
         assert len(srv.engines) <= 3
         for w in held:
             w.close()
+
+
+async def test_requests_answered_in_the_read_never_overtake_one_that_waits(tmp_sock_dir):
+    """Requests of EngineServer.now_types are answered within the read (at most NOW_PER_READ of
+    them), but never ahead of a request of the same engine that is queued or being served: the
+    engine sees its requests answered in the order it sent them."""
+    from pdd_wire import engine_server
+
+    order: list[str] = []
+
+    async def handler(conn, msg, fd):  # the request that waits (an abort, a deregister)
+        order.append(f"wait{msg.id}")
+        await asyncio.sleep(0.2)
+        return {"n": msg.id}
+
+    def now_handler(conn, msg):
+        order.append(f"now{msg.id}")
+        return {"n": msg.id}
+
+    async def gone(conn):
+        pass
+
+    srv = EngineServer(str(tmp_sock_dir / "e.sock"), 0o600, handler=handler, on_gone=gone, max_engines=2,
+                       max_message=1 << 20, allowed_uids={os.getuid()}, now_handler=now_handler,
+                       now_types=frozenset({p.Status}))
+    await srv.start()
+    try:
+        r, w = await asyncio.open_unix_connection(str(tmp_sock_dir / "e.sock"))
+        n = engine_server.NOW_PER_READ + 8
+        w.write(p.encode(p.Status(id=1)) + p.encode(p.Abort(id=2, request_id="r"))
+                + b"".join(p.encode(p.Status(id=3 + i)) for i in range(n)))
+        dec, got = p.Decoder(to_agent=False), []
+        async with asyncio.timeout(10):
+            while len(got) < n + 2:
+                got += dec.feed(await r.read(65536))
+        assert [m.id for m in got] == list(range(1, n + 3))  # answered in the order asked
+        assert all(isinstance(m, p.Ok) and m.result == {"n": m.id} for m in got)
+        assert order[:2] == ["now1", "wait2"]  # the first in the read; the rest behind the abort
+        # A read of many such requests alone: NOW_PER_READ in it, the rest through the queue, in order.
+        w.write(b"".join(p.encode(p.Status(id=100 + i)) for i in range(n)))
+        got = []
+        async with asyncio.timeout(10):
+            while len(got) < n:
+                got += dec.feed(await r.read(65536))
+        assert [m.id for m in got] == [100 + i for i in range(n)]
+        w.close()
+    finally:
+        await srv.close()

@@ -103,7 +103,7 @@ async def test_with_inline_off_on_either_side_chunks_go_bulk(tmp_sock_dir, engin
 async def test_a_lost_control_connection_sends_its_inline_chunks_again(tmp_sock_dir, engines):
     """The control connection drops with an inline chunk in flight (it never reached B): after
     the reconnect it is sent again, and lands."""
-    async with run_agents(_toml(tmp_sock_dir, dead_after_s=3.0)) as ag:
+    async with run_agents(_toml(tmp_sock_dir)) as ag:
         ea, eb, src, dst, ra, rb = await engine_pair(engines, tmp_sock_dir, 4 * BLOCK, BLOCK)
         sess = ag["A"].sessions["B/b1"]
         send, lost = sess.sender._send_inline, []
@@ -187,7 +187,7 @@ async def test_a_bad_inline_checksum_is_asked_for_again(tmp_sock_dir, engines):
 
 
 @pytest.mark.parametrize("case", ["before HELLO", "payload on a PING", "over 64 KiB", "no checksum", "lz4",
-                                  "not advertised"])
+                                  "empty", "not advertised"])
 async def test_a_bad_inline_chunk_closes_only_that_connection(tmp_sock_dir, engines, case):
     """Each row of proto/transfer.md §17's table: the named ERROR, that connection closed, the
     agent still serving (a new session comes up and moves KV inline)."""
@@ -215,6 +215,9 @@ async def test_a_bad_inline_chunk_closes_only_that_connection(tmp_sock_dir, engi
                 code = ErrorCode.MALFORMED_BODY
             elif case == "lz4":
                 peer.send(FrameType.KV_CHUNK, b"", flags=2, **chunk)
+                code = ErrorCode.MALFORMED_BODY
+            elif case == "empty":
+                peer.send(FrameType.KV_CHUNK, b"", transfer_id=9, seq=0)
                 code = ErrorCode.MALFORMED_BODY
             else:
                 peer.send(FrameType.KV_CHUNK, b"", **chunk)

@@ -111,12 +111,16 @@ class EngineClient:
         self._sock = sock
         self._wlock = asyncio.Lock()
         # Replies and events are read in a reader callback, not a task looping on sock_recv: that
-        # re-registered the socket with epoll and stepped a task for every message, about 1 ms of
-        # CPU per transfer here (docs/benchmarks.md, "The per-transfer overhead").
+        # re-registered the socket with epoll and stepped a task for every message, the largest item
+        # of the clients' CPU per transfer here (docs/benchmarks.md, "Inline chunks").
         self._loop = loop
         loop.add_reader(sock.fileno(), self._readable)
         self._reading = True
-        self.agent = await self._call(p.Hello(engine=self.engine, pid=os.getpid()))
+        try:
+            self.agent = await self._call(p.Hello(engine=self.engine, pid=os.getpid()))
+        except BaseException:
+            await self.close()  # the socket and its reader go with the failed connect
+            raise
         return self
 
     async def __aenter__(self) -> "EngineClient":

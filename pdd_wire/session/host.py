@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from ..transfer import InTransfer, OutTransfer
     from ..transport.base import DataPath
     from ..transport.tcp import BulkLoop, FrameProtocol
+    from .acks import AckBatch
     from .link import LinkState
 
 S = TypeVar("S", contravariant=True)
@@ -55,6 +56,7 @@ class Shell(Protocol):
     link: "LinkState"
     remote_caps: frozenset[str] | None
     control: "FrameProtocol | None"
+    acks: "AckBatch"
     chunk_bytes: int
     peer_max_chunk: int
 

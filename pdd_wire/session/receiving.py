@@ -151,13 +151,17 @@ class InlineLanding:
     def landed(self, frame: Frame) -> None:
         h = frame.header
         claim, self._claim = self._claim, None
-        invalid, self._invalid = self._invalid or not h.payload_len, False
+        invalid, self._invalid = self._invalid, False
         if claim is not None:
             claim[0].settle(claim[1], frame.payload_ok)
         s = self.receiver.s
         s.metrics.child(s.metrics.inline_chunks, s.key, "rx").inc()
         self.receiver.chunk_arrived(h.transfer_id, h.seq, frame.payload_ok, h.payload_len, claim is not None,
                                     invalid)
+
+    def holds(self, route: Route) -> bool:
+        """A chunk of ``route`` is being read now (its payload split across reads)."""
+        return self._claim is not None and self._claim[0] is route
 
     def lost(self) -> None:
         """The connection ended, maybe in the middle of a payload: nothing writes any more."""
@@ -281,11 +285,15 @@ class Receiver:
     def inline_chunk(self, conn: "FrameProtocol", frame: Frame) -> None:
         """A KV_CHUNK on the control connection ``conn``, read whole."""
         if self.inline is None or self.inline.conn is not conn:  # this agent did not advertise inline.v1
-            self.s.count_error(ErrorCode.UNEXPECTED_FRAME)
-            conn.fail(ProtocolError("KV_CHUNK on the control connection (inline.v1 not advertised)",
-                                    ErrorCode.UNEXPECTED_FRAME))
+            err = ProtocolError("KV_CHUNK on the control connection (inline.v1 not advertised)",
+                                ErrorCode.UNEXPECTED_FRAME)
+        elif not frame.header.payload_len:
+            err = ProtocolError("KV_CHUNK without a payload", ErrorCode.MALFORMED_BODY)
+        else:
+            self.inline.landed(frame)
             return
-        self.inline.landed(frame)
+        self.s.count_error(err.code)
+        conn.fail(err)
 
     def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False) -> None:
         s = self.s
@@ -350,9 +358,13 @@ class Receiver:
             await asyncio.wait_for(asyncio.shield(route.close()), QUIESCE_S)
         except TimeoutError:
             # A data path is stalled in the middle of one of this transfer's chunks: cut its
-            # lanes so the claim is released.
-            self.s.log.warning("bulk connection stalled mid-chunk; resetting bulk connections")
-            self.s.data.stall()
+            # lanes so the claim is released (the control connection, if it is its inline chunk).
+            if self.inline is not None and self.inline.holds(route):
+                self.s.log.warning("control connection stalled mid inline chunk; dropping it")
+                self.inline.conn.abort()
+            else:
+                self.s.log.warning("bulk connection stalled mid-chunk; resetting bulk connections")
+                self.s.data.stall()
             await route.quiesced
 
     def _forget(self, t: InTransfer) -> None:

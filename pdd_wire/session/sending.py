@@ -208,14 +208,20 @@ class Sender:
         try:
             if c is None or c.closed:
                 raise TransportError("control connection closed")
+            s.acks.hold(c, FrameType.KV_CHUNK, None, tid)  # acks due before it go first
             c.send([frame[0], b"".join(frame[1:])])
-        except TransportError:
+        except TransportError as exc:
+            if exc.code == ErrorCode.PEER_NOT_READING:
+                s.count_error(exc.code)
+                s.log.warning("control connection failed: the peer does not read", error=str(exc))
             self.send_failed(tid, k, "connection_lost")
             return
         s.metrics.child(s.metrics.inline_chunks, s.key, "tx").inc()
 
     def _goes_inline(self, t: OutTransfer) -> bool:
-        return INLINE in self.flow.lanes and min(t.total, t.chunk_bytes) <= self.flow.inline_bytes
+        """Whether every chunk of ``t`` goes inline when it is dispatched now (the first pump)."""
+        lanes = self.flow.lanes
+        return INLINE in lanes and t.n_chunks == 1 and lanes[INLINE] + t.total <= self.flow.inline_bytes
 
     def inline_lane(self) -> None:
         """The control connection is up: it is a lane too where both agents advertised inline.v1

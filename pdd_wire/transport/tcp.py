@@ -273,8 +273,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             else:
                 # Each frame is handled as soon as it is complete, before the next is read: the
                 # payload sink of an inline KV_CHUNK must see the KV_BEGIN that came before it.
-                reader, mv = self.reader, self._gulp_view[:nbytes]
-                while mv and not self.closed:
+                reader, mv, tr = self.reader, self._gulp_view[:nbytes], self.transport
+                while mv and not self.closed and not (tr is not None and tr.is_closing()):  # failed: stop
                     buf = reader.buffer()
                     k = min(len(buf), len(mv))
                     buf[:k] = mv[:k]

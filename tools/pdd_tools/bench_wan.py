@@ -17,7 +17,7 @@ the same run (``scripts/bench --only wan``):
     scripts/bench --only wan [--json] [--quick]
 
 ``python -m pdd_tools.bench_wan --overhead [--quick] [--json]`` prints the per-transfer overhead
-alone (about 30 s). ``--link-server|--link-client ...`` are the link measurement's two ends, run
+alone (about 15 s). ``--link-server|--link-client ...`` are the link measurement's two ends, run
 inside the namespaces.
 """
 
@@ -425,7 +425,7 @@ async def add_figures(figs, quick: bool) -> None:
 
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--overhead"] and set(argv[1:]) <= {"--quick", "--json"}:
-        # The per-transfer overhead alone (about 30 s), for comparing changes to it.
+        # The per-transfer overhead alone (about 15 s), for comparing changes to it.
         import uvloop
 
         from .bench import Figures
