@@ -54,6 +54,9 @@ def prompt_for(seed: int, length: int = 75) -> list[int]:
 AGENT_EXTRA = """
 [transfer]
 chunk_bytes = 65536
+# The byte-flip test aims at the bulk connection as the one that carries the most: this module's
+# KV stays on bulk connections (inline chunks, tests/test_inline.py and the router modules).
+inline_bytes = 0
 [policy.handoff]
 catchup_gap_tokens = 4
 """
