@@ -425,7 +425,7 @@ class SessionCore(RuleBasedStateMachine):
         kind, tid, *rest = self.to_receiver.popleft()
         t = self.tx[tid]
         if kind == "chunk":  # inline: its KV_BEGIN came first on this connection, so it is never held
-            assert tid in self.begun or tid in self.rx or tid not in self.w.out
+            assert tid in self.begun or tid not in self.w.out  # its KV_BEGIN was handled: never held
             self.land(tid, *rest)
         elif kind == "begin":
             rx = self.rx.get(tid)

@@ -140,12 +140,8 @@ class InlineLanding:
         route = self.receiver.routes.get(header.transfer_id)
         if route is None:
             return None  # read into scratch: the transfer is not open (§7)
-        if not route.fits(header.seq, header.payload_len):
-            self._invalid = True
-            return None
-        views = route.claim(header.seq, header.payload_len)
-        if views is not None:
-            self._claim = (route, header.seq)
+        views, self._invalid = route.land(header.seq, header.payload_len)
+        self._claim = (route, header.seq) if views is not None else None
         return views
 
     def landed(self, frame: Frame) -> None:

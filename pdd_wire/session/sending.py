@@ -202,14 +202,14 @@ class Sender:
 
     def _send_inline(self, tid: int, k: int, views: list[memoryview]) -> None:
         """A chunk of at most transfer.inline_bytes, on the control connection (inline.v1): hashed
-        here (xxh3 of 64 KiB: microseconds) and copied, so no engine memory waits in its queue."""
+        here (xxh3 of 64 KiB: microseconds), copied once when the turn's frames are written."""
         s, c = self.s, self.s.control
         frame = encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=tid, seq=k, payload=views)
         try:
             if c is None or c.closed:
                 raise TransportError("control connection closed")
             s.acks.hold(c, FrameType.KV_CHUNK, None, tid)  # acks due before it go first
-            c.send([frame[0], b"".join(frame[1:])])
+            c.send(frame)
         except TransportError as exc:
             if exc.code == ErrorCode.PEER_NOT_READING:
                 s.count_error(exc.code)

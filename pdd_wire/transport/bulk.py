@@ -159,11 +159,7 @@ class BulkHandler:
             if len(self._lz_buf) < header.payload_len:
                 self._lz_buf = bytearray(header.payload_len)
             return [memoryview(self._lz_buf)[:header.payload_len]]
-        if not route.fits(header.seq, header.payload_len):
-            self._claim = None
-            self._invalid = True
-            return None
-        views = route.claim(header.seq, header.payload_len)
+        views, self._invalid = route.land(header.seq, header.payload_len)
         self._claim = (route, header.seq) if views is not None else None
         return views
 

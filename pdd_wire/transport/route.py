@@ -48,6 +48,13 @@ class Route:
         start, end = chunk_range(k, self.dest.total, self.chunk_bytes)
         return end - start
 
+    def land(self, k: int, length: int):
+        """Where chunk ``k`` of ``length`` bytes lands, as ``(views, invalid)``: the claimed views,
+        or None to read it into scratch (``invalid``: it does not fit the transfer)."""
+        if not self.fits(k, length):
+            return None, True
+        return self.claim(k, length), False
+
     def claim(self, k: int, length: int):
         with self._lock:
             if self.closed or k in self.verified or k in self._writing or not 0 <= k < self.n_chunks:

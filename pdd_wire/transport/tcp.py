@@ -273,15 +273,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
             else:
                 # Each frame is handled as soon as it is complete, before the next is read: the
                 # payload sink of an inline KV_CHUNK must see the KV_BEGIN that came before it.
-                reader, mv, tr = self.reader, self._gulp_view[:nbytes], self.transport
-                while mv and not self.closed and not (tr is not None and tr.is_closing()):  # failed: stop
-                    buf = reader.buffer()
-                    k = min(len(buf), len(mv))
-                    buf[:k] = mv[:k]
-                    mv = mv[k:]
-                    frame = reader.advance(k)
-                    if frame is not None:
-                        self.on_frame(self, frame)
+                tr = self.transport
+                for frame in self.reader.frames(self._gulp_view[:nbytes]):
+                    if self.closed or (tr is not None and tr.is_closing()):  # failed, aborted: stop
+                        break
+                    self.on_frame(self, frame)
         except ProtocolError as exc:
             self.fail(exc)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -197,7 +197,6 @@ class FrameReader:
         self._seg = 0
         self._scratch: bytearray | None = None
         self._hasher: xxhash.xxh3_64 | None = None
-        self.frames: list[Frame] = []
 
     # -- the bulk-mode interface -------------------------------------------------------
     def buffer(self) -> memoryview:
@@ -237,7 +236,11 @@ class FrameReader:
     # -- the stream-mode interface -----------------------------------------------------
     def feed(self, data: bytes | memoryview) -> list[Frame]:
         """Decode what ``data`` completes; returns the frames (possibly none)."""
-        out: list[Frame] = []
+        return list(self.frames(data))
+
+    def frames(self, data: bytes | memoryview) -> Iterator[Frame]:
+        """The frames ``data`` completes, each as soon as it is complete: nothing after it is read
+        (no payload sink called) until the caller asks for the next one."""
         mv = memoryview(data)
         while mv:
             buf = self.buffer()
@@ -246,8 +249,7 @@ class FrameReader:
             mv = mv[k:]
             f = self.advance(k)
             if f is not None:
-                out.append(f)
-        return out
+                yield f
 
     @property
     def idle(self) -> bool:
