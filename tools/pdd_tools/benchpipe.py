@@ -91,8 +91,10 @@ def iperf3_goodput(seconds: int = 3, write: str = "1M") -> float | None:
         for _ in range(50):
             r = subprocess.run(["iperf3", "-c", "127.0.0.1", "-p", str(port), "-l", write, "-t", str(seconds), "-J"],
                                capture_output=True, text=True)
-            if r.returncode == 0:
-                out = json.loads(r.stdout)
+            # iperf3 can exit 0 with an "error" and no totals (the server not yet listening): try again.
+            got = json.loads(r.stdout) if r.returncode == 0 and r.stdout.strip() else {}
+            if "sum_received" in got.get("end", {}):
+                out = got
                 break
             time.sleep(0.1)
         if out is None:
