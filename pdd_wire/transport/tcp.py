@@ -10,7 +10,9 @@ socket to the event loop that will own it before any TLS state exists:
   I/O never holds the main loop. Measured here: bulk sends on the control loop delay a
   64-byte ping by p99 0.3-0.5 s; on another thread, whose socket calls and xxh3 release
   the GIL (a bulk thread holds it ~8% of its CPU), the ping waits only for a core and for
-  the main loop's own ack work (docs/benchmarks.md, "Token frames under load").
+  the main loop's own ack work (docs/benchmarks.md, "Token frames under load"). A plaintext
+  bulk connection writes its chunks with ``os.writev`` for that reason: uvloop's transport
+  makes its first write attempt holding the GIL (``FrameProtocol._write_now``).
 
 Receiving bulk frames uses :class:`asyncio.BufferedProtocol` with the frame reader's
 payload sink, so KV bytes go from the kernel straight into the receiver's registered memory.
@@ -45,6 +47,7 @@ KIND_CONTROL = ord("C")
 KIND_BULK = ord("B")
 PREAMBLE_VERSION = 1
 BULK_NICE = 5
+_IOV_MAX = 64  # buffers in one os.writev (a frame is a header and a few payload views)
 
 
 def preamble(kind: int) -> bytes:
@@ -230,6 +233,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._queued = 0  # their bytes
         self._flush_due = False  # a flush is scheduled for the end of this turn
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._fd = -1  # the socket, for a plaintext bulk connection's direct writes (connection_made)
         #: Called when the turn's frames are about to be written (also by fail/close/abort), while
         #: the connection is open; it may send more (a session's ranged acks, :meth:`flush_soon`).
         self.on_flush: Callable[[], None] | None = None
@@ -255,6 +259,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             tune_socket(sock, nodelay=True)
+        # A plaintext bulk connection writes its chunks itself (_write_now); TLS ones through the
+        # transport, which encrypts.
+        self._fd = (sock.fileno() if self.bulk and sock is not None and transport.get_extra_info("ssl_object") is None
+                    else -1)
         self.peer_names = peer_certificate_names(transport)
         if not self.connected.done():
             self.connected.set_result(None)
@@ -317,7 +325,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 self._queued += len(b)
             unsent = self._queued + self.transport.get_write_buffer_size()
         else:
-            self.transport.writelines(buffers)
+            if self._fd >= 0 and not self.transport.get_write_buffer_size():
+                buffers = self._write_now(buffers)
+            if buffers:
+                self.transport.writelines(buffers)
             unsent = self.transport.get_write_buffer_size() if self.max_unsent else 0
         if self.max_unsent and unsent > self.max_unsent:
             exc = TransportError(f"{unsent} bytes unsent, over limits.control_buffer_bytes ({self.max_unsent}): "
@@ -327,6 +338,27 @@ class FrameProtocol(asyncio.BufferedProtocol):
             raise exc
         if now and self.coalesce:
             self._flush()
+
+    def _write_now(self, buffers):
+        """Write what the socket takes now with ``os.writev``, which releases the GIL during the
+        copy (uvloop's own first write attempt holds it: with a bulk thread writing 4 MiB chunks,
+        the main loop's wake-ups were 1.9 ms late at the median, 0.1 ms this way). The rest goes
+        to the transport, whose later writes run inside its loop's poll, without the GIL."""
+        if len(buffers) > _IOV_MAX:
+            return buffers
+        try:
+            n = os.writev(self._fd, buffers)
+        except OSError:  # full (EAGAIN), or failed: the transport writes, or reports the error
+            return buffers
+        rest = []
+        for b in buffers:
+            size = memoryview(b).nbytes
+            if n >= size:
+                n -= size
+                continue
+            rest.append(memoryview(b)[n:] if n else b)
+            n = 0
+        return rest
 
     def flush_soon(self) -> None:
         """Make this turn end with a flush (and so an ``on_flush`` call), also if nothing is sent."""

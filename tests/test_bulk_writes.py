@@ -1,0 +1,141 @@
+"""Bulk connections write their chunks themselves when they can (pdd_wire/transport/tcp.py
+``FrameProtocol._write_now``): ``os.writev`` releases the GIL during the copy, where uvloop's own
+first write attempt holds it (docs/benchmarks.md, "Token frames under load").
+
+Two real bulk FrameProtocols over a real loopback socket, plaintext and mutual TLS, on asyncio's
+loop and on uvloop: the receiver stops reading while the sender queues 1 MiB chunks, so that
+writes are partial and the rest waits in the transport; every chunk then arrives whole, verified,
+in the order sent. Plaintext writes bypass the transport while its buffer is empty (fewer
+transport writes than chunks); TLS ones always go through it (the transport encrypts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import pytest
+import uvloop
+
+from pdd_wire.transport.tcp import (
+    KIND_BULK,
+    FrameProtocol,
+    adopt,
+    client_tls_context,
+    dial,
+    read_preamble,
+    server_tls_context,
+)
+from pdd_wire.wire import FrameType, Lane, encode
+from support.certs import make_pki
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+MiB = 1 << 20
+CHUNKS = 48  # 48 MiB: well past what loopback socket buffers hold while the receiver is paused
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory):
+    return make_pki(tmp_path_factory.mktemp("pki"), ["a1", "b1"])
+
+
+class Counting:
+    """The transport, passed through, with its write calls counted."""
+
+    def __init__(self, transport) -> None:
+        self._t = transport
+        self.writes = 0
+
+    def write(self, data) -> None:
+        self.writes += 1
+        self._t.write(data)
+
+    def writelines(self, data) -> None:
+        self.writes += 1
+        self._t.writelines(data)
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+def bulk_conn() -> FrameProtocol:
+    # The sink declines every payload: it is read into scratch, hashed, and copied out here.
+    conn = FrameProtocol(max_body=1 << 16, max_payload=4 * MiB, sink=lambda h, b: None, bulk=True)
+    conn.got = []
+    conn.all_in = asyncio.get_running_loop().create_future()
+
+    def on_frame(c, f):
+        c.got.append((f.header.seq, bytes(f.payload), f.payload_ok))
+        if len(c.got) == CHUNKS and not c.all_in.done():
+            c.all_in.set_result(None)
+    conn.on_frame = on_frame
+    return conn
+
+
+async def _scenario(tls_pki) -> tuple[FrameProtocol, FrameProtocol, Counting, list[bytes]]:
+    loop = asyncio.get_running_loop()
+    server = socket.create_server(("127.0.0.1", 0))
+    server.setblocking(False)
+    sctx = server_tls_context(*tls_pki["b1"], tls_pki["ca"]) if tls_pki else None
+    cctx = client_tls_context(*tls_pki["a1"], tls_pki["ca"]) if tls_pki else None
+    accepted = loop.create_future()
+
+    async def accept_one():
+        sock, _ = await loop.sock_accept(server)
+        sock.setblocking(False)
+        assert await read_preamble(sock, 5) == KIND_BULK
+        accepted.set_result(await adopt(sock, bulk_conn(), ssl_ctx=sctx, timeout=5))
+
+    task = asyncio.create_task(accept_one())
+    try:
+        a = await dial("127.0.0.1", server.getsockname()[1], KIND_BULK, bulk_conn(), ssl_ctx=cctx,
+                       server_name="b1", timeout=5)
+        b = await asyncio.wait_for(accepted, 10)
+        counting = a.transport = Counting(a.transport)
+        payloads = [os.urandom(MiB) for _ in range(CHUNKS)]
+        b.transport.pause_reading()
+        for k in range(CHUNKS // 2):
+            a.send(encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=7, seq=k,
+                          payload=[memoryview(payloads[k])]))
+        await asyncio.sleep(0.05)
+        b.transport.resume_reading()
+        for k in range(CHUNKS // 2, CHUNKS):
+            a.send(encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=7, seq=k,
+                          payload=[memoryview(payloads[k])]))
+            if k % 4 == 0:
+                await asyncio.sleep(0)  # let the transport drain now and then: direct writes resume
+        await asyncio.wait_for(b.all_in, 30)
+        a.abort()
+        b.abort()
+        return a, b, counting, payloads
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        server.close()
+
+
+@pytest.mark.parametrize("loop_kind", LOOPS)
+@pytest.mark.parametrize("tls", ["plain", "tls"])
+def test_chunks_arrive_whole_and_in_order_through_partial_writes(loop_kind, tls, pki):
+    with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner:
+        a, b, counting, payloads = runner.run(_scenario(pki if tls == "tls" else None))
+    assert [seq for seq, _, _ in b.got] == list(range(CHUNKS))
+    assert all(ok for _, _, ok in b.got), "a chunk failed its checksum"
+    assert [data for _, data, _ in b.got] == payloads
+    if tls == "plain":
+        assert a._fd >= 0
+        assert counting.writes < CHUNKS, "every chunk went through the transport: no direct write"
+    else:
+        assert a._fd == -1  # TLS: the transport encrypts, so it writes everything
+        assert counting.writes == CHUNKS
+
+
+def test_the_write_benchmark_measures_both_ways():
+    """``pdd_tools.bench_gil`` (scripts/bench --only latency) drives the shipped FrameProtocol on a
+    BulkLoop both ways; each way yields its samples (the figures compare them, not this test)."""
+    from pdd_tools.bench_gil import measure
+
+    got = measure(rounds=1, seconds=0.3)
+    assert len(got["direct"]) > 20 and len(got["transport"]) > 20
+    assert all(v > -0.5 for v in got["direct"] + got["transport"])  # lateness, in ms: never early by more than a sleep
