@@ -354,6 +354,9 @@ async def _run(args) -> int:
         if group in groups:
             figs.step(f"{group}: {what}")
             await importlib.import_module(f".{module}", __package__).add_figures(figs, quick)
+    if "latency" in groups:
+        figs.step("latency: what a bulk thread's writes cost its main loop")
+        await asyncio.to_thread(importlib.import_module(".bench_gil", __package__).add_figures, figs, quick)
     if not groups & {"goodput", "latency", "handoff", "prefix"}:
         return 0
     async with AgentPair() as pair:

@@ -185,6 +185,19 @@ async def latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, sampl
         dst.close()
 
 
+async def latency_under_bare_pipe(ea: EngineClient, eb: EngineClient, rounds: int, samples: int) -> tuple[list, float]:
+    """Token latencies (about ``samples``) while the bare pipe runs between two other processes
+    (64 MiB writes), and the pipe's median GB/s."""
+    lat: list[float] = []
+    gbps = []
+    for r in range(rounds):
+        job = asyncio.ensure_future(asyncio.to_thread(bare_pipe, 64 * MiB, 48))
+        await asyncio.sleep(0.2)  # the pipe's processes started and streaming
+        lat += await token_latency(ea, eb, max(samples // rounds, 1), f"pipe-{r}", until=job.done)
+        gbps.append((await job)[0])
+    return lat, statistics.median(gbps)
+
+
 class Baselines:
     """iperf3 and the bare pipe, measured in this run (``cpu`` by size: bare pipe s/GB rounds)."""
 
@@ -266,3 +279,8 @@ async def latency_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineCli
     figs.add("token_latency_under_load_p99", percentile(loaded, 99), "ms", "idle p99", percentile(idle, 99),
              note=f"{len(loaded)} samples during 1 GiB transfers at {gbps:.2f} GB/s; idle: {len(idle)} samples, "
                   "before and between the transfers")
+    foreign, pipe_gbps = await latency_under_bare_pipe(ea, eb, 2 if quick else 3, len(loaded))
+    figs.add("token_latency_under_bare_pipe_p99", percentile(foreign, 99), "ms", "idle p99", percentile(idle, 99),
+             note=f"the same token path while the bare pipe moves KV-sized writes between two other processes "
+                  f"({pipe_gbps:.2f} GB/s), the agents idle: what this host's cores, busy with a transfer that is not "
+                  f"the agents', do to the token path; {len(foreign)} samples, p50 {percentile(foreign, 50):.2f} ms")
