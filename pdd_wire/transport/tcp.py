@@ -342,7 +342,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def _write_now(self, buffers):
         """Write what the socket takes now with ``os.writev``, which releases the GIL during the
         copy (uvloop's own first write attempt holds it: with a bulk thread writing 4 MiB chunks,
-        its main loop's wake-ups were 0.66-0.82 ms late at the median, 0.10-0.11 ms this way,
+        its main loop's wake-ups were 0.37-1.10 ms late at the median, 0.10-0.12 ms this way,
         ``pdd_tools.bench_gil``). The rest goes to the transport, whose later writes run inside
         its loop's poll, without the GIL. Returns the buffers left, the first one cut where the
         socket stopped."""
