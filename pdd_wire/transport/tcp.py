@@ -47,7 +47,24 @@ KIND_CONTROL = ord("C")
 KIND_BULK = ord("B")
 PREAMBLE_VERSION = 1
 BULK_NICE = 5
-_IOV_MAX = 64  # buffers in one os.writev (a frame is a header and a few payload views)
+try:  # buffers in one os.writev (a chunk of an engine's paged KV can be a view per layer page)
+    _IOV_MAX = os.sysconf("SC_IOV_MAX")
+except (ValueError, OSError):
+    _IOV_MAX = 1024
+
+
+def _cut(buffers: list, n: int) -> list:
+    """``buffers`` without their first ``n`` bytes (a view cut in bytes, whatever its format)."""
+    rest = []
+    for i, b in enumerate(buffers):
+        size = memoryview(b).nbytes
+        if n >= size:
+            n -= size
+            continue
+        rest.append(memoryview(b).cast("B")[n:] if n else b)
+        rest.extend(buffers[i + 1:])
+        break
+    return rest
 
 
 def preamble(kind: int) -> bytes:
@@ -343,23 +360,20 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Write what the socket takes now with ``os.writev``, which releases the GIL during the
         copy (uvloop's own first write attempt holds it: with a bulk thread writing 4 MiB chunks,
         its main loop's wake-ups were 0.37-1.10 ms late at the median, 0.10-0.12 ms this way,
-        ``pdd_tools.bench_gil``). The rest goes to the transport, whose later writes run inside
-        its loop's poll, without the GIL. Returns the buffers left, the first one cut where the
-        socket stopped."""
-        if len(buffers) > _IOV_MAX:
-            return buffers
-        try:
-            n = os.writev(self._fd, buffers)
-        except OSError:  # full (EAGAIN), or failed: the transport writes, or reports the error
-            return buffers
-        rest = []
-        for b in buffers:
-            size = memoryview(b).nbytes
-            if n >= size:
-                n -= size
-                continue
-            rest.append(memoryview(b).cast("B")[n:] if n else b)  # cut in bytes, whatever the view's format
-            n = 0
+        ``pdd_tools.bench_gil``). The rest goes to the transport, whose later writes mostly run
+        inside its loop's poll, without the GIL. Returns the buffers left, the first one cut where
+        the socket stopped."""
+        rest = list(buffers)
+        while rest:
+            batch = rest[:_IOV_MAX]
+            try:
+                n = os.writev(self._fd, batch)
+            except OSError:  # full (EAGAIN), or failed: the transport writes, or reports the error
+                return rest
+            full = n == sum(memoryview(b).nbytes for b in batch)
+            rest = _cut(rest, n)
+            if not full:
+                return rest
         return rest
 
     def flush_soon(self) -> None:

@@ -46,46 +46,59 @@ def _one(direct: bool, seconds: float) -> list[float]:
     from pdd_wire.wire import FrameType, Lane, encode
 
     reader = subprocess.Popen([sys.executable, "-c", _DRAIN], stdout=subprocess.PIPE, text=True)
-    assert reader.stdout is not None
-    port = int(reader.stdout.readline())
-    mem = SharedMemory(POOL)
-    mem.buf[:] = os.urandom(POOL)
-    bulk = BulkLoop("pdd-bulk-bench")
-    bulk.start()
+    mem = bulk = None
     stop = threading.Event()
-
-    async def sender() -> None:
-        loop = asyncio.get_running_loop()
-        conn = FrameProtocol(max_body=1 << 16, max_payload=0, bulk=True)
-        await loop.create_connection(lambda: conn, "127.0.0.1", port)
-        if not direct:
-            conn._fd = -1  # the baseline: every frame through the transport
-        k = 0
-        while not stop.is_set():
-            off = (k * CHUNK) % POOL
-            conn.send(encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=1, seq=k,
-                             payload=[mem.buf[off:off + CHUNK]]))
-            k += 1
-            while conn.transport.get_write_buffer_size() > 2 * CHUNK and not stop.is_set():
-                await asyncio.sleep(0.0002)  # an agent's credit window bounds what is queued
-        conn.abort()
-
-    fut = bulk.submit(sender())
-    late: list[float] = []
     try:
-        time.sleep(0.3)
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            t0 = time.perf_counter()
-            time.sleep(0.0005)
-            late.append((time.perf_counter() - t0 - 0.0005) * 1e3)
+        assert reader.stdout is not None
+        port = int(reader.stdout.readline())
+        mem = SharedMemory(POOL)
+        mem.buf[:] = os.urandom(POOL)
+        bulk = BulkLoop("pdd-bulk-bench")
+        bulk.start()
+
+        async def sender() -> None:
+            loop = asyncio.get_running_loop()
+            conn = FrameProtocol(max_body=1 << 16, max_payload=0, bulk=True)
+            await loop.create_connection(lambda: conn, "127.0.0.1", port)
+            if not direct:
+                conn._fd = -1  # the baseline: every frame through the transport
+            k = 0
+            try:
+                while not stop.is_set():
+                    off = (k * CHUNK) % POOL
+                    conn.send(encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=1, seq=k,
+                                     payload=[mem.buf[off:off + CHUNK]]))
+                    k += 1
+                    tr = conn.transport
+                    assert tr is not None  # connected
+                    while tr.get_write_buffer_size() > 2 * CHUNK and not stop.is_set():
+                        await asyncio.sleep(0.0002)  # an agent's credit window bounds what is queued
+            finally:
+                conn.abort()
+
+        fut = bulk.submit(sender())
+        late: list[float] = []
+        try:
+            time.sleep(0.3)
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end and not fut.done():
+                t0 = time.perf_counter()
+                time.sleep(0.0005)
+                late.append((time.perf_counter() - t0 - 0.0005) * 1e3)
+        finally:
+            stop.set()
+        fut.result(10)  # the sender's error, if it failed
+        return late
     finally:
         stop.set()
-        fut.result(10)
-        bulk.stop()
-        reader.wait(30)
-        mem.close()
-    return late
+        if bulk is not None:
+            bulk.stop()
+        reader.kill()  # it reads until the sender closes; gone either way
+        reader.wait(10)
+        if reader.stdout is not None:
+            reader.stdout.close()
+        if mem is not None:
+            mem.close()
 
 
 def measure(rounds: int = 2, seconds: float = 3.0) -> dict[str, list[float]]:

@@ -187,12 +187,14 @@ async def latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, sampl
 
 async def latency_under_bare_pipe(ea: EngineClient, eb: EngineClient, rounds: int, samples: int) -> tuple[list, float]:
     """Token latencies (about ``samples``) while the bare pipe runs between two other processes
-    (64 MiB writes), and the pipe's median GB/s."""
+    (4 MiB writes of a 64 MiB region, 6 GB a round: about 2 s here), and the pipe's median GB/s."""
     lat: list[float] = []
     gbps = []
     for r in range(rounds):
-        job = asyncio.ensure_future(asyncio.to_thread(bare_pipe, 64 * MiB, 48))
-        await asyncio.sleep(0.2)  # the pipe's processes started and streaming
+        job = asyncio.ensure_future(asyncio.to_thread(bare_pipe, 64 * MiB, 96))
+        # Both interpreters start, fill their regions and connect first (0.2-0.4 s here): sample
+        # only once the pipe streams; the samples (about 0.3 s of them) end well before it does.
+        await asyncio.sleep(0.8)
         lat += await token_latency(ea, eb, max(samples // rounds, 1), f"pipe-{r}", until=job.done)
         gbps.append((await job)[0])
     return lat, statistics.median(gbps)
@@ -281,6 +283,6 @@ async def latency_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineCli
                   "before and between the transfers")
     foreign, pipe_gbps = await latency_under_bare_pipe(ea, eb, 2 if quick else 3, len(loaded))
     figs.add("token_latency_under_bare_pipe_p99", percentile(foreign, 99), "ms", "idle p99", percentile(idle, 99),
-             note=f"the same token path while the bare pipe moves KV-sized writes between two other processes "
+             note=f"the same token path while the bare pipe moves 4 MiB writes between two other processes "
                   f"({pipe_gbps:.2f} GB/s), the agents idle: what this host's cores, busy with a transfer that is not "
                   f"the agents', do to the token path; {len(foreign)} samples, p50 {percentile(foreign, 50):.2f} ms")
