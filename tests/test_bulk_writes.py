@@ -29,6 +29,7 @@ from pdd_wire.transport.tcp import (
 )
 from pdd_wire.wire import FrameType, Lane, encode
 from support.certs import make_pki
+from support.counting import Counting
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 MiB = 1 << 20
@@ -38,25 +39,6 @@ CHUNKS = 48  # 1 MiB each; the first 24 MiB while the receiver is paused: past w
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"), ["a1", "b1"])
-
-
-class Counting:
-    """The transport, passed through, with its write calls counted."""
-
-    def __init__(self, transport) -> None:
-        self._t = transport
-        self.writes = 0
-
-    def write(self, data) -> None:
-        self.writes += 1
-        self._t.write(data)
-
-    def writelines(self, data) -> None:
-        self.writes += 1
-        self._t.writelines(data)
-
-    def __getattr__(self, name):
-        return getattr(self._t, name)
 
 
 def bulk_conn() -> FrameProtocol:

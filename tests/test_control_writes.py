@@ -30,6 +30,7 @@ from pdd_wire.transport.tcp import (
 from pdd_wire.wire import FrameType, decode_body, encode, encode_body
 from pdd_wire.wire import messages as m
 from support.certs import make_pki
+from support.counting import Counting
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
@@ -48,25 +49,6 @@ def run(request, pki):
         with asyncio.Runner(loop_factory=LOOPS[loop_kind]) as runner:
             runner.run(_with_pair(scenario, pki if tls == "tls" else None, max_unsent))
     return go
-
-
-class Counting:
-    """The transport, passed through, with its write calls counted."""
-
-    def __init__(self, transport) -> None:
-        self._t = transport
-        self.writes = 0
-
-    def write(self, data) -> None:
-        self.writes += 1
-        self._t.write(data)
-
-    def writelines(self, data) -> None:
-        self.writes += 1
-        self._t.writelines(data)
-
-    def __getattr__(self, name):
-        return getattr(self._t, name)
 
 
 def framed(max_unsent: int = 0) -> FrameProtocol:
