@@ -25,7 +25,7 @@ from pdd_wire.engine.client import EngineClient
 from pdd_wire.memory import SharedMemory
 from pdd_wire.stats import percentile
 
-from .benchpipe import bare_pipe, bare_pipe_goodput, iperf3_goodput
+from .benchpipe import bare_pipe, bare_pipe_goodput, ipc_round_trip, iperf3_goodput
 from .harness import AgentPair, metric_value
 
 MiB = 1 << 20
@@ -226,6 +226,15 @@ def baselines(figs, quick: bool) -> Baselines:
              note="one 1 MiB buffer, in cache: the Python I/O path reaches iperf3")
     figs.add("bare_pipe_cold_64MiB", base.pipe[0], "GB/s", "iperf3 -l 1M", base.iperf3,
              note="64 MiB memfd pools, as KV moves: bytes no longer come from cache")
+    rt = ipc_round_trip(5000 if quick else 20000)
+    if rt is not None:
+        (wall, cpu), (_, same) = rt["cross"], rt["same"]
+        figs.add("ipc_round_trip_cpu_us", cpu, "us", "the same on one CPU", same,
+                 note=f"CPU microseconds (both processes) per 64-byte round trip over a Unix socket pair "
+                      f"between two processes on two CPUs, each asleep in recv until the other's message "
+                      f"({wall:.1f} us wall): what waking a thread on the other CPU costs here; a 4 MiB "
+                      f"transfer passes about 11 messages between engines, agents and their threads "
+                      f"(pdd_tools.benchpipe ipc)")
     return base
 
 

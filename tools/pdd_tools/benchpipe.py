@@ -6,6 +6,13 @@ blocking ``sendall`` in 4 MiB writes and prints GB/s and the CPU seconds it spen
 prints the CPU seconds it spent receiving when the sender is done. No framing, no checksums, no
 acks: what pdd-wire's bulk path would cost if it did nothing but move bytes between two
 processes' pools.
+
+``python -m pdd_tools.benchpipe ipc N CPU_A CPU_B`` is the other floor, of every message between
+two processes (engine and agent, agent and agent, a thread and another): N 64-byte round trips
+over a Unix socket pair between two processes pinned to CPU_A and CPU_B, each blocking in
+``recv`` for the other's message; prints the wall and CPU microseconds (both processes) per
+round trip. On the same CPU a wake-up is a context switch; across two, the sleeping CPU must be
+woken (an inter-processor interrupt, which a VM pays in exits).
 """
 
 from __future__ import annotations
@@ -76,6 +83,44 @@ def tx(port: int, size: int, reps: int) -> tuple[float, float]:
     return size * reps / (time.perf_counter() - t0) / 1e9, time.process_time() - cpu0
 
 
+def ipc(n: int, cpu_a: int, cpu_b: int) -> tuple[float, float]:
+    """(wall us, CPU us of both processes) per round trip: see the module's docstring."""
+    a, b = socket.socketpair()
+    pid = os.fork()
+    if pid == 0:  # the echo side; it exits without unwinding the parent's state
+        try:
+            os.sched_setaffinity(0, {cpu_b})
+            for _ in range(n):
+                b.send(b.recv(64))
+        finally:
+            os._exit(0)
+    os.sched_setaffinity(0, {cpu_a})
+    msg = bytes(64)
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(n):
+        a.send(msg)
+        a.recv(64)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    os.waitpid(pid, 0)
+    child = os.times()
+    return wall / n * 1e6, (cpu + child.children_user + child.children_system) / n * 1e6
+
+
+def ipc_round_trip(n: int = 20000) -> dict[str, tuple[float, float]] | None:
+    """:func:`ipc` in a fresh process, across two CPUs and on one: ``{"cross": (wall us, CPU us),
+    "same": ...}``; None on a single-CPU machine."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    out = {}
+    for kind, pair in (("cross", cpus[:2]), ("same", cpus[:1] * 2)):
+        run = subprocess.run([sys.executable, "-m", "pdd_tools.benchpipe", "ipc", str(n), *map(str, pair)],
+                             capture_output=True, text=True, check=True)
+        wall, cpu = map(float, run.stdout.split())
+        out[kind] = (wall, cpu)
+    return out
+
+
 # The baselines scripts/bench measures in its run, each between two processes.
 def iperf3_goodput(seconds: int = 3, write: str = "1M") -> float | None:
     """iperf3 single stream over loopback, GB/s received; None when iperf3 is missing."""
@@ -133,6 +178,10 @@ def bare_pipe(size: int = 64 * MiB, reps: int = 16) -> tuple[float, float]:
 
 
 if __name__ == "__main__":
+    if sys.argv[1] == "ipc":
+        wall_us, cpu_us = ipc(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        print(f"{wall_us:.3f} {cpu_us:.3f}")
+        sys.exit(0)
     role, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if role == "rx":
         rx(port, size)
