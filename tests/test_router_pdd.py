@@ -368,24 +368,41 @@ async def test_the_mode_follows_rlds_live_load(pdd):
     gap is above ``catchup_gap_tokens``: declared with one sequence, RLD running another
     client's long request (500 tokens, in the same batch: it outlasts this request's first 24
     whatever the machine's speed) is busy (one-shot, ``rld_busy``); with 64 it has headroom
-    (catch-up, ``rld_headroom``). 300 tokens, not N: MD must be ready before RLD ends alone
-    (no switch, no mode: seen on a slow machine at 96 tokens, RLD being unhurried)."""
+    (catch-up, ``rld_headroom``). 300 tokens, not N, so that MD is ready before RLD ends alone;
+    the tiny model's 512-token context allows no more. Where MD still is not (RLD made all 300,
+    about 2 s here, before MD held the KV or RLD's load was read: ``undecided``, seen once in a
+    full CI suite), nothing was decided and the request ended on RLD, as it should: that try
+    says nothing of the mode, and the case is tried again, up to three times."""
     n = 300
     for seqs, mode, reason in ((1, "one-shot", "rld_busy"), (64, "catch-up", "rld_headroom")):
         prompt = prompt_for(30 + seqs, 70)
         base = await pdd.baseline(prompt, n)
-        async with pdd.http.post(f"{pdd.RLD.url}/v1/completions",
-                                 json=completion_body(prompt_for(39, 8), 500, stream=True)) as other:
-            await other.content.readline()  # running on RLD
-            async with pdd.router(rld_seqs=seqs, min_rld_tokens=24, policy={"catchup_gap_tokens": 8}) as router:
-                chunks, _ = await stream(pdd.http, router, completion_body(prompt, n))
-                check_one_stream(chunks, base, n)
-                assert sample(router, "pddwire_router_handoff_modes_total", mode=mode, reason=reason) == 1, \
-                    counted_by_label(router, *OUTCOMES)
-                assert sample(router, "pddwire_router_rld_load_scrapes_total", outcome="ok") >= 1
-                assert sample(router, "pddwire_router_handoffs_total", mode=mode) == 1
-            other.close()  # vLLM aborts it
-    await pdd.settled()
+        tries = []
+        while len(tries) < 3:
+            async with pdd.http.post(f"{pdd.RLD.url}/v1/completions",
+                                     json=completion_body(prompt_for(39, 8), 500, stream=True)) as other:
+                await other.content.readline()  # running on RLD
+                async with pdd.router(rld_seqs=seqs, min_rld_tokens=24, policy={"catchup_gap_tokens": 8}) as router:
+                    chunks, _ = await stream(pdd.http, router, completion_body(prompt, n))
+                    check_one_stream(chunks, base, n)
+                    counts = counted_by_label(router, *OUTCOMES)
+                    undecided = sample(router, "pddwire_router_handoffs_total", mode="undecided")
+                    if not undecided:
+                        assert sample(router, "pddwire_router_handoff_modes_total", mode=mode, reason=reason) == 1, \
+                            counts
+                        assert sample(router, "pddwire_router_rld_load_scrapes_total", outcome="ok") >= 1
+                        assert sample(router, "pddwire_router_handoffs_total", mode=mode) == 1
+                    else:  # RLD ended first: nothing decided, nothing counted but that ending
+                        assert sample(router, "pddwire_router_handoffs_total", mode="undecided",
+                                      outcome="rld_finished") == 1, counts
+                        assert not sample(router, "pddwire_router_handoff_modes_total"), counts
+                other.close()  # vLLM aborts it
+            await pdd.settled()
+            tries.append(counts)
+            if not undecided:
+                break
+        else:
+            pytest.fail(f"RLD made all {n} tokens before the mode was decided in 3 tries of {seqs} seqs: {tries}")
 
 
 async def test_md_is_the_member_holding_the_longest_prefix(pdd):
