@@ -233,7 +233,7 @@ def baselines(figs, quick: bool) -> Baselines:
                  note=f"CPU microseconds (both processes) per 64-byte round trip over a Unix socket pair "
                       f"between two processes on two CPUs, each asleep in recv until the other's message "
                       f"({wall:.1f} us wall): what waking a thread on the other CPU costs here; a 4 MiB "
-                      f"transfer passes about 11 messages between engines, agents and their threads "
+                      f"transfer passes about a dozen messages between engines, agents and their threads "
                       f"(pdd_tools.benchpipe ipc)")
     return base
 
