@@ -6,6 +6,8 @@ the same run:
 * ``cpu_per_gb_{4,64}MiB``: CPU seconds of both agents per GB moved against the bare pipe's sender
   and receiver, with each agent's main loop and bulk threads apart (what scales with bulk threads
   and what one event loop must carry) and the projection for a 100 Gbit/s line;
+* ``ipc_round_trip_cpu_us``: the CPU a message that wakes a process on the other CPU costs here,
+  against the same on one CPU (``benchpipe ipc``): what each of a transfer's messages pays;
 * ``token_latency_under_load_p99``: token frames while 1 GiB transfers run, against idle samples
   taken between those transfers (so both see the same machine).
 
@@ -228,13 +230,13 @@ def baselines(figs, quick: bool) -> Baselines:
              note="64 MiB memfd pools, as KV moves: bytes no longer come from cache")
     rt = ipc_round_trip(5000 if quick else 20000)
     if rt is not None:
-        (wall, cpu), (_, same) = rt["cross"], rt["same"]
+        (wall, cpu, _), (_, same, _) = rt["cross"], rt["same"]
         figs.add("ipc_round_trip_cpu_us", cpu, "us", "the same on one CPU", same,
-                 note=f"CPU microseconds (both processes) per 64-byte round trip over a Unix socket pair "
-                      f"between two processes on two CPUs, each asleep in recv until the other's message "
-                      f"({wall:.1f} us wall): what waking a thread on the other CPU costs here; a 4 MiB "
-                      f"transfer passes about a dozen messages between engines, agents and their threads "
-                      f"(pdd_tools.benchpipe ipc)")
+                 note=f"CPU microseconds of the two processes together per 64-byte round trip (two "
+                      f"messages) over a Unix socket pair between processes on two CPUs, each asleep in "
+                      f"recv until the other's message ({wall:.1f} us wall): what waking a process on the "
+                      f"other CPU costs here; a 4 MiB transfer passes about a dozen messages between "
+                      f"engines, agents and their threads (pdd_tools.benchpipe ipc)")
     return base
 
 

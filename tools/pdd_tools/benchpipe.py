@@ -1,4 +1,5 @@
-"""A bare Python loopback pipe, the ceiling for KV moved from cold registered memory here.
+"""A bare Python loopback pipe, the ceiling for KV moved from cold registered memory here, and
+the CPU one message between two processes costs.
 
 ``python -m pdd_tools.benchpipe rx PORT SIZE`` receives with a uvloop ``BufferedProtocol`` and
 ``recv_into`` straight into a memfd region; ``tx PORT SIZE REPS`` sends a memfd region with
@@ -8,11 +9,13 @@ acks: what pdd-wire's bulk path would cost if it did nothing but move bytes betw
 processes' pools.
 
 ``python -m pdd_tools.benchpipe ipc N CPU_A CPU_B`` is the other floor, of every message between
-two processes (engine and agent, agent and agent, a thread and another): N 64-byte round trips
+two processes (engine and agent, agent and agent; a thread waking another wakes a CPU the
+same way): N 64-byte round trips
 over a Unix socket pair between two processes pinned to CPU_A and CPU_B, each blocking in
 ``recv`` for the other's message; prints the wall and CPU microseconds (both processes) per
-round trip. On the same CPU a wake-up is a context switch; across two, the sleeping CPU must be
-woken (an inter-processor interrupt, which a VM pays in exits).
+round trip (and the echoing process's part of it). On the same CPU a wake-up is a context
+switch; across two, the sleeping CPU must be woken (an inter-processor interrupt, which a VM
+pays in exits).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 
 MiB = 1 << 20
 
@@ -83,42 +87,64 @@ def tx(port: int, size: int, reps: int) -> tuple[float, float]:
     return size * reps / (time.perf_counter() - t0) / 1e9, time.process_time() - cpu0
 
 
-def ipc(n: int, cpu_a: int, cpu_b: int) -> tuple[float, float]:
-    """(wall us, CPU us of both processes) per round trip: see the module's docstring."""
-    a, b = socket.socketpair()
+def ipc(n: int, cpu_a: int, cpu_b: int) -> tuple[float, float, float]:
+    """(wall us, CPU us of both processes, CPU us of the echoing child) per round trip: see the
+    module's docstring. The child's CPU is its own rusage (``wait4``), to the microsecond."""
+    a, b = socket.socketpair()  # AF_UNIX, SOCK_STREAM, as an engine socket is
     pid = os.fork()
-    if pid == 0:  # the echo side; it exits without unwinding the parent's state
+    if pid == 0:  # the echo side; it leaves with os._exit, never unwinding into the parent's code
+        code = 1
         try:
+            a.close()  # so that the parent's end closing is an end of file here
             os.sched_setaffinity(0, {cpu_b})
             for _ in range(n):
-                b.send(b.recv(64))
+                got = b.recv(64)
+                if not got:
+                    break
+                b.send(got)
+            else:
+                code = 0
+        except BaseException:
+            traceback.print_exc()
         finally:
-            os._exit(0)
-    os.sched_setaffinity(0, {cpu_a})
-    msg = bytes(64)
-    t0, c0 = time.perf_counter(), time.process_time()
-    for _ in range(n):
-        a.send(msg)
-        a.recv(64)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    os.waitpid(pid, 0)
-    child = os.times()
-    return wall / n * 1e6, (cpu + child.children_user + child.children_system) / n * 1e6
+            os._exit(code)
+    b.close()  # so that the child's end closing (it failed) is an end of file here
+    try:
+        os.sched_setaffinity(0, {cpu_a})
+        msg = bytes(64)
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(n):
+            a.send(msg)
+            if not a.recv(64):
+                raise RuntimeError("the echoing process ended early (its error is on stderr)")
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    finally:
+        a.close()  # a child still in recv sees the end of file and leaves
+        _, status, ru = os.wait4(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise RuntimeError(f"the echoing process failed ({os.waitstatus_to_exitcode(status)})")
+    child = ru.ru_utime + ru.ru_stime
+    return wall / n * 1e6, (cpu + child) / n * 1e6, child / n * 1e6
 
 
-def ipc_round_trip(n: int = 20000) -> dict[str, tuple[float, float]] | None:
-    """:func:`ipc` in a fresh process, across two CPUs and on one: ``{"cross": (wall us, CPU us),
-    "same": ...}``; None on a single-CPU machine."""
+def ipc_round_trip_on(n: int, cpus: tuple[int, int]) -> tuple[float, float, float]:
+    """:func:`ipc` on ``cpus`` in a fresh process (its pinning stays there)."""
+    cmd = [sys.executable, "-m", "pdd_tools.benchpipe", "ipc", str(n), *map(str, cpus)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    if run.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} exited {run.returncode}: {run.stderr.strip()[-2000:]}")
+    wall, cpu, child = map(float, run.stdout.split())
+    return wall, cpu, child
+
+
+def ipc_round_trip(n: int = 20000) -> dict[str, tuple[float, float, float]] | None:
+    """:func:`ipc` across two CPUs and on one: ``{"cross": (wall us, CPU us, the child's CPU
+    us), "same": ...}``; None on a single-CPU machine."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return None
-    out = {}
-    for kind, pair in (("cross", cpus[:2]), ("same", cpus[:1] * 2)):
-        run = subprocess.run([sys.executable, "-m", "pdd_tools.benchpipe", "ipc", str(n), *map(str, pair)],
-                             capture_output=True, text=True, check=True)
-        wall, cpu = map(float, run.stdout.split())
-        out[kind] = (wall, cpu)
-    return out
+    return {kind: ipc_round_trip_on(n, (pair[0], pair[1]))
+            for kind, pair in (("cross", cpus[:2]), ("same", cpus[:1] * 2))}
 
 
 # The baselines scripts/bench measures in its run, each between two processes.
@@ -179,8 +205,8 @@ def bare_pipe(size: int = 64 * MiB, reps: int = 16) -> tuple[float, float]:
 
 if __name__ == "__main__":
     if sys.argv[1] == "ipc":
-        wall_us, cpu_us = ipc(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
-        print(f"{wall_us:.3f} {cpu_us:.3f}")
+        wall_us, cpu_us, child_us = ipc(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+        print(f"{wall_us:.3f} {cpu_us:.3f} {child_us:.3f}")
         sys.exit(0)
     role, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if role == "rx":
