@@ -26,6 +26,7 @@ import shutil
 import signal
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import aiohttp
@@ -368,12 +369,13 @@ async def test_the_mode_follows_rlds_live_load(pdd):
     gap is above ``catchup_gap_tokens``: declared with one sequence, RLD running another
     client's long request (500 tokens, in the same batch: it outlasts this request's first 24
     whatever the machine's speed) is busy (one-shot, ``rld_busy``); with 64 it has headroom
-    (catch-up, ``rld_headroom``). 300 tokens, not N, so that MD is ready before RLD ends alone;
-    the tiny model's 512-token context allows no more. Where MD still is not (RLD made all 300,
-    about 2 s here, before MD held the KV or RLD's load was read: ``undecided``, seen once in a
-    full CI suite), nothing was decided and the request ended on RLD, as it should: that try
-    says nothing of the mode, and the case is tried again, up to three times."""
-    n = 300
+    (catch-up, ``rld_headroom``). 400 tokens, not N, so that MD is ready before RLD ends alone
+    (with the 70-token prompt, near the tiny model's 512-token context). Where MD still is not
+    (at 300 tokens RLD made them all, about 2 s here, before MD held the KV or RLD's load was
+    read: ``undecided``, seen once in a full CI suite), nothing was decided and the request
+    ended on RLD, as it should: that try says nothing of the mode, and the case is tried again
+    (warned), up to three times."""
+    n = 400
     for seqs, mode, reason in ((1, "one-shot", "rld_busy"), (64, "catch-up", "rld_headroom")):
         prompt = prompt_for(30 + seqs, 70)
         base = await pdd.baseline(prompt, n)
@@ -401,6 +403,8 @@ async def test_the_mode_follows_rlds_live_load(pdd):
             tries.append(counts)
             if not undecided:
                 break
+            warnings.warn(f"{seqs} seqs: RLD made all {n} tokens before the mode was decided; trying again",
+                          stacklevel=1)
         else:
             pytest.fail(f"RLD made all {n} tokens before the mode was decided in 3 tries of {seqs} seqs: {tries}")
 
