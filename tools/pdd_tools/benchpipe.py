@@ -9,13 +9,12 @@ acks: what pdd-wire's bulk path would cost if it did nothing but move bytes betw
 processes' pools.
 
 ``python -m pdd_tools.benchpipe ipc N CPU_A CPU_B`` is the other floor, of every message between
-two processes (engine and agent, agent and agent; a thread waking another wakes a CPU the
-same way): N 64-byte round trips
-over a Unix socket pair between two processes pinned to CPU_A and CPU_B, each blocking in
-``recv`` for the other's message; prints the wall and CPU microseconds (both processes) per
-round trip (and the echoing process's part of it). On the same CPU a wake-up is a context
-switch; across two, the sleeping CPU must be woken (an inter-processor interrupt, which a VM
-pays in exits).
+two processes (engine and agent, agent and agent; a thread waking another wakes a CPU the same
+way): N 64-byte round trips over a Unix socket pair between two processes pinned to CPU_A and
+CPU_B, each blocking in ``recv`` for the other's message; prints the wall and CPU microseconds
+(both processes) per round trip, and the echoing process's part of it. On the same CPU a
+wake-up is a context switch; across two, the sleeping CPU must be woken (an inter-processor
+interrupt, which a VM pays in exits).
 """
 
 from __future__ import annotations
