@@ -371,16 +371,16 @@ async def test_the_mode_follows_rlds_live_load(pdd):
     whatever the machine's speed) is busy (one-shot, ``rld_busy``); with 64 it has headroom
     (catch-up, ``rld_headroom``). 400 tokens, not N, so that MD is ready before RLD ends alone
     (with the 70-token prompt, near the tiny model's 512-token context). Where MD still is not
-    (at 300 tokens RLD made them all, about 2 s here, before MD held the KV or RLD's load was
-    read: ``undecided``, seen once in a full CI suite), nothing was decided and the request
-    ended on RLD, as it should: that try says nothing of the mode, and the case is tried again
-    (warned), up to three times."""
+    (RLD made them all before MD held the KV or RLD's load was read: ``undecided``; in four
+    full suites here the 64-seq leg came out so twice, once at 300 tokens, once at 400),
+    nothing was decided and the request ended on RLD, as it should: that try says nothing of
+    the mode, and the case is tried again (warned), up to five times."""
     n = 400
     for seqs, mode, reason in ((1, "one-shot", "rld_busy"), (64, "catch-up", "rld_headroom")):
         prompt = prompt_for(30 + seqs, 70)
         base = await pdd.baseline(prompt, n)
         tries = []
-        while len(tries) < 3:
+        while len(tries) < 5:
             async with pdd.http.post(f"{pdd.RLD.url}/v1/completions",
                                      json=completion_body(prompt_for(39, 8), 500, stream=True)) as other:
                 await other.content.readline()  # running on RLD
@@ -408,7 +408,7 @@ async def test_the_mode_follows_rlds_live_load(pdd):
             warnings.warn(f"{seqs} seqs: RLD made all {n} tokens before the mode was decided; trying again. "
                           f"{counts}", stacklevel=1)
         else:
-            pytest.fail(f"RLD made all {n} tokens before the mode was decided in 3 tries of {seqs} seqs: {tries}")
+            pytest.fail(f"RLD made all {n} tokens before the mode was decided in 5 tries of {seqs} seqs: {tries}")
 
 
 async def test_md_is_the_member_holding_the_longest_prefix(pdd):
