@@ -422,15 +422,14 @@ async def test_md_is_the_member_holding_the_longest_prefix(pdd):
     await complete(pdd.http, pdd.MD2.url, completion_body(prompt_for(41, 8), 1))  # the report's step
     done2 = (await pdd.MD2.metrics(pdd.http)).get("vllm:request_success_total", 0)
     done1 = (await pdd.MD.metrics(pdd.http)).get("vllm:request_success_total", 0)
-    # md_ready_s and the lease at 60 s: which member is chosen is this test's, not how soon it
-    # holds the KV. In one full suite on a fresh 2-core VM, MD2 had not posted its receive 30 s
-    # after the KV came (md_not_ready; P's KV refused as unposted), as test_md_killed... below
-    # saw once too; the default 30 s is too tight for four vLLM servers on two cores.
-    async with pdd.router(md2=True, pos=0, md_ready_s=60.0, lease_s=60.0) as router:
+    async with pdd.router(md2=True, pos=0) as router:
         chunks, _ = await stream(pdd.http, router, completion_body(prompt, N))
         check_one_stream(chunks, base)
         assert sample(router, "pddwire_router_prompt_tokens_total", source="md_prefix") == 96
-        assert sample(router, "pddwire_router_handoffs_total", outcome="switched") == 1
+        # Seen in 2 of 5 full suites on one VM, never alone: MD2 never posted its receive (30 s,
+        # and 60 s when tried), so md_not_ready and P's KV refused as unposted. MD2's log says why.
+        assert sample(router, "pddwire_router_handoffs_total", outcome="switched") == 1, \
+            (counted_by_label(router, *OUTCOMES), f"MD2's log:\n{pdd.MD2.tail(60)}")
     # MD2 answered the warm request and the continuation; MD nothing.
     assert (await pdd.MD2.metrics(pdd.http)).get("vllm:request_success_total", 0) - done2 == 2
     assert (await pdd.MD.metrics(pdd.http)).get("vllm:request_success_total", 0) == done1
