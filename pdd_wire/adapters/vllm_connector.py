@@ -291,11 +291,14 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         if loader is not None and loader != request.request_id:
             other = self._consumers.get(loader)
             if other is not None and not other.loaded:
+                log.debug("pdd-wire: request %s waits for %s to load %s", request.request_id, loader, c.rid)
                 return None, False  # a sibling (n > 1) is loading this KV: ask again next step
             c.posted = c.loaded = True  # the sibling's KV is in the prefix cache, or recompute
             return 0, False
         c.local_hit = num_computed_tokens
         ext = c.num_tokens - num_computed_tokens
+        log.debug("pdd-wire: request %s (%s): %d tokens in the local prefix cache, %d to load",
+                  request.request_id, c.rid, num_computed_tokens, max(ext, 0))
         # Async: the request waits for kv_received, then vLLM recomputes at least the last token.
         return (ext, True) if ext > 0 else (0, False)
 
@@ -309,6 +312,8 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         # The receive waits for what is left of the sender's lease (its KV_BEGIN is usually here
         # already), plus the slack; a sender that gave up makes the post fail at once.
         ttl = None if c.lease_end is None else max(c.lease_end - time.time(), 0.0) + self.recv_slack_s
+        log.debug("pdd-wire: request %s (%s): posting %d blocks from %d, %d external tokens, ttl %s",
+                  request.request_id, c.rid, nb, first, num_external_tokens, ttl)
         if num_external_tokens > 0:
             ids = blocks.get_block_ids()[0][:nb]
             self._meta.loads.append(LoadSpec(request.request_id, c.rid, c.from_site, list(ids), first, ttl))

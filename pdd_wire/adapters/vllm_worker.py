@@ -218,6 +218,8 @@ class WorkerSide:
             else:
                 extents = self._extents(ld.block_ids, ld.first)
             self._loads[ld.rid] = pend
+            log.debug("pdd-wire: post_recv %s for request %s: %d extents, ttl %s", ld.rid, ld.req_id,
+                      len(extents), ld.ttl_s)
             # A matched prefix may cover only blocks vLLM itself holds for the request (its
             # local hit, received into the sink), never blocks it expects KV in.
             posts.append((ld.rid, self._eng.post_recv(ld.rid, extents, from_site=ld.from_site, ttl_s=ld.ttl_s,
