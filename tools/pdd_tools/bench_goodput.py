@@ -9,7 +9,10 @@ the same run:
 * ``ipc_round_trip_cpu_us``: the CPU a message that wakes a process on the other CPU costs here,
   against the same on one CPU (``benchpipe ipc``): what each of a transfer's messages pays;
 * ``token_latency_under_load_p99``: token frames while 1 GiB transfers run, against idle samples
-  taken between those transfers (so both see the same machine).
+  taken between those transfers (so both see the same machine);
+* ``wake_latency_under_load_p99``: three processes that only wake one another
+  (:mod:`~pdd_tools.wakeprobe`), during more such transfers, against the same idle token p99:
+  the part of the token figure that is this host's scheduler, not the agents' work.
 
 Bare-pipe and agent rounds are interleaved (``rounds``), and each figure is the median over rounds.
 """
@@ -17,6 +20,7 @@ Bare-pipe and agent rounds are interleaved (``rounds``), and each figure is the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import statistics
 import time
@@ -29,8 +33,13 @@ from pdd_wire.stats import percentile
 
 from .benchpipe import bare_pipe, bare_pipe_goodput, ipc_round_trip, iperf3_goodput
 from .harness import AgentPair, metric_value
+from .wakeprobe import WakeProbe
 
 MiB = 1 << 20
+#: The wake probe's chain: as many processes as a token wakes (agent A, agent B, engine B), and a
+#: message as often as the token samples'.
+WAKE_HOPS = 3
+WAKE_PERIOD_S = 0.002
 #: 100 Gbit/s, the line the CPU figures are projected to.
 LINE_GBPS = 12.5
 
@@ -146,14 +155,12 @@ async def relay_bytes(pair: AgentPair, ea: EngineClient, eb: EngineClient, per_f
     return (after - before) / 100
 
 
-async def latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, samples: int,
-                             idle_per_transfer: int) -> tuple[list, list, float]:
-    """Token latencies while ``gib`` GiB transfers run (``samples`` in all), and idle ones taken
-    just before each transfer (``idle_per_transfer``); the transfers' GB/s."""
-    size = gib << 30
+@contextlib.asynccontextmanager
+async def load_pools(ea: EngineClient, eb: EngineClient, size: int):
+    """``size`` bytes (a multiple of 64 MiB) of random KV registered with A and as much zeroed
+    memory with B, in 4 MiB blocks: ``(A's registration, B's, blocks)``; deregistered and freed on
+    the way out."""
     src, dst = SharedMemory(size), SharedMemory(size)
-    lat: list[float] = []
-    idle: list[float] = []
     try:
         chunk = os.urandom(64 * MiB)
         for off in range(0, size, len(chunk)):
@@ -161,30 +168,85 @@ async def latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, sampl
         dst.buf[:] = bytes(size)
         ra = await ea.register(src, block_bytes=4 * MiB)
         rb = await eb.register(dst, block_bytes=4 * MiB)
-        nb = size // (4 * MiB)
-        seconds = []
+        yield ra, rb, size // (4 * MiB)
+        await ea.deregister(ra)
+        await eb.deregister(rb)
+    finally:
+        src.close()
+        dst.close()
+
+
+async def load_transfer(ea: EngineClient, eb: EngineClient, pools, rid: str, during=None) -> float:
+    """One transfer of every block of ``pools`` (:func:`load_pools`) from A to B, with
+    ``await during(done)`` running meanwhile (``done()``: whether it has arrived); its seconds."""
+    ra, rb, nb = pools
+    await eb.post_recv(rid, [rb.blocks(0, nb)])
+    t0 = time.perf_counter()
+    await ea.send_kv(rid, [ra.blocks(0, nb)], to=["B"])
+    arrived = asyncio.ensure_future(eb.wait(rid, timeout=300))
+    if during is not None:
+        await during(arrived.done)
+    ev = await arrived
+    seconds = time.perf_counter() - t0
+    if not isinstance(ev, p.KvReceived):
+        raise RuntimeError(f"load transfer failed: {ev}")
+    await ea.wait(rid, timeout=60)
+    return seconds
+
+
+async def latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, samples: int,
+                             idle_per_transfer: int) -> tuple[list, list, float]:
+    """Token latencies while ``gib`` GiB transfers run (``samples`` in all), and idle ones taken
+    just before each transfer (``idle_per_transfer``); the transfers' GB/s."""
+    lat: list[float] = []
+    idle: list[float] = []
+    seconds = []
+    async with load_pools(ea, eb, gib << 30) as pools:
         k = 0
         while len(lat) < samples and k < 20:
             rid = f"load-{k}"
             k += 1
             idle += await token_latency(ea, eb, idle_per_transfer, f"idle-{rid}")
-            await eb.post_recv(rid, [rb.blocks(0, nb)])
-            t0 = time.perf_counter()
-            await ea.send_kv(rid, [ra.blocks(0, nb)], to=["B"])
-            done = asyncio.ensure_future(eb.wait(rid, timeout=300))
-            await asyncio.sleep(0.02)  # let the bulk stream get going
-            lat += await token_latency(ea, eb, samples - len(lat), f"tok-{rid}", until=done.done)
-            ev = await done
-            seconds.append(time.perf_counter() - t0)
-            if not isinstance(ev, p.KvReceived):
-                raise RuntimeError(f"load transfer failed: {ev}")
-            await ea.wait(rid, timeout=60)
-        await ea.deregister(ra)
-        await eb.deregister(rb)
-        return lat, idle, size / statistics.median(seconds) / 1e9
-    finally:
-        src.close()
-        dst.close()
+
+            async def tokens(done, rid=rid) -> None:
+                await asyncio.sleep(0.02)  # let the bulk stream get going
+                lat.extend(await token_latency(ea, eb, samples - len(lat), f"tok-{rid}", until=done))
+
+            seconds.append(await load_transfer(ea, eb, pools, rid, tokens))
+    return lat, idle, (gib << 30) / statistics.median(seconds) / 1e9
+
+
+async def wake_under_load(ea: EngineClient, eb: EngineClient, size: int, transfers: int,
+                          quiet_s: float = 1.0) -> tuple[list, list, float]:
+    """The wake probe's latencies (ms, :mod:`pdd_tools.wakeprobe`: ``WAKE_HOPS`` processes that only
+    wake one another, a message every ``WAKE_PERIOD_S``) while ``transfers`` back-to-back transfers of
+    ``size`` bytes run between the agents (from 20 ms after each ``send_kv`` to its
+    ``kv_received``), and during ``quiet_s`` just before them with nothing running; the
+    transfers' GB/s. No token is sampled meanwhile."""
+    seconds = []
+    windows = []
+    async with load_pools(ea, eb, size) as pools:
+        probe = await WakeProbe.start(period_s=WAKE_PERIOD_S, hops=WAKE_HOPS)
+        try:
+            q0 = time.perf_counter()
+            await asyncio.sleep(quiet_s)
+            q1 = time.perf_counter()
+            for k in range(transfers):
+                async def mark(done) -> None:
+                    sent = time.perf_counter()
+                    await asyncio.sleep(0.02)  # as the token samples: once the bulk stream goes
+                    windows.append([time.perf_counter(), sent])  # the end: sent + the transfer's time
+
+                seconds.append(await load_transfer(ea, eb, pools, f"wake-{k}", mark))
+                windows[-1][1] += seconds[-1]
+        except BaseException:
+            probe.kill()  # the transfers' error is the one to see
+            await probe.proc.wait()
+            raise
+        samples = await probe.stop()
+    under = [ms for _, when, ms in samples if any(a <= when <= b for a, b in windows)]
+    quiet = [ms for _, when, ms in samples if q0 <= when <= q1]
+    return under, quiet, size / statistics.median(seconds) / 1e9
 
 
 async def latency_under_bare_pipe(ea: EngineClient, eb: EngineClient, rounds: int, samples: int) -> tuple[list, float]:
@@ -292,6 +354,16 @@ async def latency_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineCli
     figs.add("token_latency_under_load_p99", percentile(loaded, 99), "ms", "idle p99", percentile(idle, 99),
              note=f"{len(loaded)} samples during 1 GiB transfers at {gbps:.2f} GB/s; idle: {len(idle)} samples, "
                   "before and between the transfers")
+    under, quiet, wake_gbps = await wake_under_load(ea, eb, 1 << 30, 2 if quick else 4)
+    figs.add("wake_latency_under_load_p99", percentile(under, 99), "ms", "token idle p99", percentile(idle, 99),
+             note=f"{WAKE_HOPS} processes that only wake one another, a message every {WAKE_PERIOD_S * 1e3:g} ms "
+                  f"(pdd_tools.wakeprobe: none an agent or "
+                  f"an engine, none doing any work), during 1 GiB transfers between the agents at {wake_gbps:.2f} "
+                  f"GB/s with no token sampled: the three wake-ups a token pays on its way (agent A, agent B, "
+                  f"engine B) and nothing of the agents' work; {len(under)} messages, p50 "
+                  f"{percentile(under, 50):.2f} ms; with nothing running, just before, p99 "
+                  f"{percentile(quiet, 99):.2f} ms ({len(quiet)} messages), so the transfers make it "
+                  f"{percentile(under, 99) / percentile(quiet, 99):.0f}x slower")
     foreign, pipe_gbps = await latency_under_bare_pipe(ea, eb, 2 if quick else 3, len(loaded))
     figs.add("token_latency_under_bare_pipe_p99", percentile(foreign, 99), "ms", "idle p99", percentile(idle, 99),
              note=f"the same token path while the bare pipe moves 4 MiB writes between two other processes "
