@@ -87,7 +87,8 @@ def test_a_process_of_the_chain_that_dies_is_an_error_not_a_short_run():
         _ready(proc)
         child = next(pid for pid in _group(proc.pid) if pid != proc.pid)  # the writer or a relay
         os.kill(child, signal.SIGKILL)
-        out, err = proc.communicate(timeout=30)  # the chain breaks: the run ends by itself
+        proc.wait(timeout=30)  # the chain breaks: the run ends by itself, its input still open
+        out, err = proc.communicate(timeout=30)
         assert proc.returncode != 0
         assert b"was killed by signal 9" in err
         assert _group(proc.pid) == []

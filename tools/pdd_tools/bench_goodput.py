@@ -11,8 +11,9 @@ the same run:
 * ``token_latency_under_load_p99``: token frames while 1 GiB transfers run, against idle samples
   taken between those transfers (so both see the same machine);
 * ``wake_latency_under_load_p99``: three processes that only wake one another
-  (:mod:`~pdd_tools.wakeprobe`), during more such transfers, against the same idle token p99:
-  the part of the token figure that is this host's scheduler, not the agents' work.
+  (:mod:`~pdd_tools.wakeprobe`), during more such transfers, against the same idle token p99: a
+  reference for what this host's scheduler alone does to three wake-ups under the agents'
+  transfers as they run now.
 
 Bare-pipe and agent rounds are interleaved (``rounds``), and each figure is the median over rounds.
 """
@@ -178,14 +179,15 @@ async def load_pools(ea: EngineClient, eb: EngineClient, size: int):
 
 async def load_transfer(ea: EngineClient, eb: EngineClient, pools, rid: str, during=None) -> float:
     """One transfer of every block of ``pools`` (:func:`load_pools`) from A to B, with
-    ``await during(done)`` running meanwhile (``done()``: whether it has arrived); its seconds."""
+    ``await during(done, t0)`` running meanwhile (``done()``: whether it has arrived; ``t0``: when
+    ``send_kv`` was sent, on ``time.perf_counter``); its seconds from ``t0`` to ``kv_received``."""
     ra, rb, nb = pools
     await eb.post_recv(rid, [rb.blocks(0, nb)])
     t0 = time.perf_counter()
     await ea.send_kv(rid, [ra.blocks(0, nb)], to=["B"])
     arrived = asyncio.ensure_future(eb.wait(rid, timeout=300))
     if during is not None:
-        await during(arrived.done)
+        await during(arrived.done, t0)
     ev = await arrived
     seconds = time.perf_counter() - t0
     if not isinstance(ev, p.KvReceived):
@@ -208,7 +210,7 @@ async def latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, sampl
             k += 1
             idle += await token_latency(ea, eb, idle_per_transfer, f"idle-{rid}")
 
-            async def tokens(done, rid=rid) -> None:
+            async def tokens(done, t0, rid=rid) -> None:
                 await asyncio.sleep(0.02)  # let the bulk stream get going
                 lat.extend(await token_latency(ea, eb, samples - len(lat), f"tok-{rid}", until=done))
 
@@ -232,10 +234,9 @@ async def wake_under_load(ea: EngineClient, eb: EngineClient, size: int, transfe
             await asyncio.sleep(quiet_s)
             q1 = time.perf_counter()
             for k in range(transfers):
-                async def mark(done) -> None:
-                    sent = time.perf_counter()
+                async def mark(done, t0) -> None:
                     await asyncio.sleep(0.02)  # as the token samples: once the bulk stream goes
-                    windows.append([time.perf_counter(), sent])  # the end: sent + the transfer's time
+                    windows.append([time.perf_counter(), t0])  # the end: t0 + the transfer's time
 
                 seconds.append(await load_transfer(ea, eb, pools, f"wake-{k}", mark))
                 windows[-1][1] += seconds[-1]
@@ -246,6 +247,9 @@ async def wake_under_load(ea: EngineClient, eb: EngineClient, size: int, transfe
         samples = await probe.stop()
     under = [ms for _, when, ms in samples if any(a <= when <= b for a, b in windows)]
     quiet = [ms for _, when, ms in samples if q0 <= when <= q1]
+    if not under or not quiet:
+        raise RuntimeError(f"the wake probe got {len(under)} messages during the transfers and {len(quiet)} "
+                           f"before them: too few to say anything (transfers too short?)")
     return under, quiet, size / statistics.median(seconds) / 1e9
 
 
@@ -357,10 +361,10 @@ async def latency_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineCli
     under, quiet, wake_gbps = await wake_under_load(ea, eb, 1 << 30, 2 if quick else 4)
     figs.add("wake_latency_under_load_p99", percentile(under, 99), "ms", "token idle p99", percentile(idle, 99),
              note=f"{WAKE_HOPS} processes that only wake one another, a message every {WAKE_PERIOD_S * 1e3:g} ms "
-                  f"(pdd_tools.wakeprobe: none an agent or "
-                  f"an engine, none doing any work), during 1 GiB transfers between the agents at {wake_gbps:.2f} "
-                  f"GB/s with no token sampled: the three wake-ups a token pays on its way (agent A, agent B, "
-                  f"engine B) and nothing of the agents' work; {len(under)} messages, p50 "
+                  f"(pdd_tools.wakeprobe: none an agent or an engine, none doing any work), during 1 GiB "
+                  f"transfers between the agents at {wake_gbps:.2f} GB/s with no token sampled: a reference for "
+                  f"the wake-ups a token pays on its way (agent A, agent B, engine B) under these transfers, "
+                  f"without the agents' work; {len(under)} messages, p50 "
                   f"{percentile(under, 50):.2f} ms; with nothing running, just before, p99 "
                   f"{percentile(quiet, 99):.2f} ms ({len(quiet)} messages), so the transfers make it "
                   f"{percentile(under, 99) / percentile(quiet, 99):.0f}x slower")

@@ -55,8 +55,8 @@ def _child(i: int, pairs: list[tuple[socket.socket, socket.socket]], period_s: f
             while got := inp.recv(MSG.size):  # one message per recv (SOCK_SEQPACKET); b"": the end
                 out.send(got)
         code = 0
-    except (BrokenPipeError, ConnectionResetError):  # the next process is gone: the run is over
-        code = 0
+    except (BrokenPipeError, ConnectionResetError, KeyboardInterrupt):  # the next process is gone, or
+        code = 0  # a Ctrl-C on the terminal reached the whole chain: the run is over
     except BaseException:
         traceback.print_exc()
     finally:
@@ -66,7 +66,7 @@ def _child(i: int, pairs: list[tuple[socket.socket, socket.socket]], period_s: f
 def _stdin_is_pipe() -> bool:
     try:
         mode = os.fstat(sys.stdin.fileno()).st_mode
-    except (OSError, ValueError):
+    except (OSError, ValueError, AttributeError):  # closed, or no standard input at all (None)
         return False
     return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
@@ -195,6 +195,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     samples = run(args.period, args.seconds, args.hops, ready=lambda: print("ready", flush=True))
     print(json.dumps(samples), flush=True)
+    if not samples:
+        print("wakeprobe: no message crossed the chain (its standard input closed at once?)", file=sys.stderr)
+        return 1
     return 0
 
 
