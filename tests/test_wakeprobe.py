@@ -118,7 +118,7 @@ async def test_the_benchmark_times_it_during_the_agents_transfers_and_before_the
     """``wake_under_load`` as ``scripts/bench --only latency`` runs it, between two real agents:
     samples from inside the transfers' windows and from the quiet second before them, and the
     transfers did move their bytes."""
-    from pdd_tools.bench_goodput import wake_under_load
+    from pdd_tools.bench_goodput import load_pools, wake_under_load
     from pdd_tools.harness import AgentPair
     from pdd_wire.engine.client import EngineClient
 
@@ -126,7 +126,8 @@ async def test_the_benchmark_times_it_during_the_agents_transfers_and_before_the
     await pair.start()
     try:
         async with EngineClient(pair.sockets["A"], "wake-A") as ea, EngineClient(pair.sockets["B"], "wake-B") as eb:
-            under, quiet, gbps = await wake_under_load(ea, eb, 256 << 20, 6, quiet_s=0.3)
+            async with load_pools(ea, eb, 256 << 20) as pools:
+                under, quiet, gbps = await wake_under_load(ea, eb, pools, 6, quiet_s=0.3)
     finally:
         pair.stop()
     assert under and len(quiet) >= 10 and gbps > 0

@@ -6,7 +6,7 @@ They depend on the product (:mod:`pdd_wire`), never the reverse:
 - :mod:`pdd_tools.demo`: PDD against plain cross-datacenter PD over an emulated WAN.
 - :mod:`pdd_tools.bench`, :mod:`~pdd_tools.bench_compress`, :mod:`~pdd_tools.bench_ucx`,
   :mod:`~pdd_tools.benchpipe` (the bare pipe and iperf3 baselines), :mod:`~pdd_tools.wakeprobe`
-  (the token path's floor: processes that only wake one another),
+  (a reference for the token path's floor: processes that only wake one another),
   :mod:`~pdd_tools.bench_register`, :mod:`~pdd_tools.bench_vllm`: benchmarks and their baselines.
 - :mod:`pdd_tools.sim`: simulated engines (prefill, relay decode, main decode) on the engine socket.
 - :mod:`pdd_tools.trace`: a request trace shaped like PDD's traffic.

@@ -177,80 +177,86 @@ async def load_pools(ea: EngineClient, eb: EngineClient, size: int):
         dst.close()
 
 
-async def load_transfer(ea: EngineClient, eb: EngineClient, pools, rid: str, during=None) -> float:
+async def load_transfer(ea: EngineClient, eb: EngineClient, pools, rid: str, during=None) -> tuple[float, float]:
     """One transfer of every block of ``pools`` (:func:`load_pools`) from A to B, with
-    ``await during(done, t0)`` running meanwhile (``done()``: whether it has arrived; ``t0``: when
-    ``send_kv`` was sent, on ``time.perf_counter``); its seconds from ``t0`` to ``kv_received``."""
+    ``await during(done)`` running meanwhile (``done()``: whether it has arrived); when
+    ``send_kv`` was sent and when ``kv_received`` came, on ``time.perf_counter``'s clock."""
     ra, rb, nb = pools
     await eb.post_recv(rid, [rb.blocks(0, nb)])
     t0 = time.perf_counter()
     await ea.send_kv(rid, [ra.blocks(0, nb)], to=["B"])
     arrived = asyncio.ensure_future(eb.wait(rid, timeout=300))
     if during is not None:
-        await during(arrived.done, t0)
+        await during(arrived.done)
     ev = await arrived
-    seconds = time.perf_counter() - t0
+    t1 = time.perf_counter()
     if not isinstance(ev, p.KvReceived):
         raise RuntimeError(f"load transfer failed: {ev}")
     await ea.wait(rid, timeout=60)
-    return seconds
+    return t0, t1
 
 
-async def latency_under_load(ea: EngineClient, eb: EngineClient, gib: int, samples: int,
+def _gbps(pools, spans: list[tuple[float, float]]) -> float:
+    """GB/s of the median transfer of ``pools`` over ``spans`` (from :func:`load_transfer`)."""
+    return pools[2] * 4 * MiB / statistics.median(t1 - t0 for t0, t1 in spans) / 1e9
+
+
+async def latency_under_load(ea: EngineClient, eb: EngineClient, pools, samples: int,
                              idle_per_transfer: int) -> tuple[list, list, float]:
-    """Token latencies while ``gib`` GiB transfers run (``samples`` in all), and idle ones taken
-    just before each transfer (``idle_per_transfer``); the transfers' GB/s."""
+    """Token latencies while transfers of ``pools`` (:func:`load_pools`) run (``samples`` in
+    all), and idle ones taken just before each transfer (``idle_per_transfer``); the transfers'
+    GB/s."""
     lat: list[float] = []
     idle: list[float] = []
-    seconds = []
-    async with load_pools(ea, eb, gib << 30) as pools:
-        k = 0
-        while len(lat) < samples and k < 20:
-            rid = f"load-{k}"
-            k += 1
-            idle += await token_latency(ea, eb, idle_per_transfer, f"idle-{rid}")
+    spans = []
+    k = 0
+    while len(lat) < samples and k < 20:
+        rid = f"load-{k}"
+        k += 1
+        idle += await token_latency(ea, eb, idle_per_transfer, f"idle-{rid}")
 
-            async def tokens(done, t0, rid=rid) -> None:
-                await asyncio.sleep(0.02)  # let the bulk stream get going
-                lat.extend(await token_latency(ea, eb, samples - len(lat), f"tok-{rid}", until=done))
+        async def tokens(done, rid=rid) -> None:
+            await asyncio.sleep(0.02)  # let the bulk stream get going
+            lat.extend(await token_latency(ea, eb, samples - len(lat), f"tok-{rid}", until=done))
 
-            seconds.append(await load_transfer(ea, eb, pools, rid, tokens))
-    return lat, idle, (gib << 30) / statistics.median(seconds) / 1e9
+        spans.append(await load_transfer(ea, eb, pools, rid, tokens))
+    return lat, idle, _gbps(pools, spans)
 
 
-async def wake_under_load(ea: EngineClient, eb: EngineClient, size: int, transfers: int,
+async def wake_under_load(ea: EngineClient, eb: EngineClient, pools, transfers: int,
                           quiet_s: float = 1.0) -> tuple[list, list, float]:
     """The wake probe's latencies (ms, :mod:`pdd_tools.wakeprobe`: ``WAKE_HOPS`` processes that only
-    wake one another, a message every ``WAKE_PERIOD_S``) while ``transfers`` back-to-back transfers of
-    ``size`` bytes run between the agents (from 20 ms after each ``send_kv`` to its
-    ``kv_received``), and during ``quiet_s`` just before them with nothing running; the
-    transfers' GB/s. No token is sampled meanwhile."""
-    seconds = []
+    wake one another, a message every ``WAKE_PERIOD_S``) while ``transfers`` back-to-back
+    transfers of ``pools`` (:func:`load_pools`) run between the agents (from 20 ms after each
+    ``send_kv``, as the token samples, to its ``kv_received``), and during ``quiet_s`` just
+    before them with nothing running; the transfers' GB/s. No token is sampled meanwhile."""
+    spans = []
     windows = []
-    async with load_pools(ea, eb, size) as pools:
-        probe = await WakeProbe.start(period_s=WAKE_PERIOD_S, hops=WAKE_HOPS)
-        try:
-            q0 = time.perf_counter()
-            await asyncio.sleep(quiet_s)
-            q1 = time.perf_counter()
-            for k in range(transfers):
-                async def mark(done, t0) -> None:
-                    await asyncio.sleep(0.02)  # as the token samples: once the bulk stream goes
-                    windows.append([time.perf_counter(), t0])  # the end: t0 + the transfer's time
+    probe = await WakeProbe.start(period_s=WAKE_PERIOD_S, hops=WAKE_HOPS)
+    try:
+        q0 = time.perf_counter()
+        await asyncio.sleep(quiet_s)
+        q1 = time.perf_counter()
+        for k in range(transfers):
+            streaming = []
 
-                seconds.append(await load_transfer(ea, eb, pools, f"wake-{k}", mark))
-                windows[-1][1] += seconds[-1]
-        except BaseException:
-            probe.kill()  # the transfers' error is the one to see
-            await probe.proc.wait()
-            raise
-        samples = await probe.stop()
+            async def mark(done, streaming=streaming) -> None:
+                await asyncio.sleep(0.02)
+                streaming.append(time.perf_counter())
+
+            spans.append(await load_transfer(ea, eb, pools, f"wake-{k}", mark))
+            windows.append((streaming[0], spans[-1][1]))
+    except BaseException:
+        probe.kill()  # the transfers' error is the one to see
+        await probe.proc.wait()
+        raise
+    samples = await probe.stop()
     under = [ms for _, when, ms in samples if any(a <= when <= b for a, b in windows)]
     quiet = [ms for _, when, ms in samples if q0 <= when <= q1]
     if not under or not quiet:
         raise RuntimeError(f"the wake probe got {len(under)} messages during the transfers and {len(quiet)} "
                            f"before them: too few to say anything (transfers too short?)")
-    return under, quiet, size / statistics.median(seconds) / 1e9
+    return under, quiet, _gbps(pools, spans)
 
 
 async def latency_under_bare_pipe(ea: EngineClient, eb: EngineClient, rounds: int, samples: int) -> tuple[list, float]:
@@ -350,7 +356,9 @@ async def latency_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineCli
                  await relay_bytes(pair, ea, eb, per_frame), "B",
                  note=f"TOKENS frames A->B for 100 tokens sent {per_frame} per call, "
                       "header and msgpack body (PDD: 1.5 KB per 100 tokens)")
-    loaded, between, gbps = await latency_under_load(ea, eb, 1, 100 if quick else 300, 25 if quick else 50)
+    async with load_pools(ea, eb, 1 << 30) as pools:  # one fill and registration for both
+        loaded, between, gbps = await latency_under_load(ea, eb, pools, 100 if quick else 300, 25 if quick else 50)
+        under, quiet, wake_gbps = await wake_under_load(ea, eb, pools, 2 if quick else 4)
     idle += between
     figs.add("token_latency_idle_p50", percentile(idle, 50), "ms")
     figs.add("token_latency_idle_p99", percentile(idle, 99), "ms")
@@ -358,7 +366,6 @@ async def latency_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineCli
     figs.add("token_latency_under_load_p99", percentile(loaded, 99), "ms", "idle p99", percentile(idle, 99),
              note=f"{len(loaded)} samples during 1 GiB transfers at {gbps:.2f} GB/s; idle: {len(idle)} samples, "
                   "before and between the transfers")
-    under, quiet, wake_gbps = await wake_under_load(ea, eb, 1 << 30, 2 if quick else 4)
     figs.add("wake_latency_under_load_p99", percentile(under, 99), "ms", "token idle p99", percentile(idle, 99),
              note=f"{WAKE_HOPS} processes that only wake one another, a message every {WAKE_PERIOD_S * 1e3:g} ms "
                   f"(pdd_tools.wakeprobe: none an agent or an engine, none doing any work), during 1 GiB "

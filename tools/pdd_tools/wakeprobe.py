@@ -1,4 +1,4 @@
-"""The floor of the token path's latency on this host: ``python -m pdd_tools.wakeprobe``.
+"""A reference for the floor of the token path's latency on this host: ``python -m pdd_tools.wakeprobe``.
 
 A token from engine A to engine B wakes three processes on its way: agent A (the engine's
 request), agent B (the TOKENS frame) and engine B (the event). While a transfer keeps the cores
@@ -119,14 +119,14 @@ def run(period_s: float = 0.002, max_s: float = 60.0, hops: int = 3, *, ready=No
                 statuses[pid] = status
             else:
                 os.kill(pid, signal.SIGTERM)  # the writer may be asleep between two messages
-        for pid in pids:
+        for i, pid in enumerate(pids):
             if pid not in statuses:
                 statuses[pid] = os.waitpid(pid, 0)[1]
                 if os.WIFSIGNALED(statuses[pid]) and os.WTERMSIG(statuses[pid]) == signal.SIGTERM:
                     continue  # ours
             code = os.waitstatus_to_exitcode(statuses[pid])
             if code != 0:
-                failed.append(f"process {pids.index(pid)} of the chain (pid {pid}) "
+                failed.append(f"process {i} of the chain (pid {pid}) "
                               + (f"exited {code}" if code > 0 else f"was killed by signal {-code}"))
     if failed:
         raise RuntimeError(f"the wake probe's chain failed ({', '.join(failed)}; a traceback, if any, is on stderr)")
