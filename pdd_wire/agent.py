@@ -31,7 +31,7 @@ import time
 import structlog
 from prometheus_client.metrics import MetricWrapperBase
 
-from . import loopwatch, systemd
+from . import loopwatch, placement, systemd
 from .admin import AdminServer
 from .config import Config, parse_hostport
 from .desk.admission import Gate
@@ -79,6 +79,7 @@ class Agent:
         # (proto/handshake.md §5: TLS on loopback bulk cost 3x of the goodput here).
         self._bulk_tls = config.tls.mode == "files"
         self.bulk_loops: list[BulkLoop] = []
+        self._cpus_before: frozenset[int] | None = None  # the event loop thread's CPUs before cpus.main
         self.gate = Gate()
         self.peers = Peers()
         self.sessions = self.peers.by_key  # "site/node" -> PeerSession
@@ -116,6 +117,12 @@ class Agent:
     # ------------------------------------------------------------------ start and stop
     async def start(self) -> None:
         cfg = self.config
+        # 0. the event loop's thread on cpus.main, first: the threads it starts inherit it
+        main_cpus, bulk_cpus = cfg.cpus.main_set, cfg.cpus.bulk_set
+        placement.check_allowed(main_cpus, "cpus.main")
+        placement.check_allowed(bulk_cpus, "cpus.bulk")
+        if main_cpus:
+            self._cpus_before = placement.pin_this_thread(main_cpus)
         self.pki = tls_files(cfg)  # may generate the deployment PKI (ConfigError: unusable directory)
         if self.pki is not None:
             self._ssl_server = server_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
@@ -125,9 +132,15 @@ class Agent:
         # 1. bulk threads, then every listener (a failure here leaves nothing serving: the caller
         #    runs shutdown(), which stops whatever did start)
         for i in range(cfg.transfer.bulk_threads):
-            bl = BulkLoop(f"pdd-bulk-{i}")
-            bl.start()
+            bl = BulkLoop(f"pdd-bulk-{i}", bulk_cpus)
+            try:
+                bl.start()
+            except OSError as exc:
+                raise ConfigError("cpus.bulk", f"bulk thread {i} cannot run on CPUs {cfg.cpus.bulk}: "
+                                               f"{exc.strerror}") from None
             self.bulk_loops.append(bl)
+        if main_cpus or bulk_cpus:
+            self.log.info("threads placed", **self.cpus())
         self.wan_address = self.inbound.listen(*parse_hostport(cfg.listen.wan, "listen.wan"),
                                                ssl_server=self._ssl_server, bulk_tls=self._bulk_tls)
         uids = {os.getuid()} | ({cfg.listen.engine_uid} if cfg.listen.engine_uid is not None else set())
@@ -221,6 +234,12 @@ class Agent:
             await self.admin.stop()
         for bl in self.bulk_loops:
             await asyncio.to_thread(bl.stop)
+        if self._cpus_before is not None:
+            # An agent run in another program's thread gives it back, unless someone placed it
+            # since (a second agent in the same thread: the last to stop restores the first's).
+            if placement.this_thread() == self.config.cpus.main_set:
+                placement.pin_this_thread(self._cpus_before)
+            self._cpus_before = None
         self._unwatch_loop()
         self.log.info("stopped")
 
@@ -391,6 +410,17 @@ class Agent:
             if stranded:
                 self.log.error("blocks held past their lease", stranded=stranded, pinned=pinned)
 
+    def cpus(self) -> dict[str, str]:
+        """Where the threads run now (cpulists): the event loop's (called on it) and each bulk thread's."""
+        bulk = set()
+        for bl in self.bulk_loops:
+            if bl.native_id is not None:
+                try:
+                    bulk |= os.sched_getaffinity(bl.native_id)
+                except OSError:  # it ended meanwhile
+                    pass
+        return {"main": placement.format_cpus(placement.this_thread()), "bulk": placement.format_cpus(bulk)}
+
     def describe(self) -> dict:
         pinned, stranded = self.audit()
         return {
@@ -398,6 +428,7 @@ class Agent:
             "uptime_s": round(time.time() - self.started, 3), "stopping": self.stopping,
             "wan": f"{self.wan_address[0]}:{self.wan_address[1]}" if self.wan_address else None,
             "engine_socket": self.config.listen.engine_socket,
+            "cpus": self.cpus(),
             "peers": [s.describe() for s in self.peers],
             "transfers": [t.describe() | {"direction": d} for s in self.peers
                           for d, ts in (("out", s.out), ("in", s.inn)) for t in ts.values()],

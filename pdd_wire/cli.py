@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 
 from . import config as cfgmod
+from . import placement
 from ._version import __version__
 from .errors import ConfigError
 from .progress import Progress, bar
@@ -47,6 +48,9 @@ def daemon_main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = _load_config(args)
+        if args.check:  # on the node it will run on: the CPUs it names are there (the agent checks at start too)
+            placement.check_allowed(cfg.cpus.main_set, "cpus.main")
+            placement.check_allowed(cfg.cpus.bulk_set, "cpus.bulk")
     except ConfigError as exc:
         print(f"pdd-wired: {exc}", file=sys.stderr)
         return 2
@@ -192,6 +196,8 @@ def _status_text(st: dict, admin: str) -> str:
     state = "stopping" if st.get("stopping") else "listening"
     lines.append(f"  {state}; {up}/{len(st['peers'])} peers up; uptime {st.get('uptime_s', 0):.0f} s")
     lines.append(f"  wan {st.get('wan')}   engine socket {st.get('engine_socket')}")
+    if st.get("cpus"):
+        lines.append(f"  cpus: event loop {st['cpus']['main']}, bulk threads {st['cpus']['bulk'] or '-'}")
     if st["peers"]:
         lines.append("peers")
         lines += _table([[p["peer"], "up" if p["up"] else "DOWN", p["role"], p.get("data_path"), p["address"],

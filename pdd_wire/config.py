@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from .errors import INLINE_MAX, MAX_DURATION_S, ConfigError
+from .placement import parse_cpus
 from .policy import HandoffPolicy, PipelineConfig
 from .rundir import default_socket_dir
 
@@ -126,6 +127,22 @@ class Tls(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True)
         return "plaintext" if self.allow_plaintext else "auto"
 
 
+class Cpus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
+    """Which CPUs the agent's threads run on (pdd_wire.placement), Linux cpulists such as "0-3,8";
+    "" = wherever the process may run (no placement)."""
+
+    main: str = ""  # the event loop's thread: token, control and engine frames
+    bulk: str = ""  # the bulk threads (transfer.bulk_threads): the KV bytes on TCP
+
+    @property
+    def main_set(self) -> frozenset[int]:
+        return parse_cpus(self.main, "cpus.main")
+
+    @property
+    def bulk_set(self) -> frozenset[int]:
+        return parse_cpus(self.bulk, "cpus.bulk")
+
+
 class Policy(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """PDD's per-request choices (see pdd_wire.policy for every field)."""
 
@@ -184,6 +201,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     listen: Listen
     peers: list[Peer] = []
     transfer: Transfer = Transfer()
+    cpus: Cpus = Cpus()
     limits: Limits = Limits()
     timeouts: Timeouts = Timeouts()
     tls: Tls = Tls()
@@ -263,6 +281,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("transfer.inline_bytes", f"must be 0..{INLINE_MAX} (64 KiB), got {t.inline_bytes}")
     if not 1 <= t.bulk_threads <= 64:
         raise ConfigError("transfer.bulk_threads", f"must be 1..64, got {t.bulk_threads}")
+    parse_cpus(cfg.cpus.main, "cpus.main")  # syntax here; whether the host has them, when the agent starts
+    parse_cpus(cfg.cpus.bulk, "cpus.bulk")
     for key in ("max_transfers",):
         _positive(f"transfer.{key}", getattr(t, key))
     for key in ("unposted_wait_s", "default_deadline_s", "post_ttl_s", "prefix_lease_s", "prefix_query_s"):
@@ -454,6 +474,12 @@ engine_socket = "{sock}"
 [transfer]
 chunk_bytes = 4194304
 streams = 4
+
+# A node with cores to spare: bulk threads off the cores of the main loop and the engines, so a
+# token never waits for a core behind a large transfer (docs/operator.md, "CPU placement").
+# [cpus]
+# main = "0"
+# bulk = "2-5"
 
 # Many nodes: let them find each other in etcd instead of listing [[peers]] (docs/operator.md,
 # "A fleet"); sessions then open on first need and close when idle.

@@ -148,11 +148,13 @@ class BulkLoop:
     """A thread running its own uvloop, for bulk connections (named ``name`` for the OS too:
     ``pdd-bulk-N``, so ``top -H`` and the benchmarks tell bulk CPU from the main loop's)."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, cpus: frozenset[int] = frozenset()) -> None:
         self.name = name
+        self.cpus = cpus  # the CPUs it runs on (cpus.bulk); empty: those of the thread that starts it
         self.loop = uvloop.new_event_loop()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._started = threading.Event()
+        self._error: OSError | None = None
 
     def _run(self) -> None:
         name_os_thread(self.name)
@@ -162,13 +164,30 @@ class BulkLoop:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BULK_NICE)
         except (OSError, AttributeError):
             pass
+        if self.cpus:  # per-thread on Linux, as the nice value
+            try:
+                os.sched_setaffinity(0, self.cpus)
+            except OSError as exc:
+                self._error = exc
+                self._started.set()
+                self.loop.close()
+                return
         asyncio.set_event_loop(self.loop)
         self.loop.call_soon(self._started.set)
         self.loop.run_forever()
 
     def start(self) -> None:
+        """Start the thread; OSError when it cannot be placed on ``cpus`` (it has ended then)."""
         self._thread.start()
         self._started.wait()
+        if self._error is not None:
+            self._thread.join()
+            raise self._error
+
+    @property
+    def native_id(self) -> int | None:
+        """The OS thread id (``/proc/<pid>/task/<tid>``), once started."""
+        return self._thread.native_id
 
     def call(self, fn: Callable, *args) -> None:
         self.loop.call_soon_threadsafe(fn, *args)

@@ -1,0 +1,187 @@
+"""CPU placement (``[cpus]``: ``main``, ``bulk``): the cpulist syntax and its errors, the check
+against the CPUs the process may use, and real agents whose threads the kernel reports on the
+CPUs the config names while a transfer runs through them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import engine_pair
+from pdd_tools.harness import AgentPair
+from pdd_wire import config as cfgmod
+from pdd_wire.agent import Agent
+from pdd_wire.engine import protocol as p
+from pdd_wire.engine.client import EngineClient
+from pdd_wire.errors import ConfigError
+from pdd_wire.memory import SharedMemory
+from pdd_wire.placement import check_allowed, format_cpus, parse_cpus
+from pdd_wire.transport.tcp import BulkLoop
+from support.agents import two_site_toml
+
+ALLOWED = sorted(os.sched_getaffinity(0))
+MAIN, BULK = ALLOWED[0], ALLOWED[-1]  # one CPU each where there are two (the same one otherwise)
+NOT_ALLOWED = ALLOWED[-1] + 1  # a CPU number this process may not use (online or not)
+
+
+@pytest.mark.parametrize(("text", "cpus"), [
+    ("", set()), ("0", {0}), ("0-3", {0, 1, 2, 3}), ("0-3,8", {0, 1, 2, 3, 8}), (" 2 , 4-5 ", {2, 4, 5}),
+    ("7-7", {7}), ("1,1,0-1", {0, 1}), ("8191", {8191}),
+])
+def test_cpulists_parse_as_taskset_writes_them(text, cpus):
+    assert parse_cpus(text, "cpus.bulk") == cpus
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("a", "'a' is not a CPU number"), ("1-", "'1-' is not a CPU number"), ("-1", "'-1' is not a CPU number"),
+    ("3-1", "range '3-1' ends before it starts"), ("0,,1", "'' is not a CPU number"),
+    ("8192", "CPU 8192 is beyond 8191"), ("1-0x3", "is not a CPU number"), ("1 -2", "is not a CPU number"),
+])
+def test_bad_cpulists_name_the_key_and_the_part(text, says):
+    with pytest.raises(ConfigError) as e:
+        parse_cpus(text, "cpus.main")
+    assert e.value.key == "cpus.main" and says in str(e.value)
+
+
+@pytest.mark.parametrize("cpus", [{0}, {0, 1, 2, 8}, {1, 3, 5}, {0, 1, 2, 3, 4, 5, 6, 7, 100, 101}])
+def test_format_folds_ranges_and_parses_back(cpus):
+    assert parse_cpus(format_cpus(cpus), "k") == cpus
+    assert format_cpus({0, 1, 2, 8}) == "0-2,8"
+
+
+def test_a_bad_cpulist_in_the_file_is_a_config_error_on_its_key(tmp_sock_dir):
+    toml = two_site_toml(tmp_sock_dir, extra='[cpus]\nbulk = "2-x"\n')["A"]
+    with pytest.raises(ConfigError) as e:
+        cfgmod.loads(toml)
+    assert e.value.key == "cpus.bulk"
+    with pytest.raises(ConfigError) as e:
+        cfgmod.loads(two_site_toml(tmp_sock_dir, extra='[cpus]\nmian = "0"\n')["A"])
+    assert "mian" in str(e.value)
+
+
+def test_cpus_the_process_may_not_use_are_named_with_those_it_may():
+    check_allowed(frozenset(ALLOWED), "cpus.main")
+    with pytest.raises(ConfigError) as e:
+        check_allowed(frozenset({MAIN, NOT_ALLOWED}), "cpus.bulk")
+    assert e.value.key == "cpus.bulk"
+    assert f"CPU {NOT_ALLOWED} is not among the CPUs this process may use ({format_cpus(ALLOWED)}" in str(e.value)
+
+
+def test_check_refuses_a_config_naming_cpus_the_node_lacks(tmp_sock_dir):
+    path = tmp_sock_dir / "A.toml"
+    bad = f"{NOT_ALLOWED}-{NOT_ALLOWED + 1}"
+    path.write_text(two_site_toml(tmp_sock_dir, extra=f'[cpus]\nmain = "{MAIN}"\nbulk = "{bad}"\n')["A"])
+    r = subprocess.run([sys.executable, "-m", "pdd_wire", "--site", "A", "--config", str(path), "--check"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "cpus.bulk" in r.stderr and f"CPUs {NOT_ALLOWED}-{NOT_ALLOWED + 1} are not among" in r.stderr
+    path.write_text(two_site_toml(tmp_sock_dir, extra=f'[cpus]\nmain = "{MAIN}"\nbulk = "{BULK}"\n')["A"])
+    r = subprocess.run([sys.executable, "-m", "pdd_wire", "--site", "A", "--config", str(path), "--check"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "config OK" in r.stdout, r.stdout + r.stderr
+
+
+def test_an_agent_that_cannot_place_its_threads_does_not_start(tmp_sock_dir):
+    """Started (no --check), it names the key and exits 1 before it listens."""
+    path = tmp_sock_dir / "A.toml"
+    path.write_text(two_site_toml(tmp_sock_dir, extra=f'[cpus]\nmain = "{NOT_ALLOWED}"\n')["A"])
+    r = subprocess.run([sys.executable, "-m", "pdd_wire", "--site", "A", "--config", str(path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "cannot start" in out and "cpus.main" in out and f"CPU {NOT_ALLOWED} is not among" in out
+    assert not (tmp_sock_dir / "A.sock").exists()
+
+
+def test_a_bulk_thread_that_cannot_be_placed_raises_and_ends():
+    loop = BulkLoop("pdd-bulk-x", frozenset({NOT_ALLOWED}))
+    with pytest.raises(OSError):
+        loop.start()
+    assert not loop._thread.is_alive()
+
+
+def _thread_cpus(pid: int) -> dict[str, set[str]]:
+    """``{comm: {Cpus_allowed_list, ...}}`` of ``pid``'s threads, the main thread as ``main``."""
+    out: dict[str, set[str]] = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+        except FileNotFoundError:
+            continue
+        cpus = next(line.split(":", 1)[1].strip() for line in status.splitlines()
+                    if line.startswith("Cpus_allowed_list"))
+        out.setdefault("main" if int(tid) == pid else comm, set()).add(cpus)
+    return out
+
+
+async def test_daemons_run_their_threads_where_cpus_puts_them_and_move_kv():
+    """Two pdd-wired processes with [cpus]: the kernel reports the event loop's thread on
+    ``main`` and every bulk thread on ``bulk`` (also after 64 MiB moved through them), and
+    /v1/status says the same."""
+    pair = AgentPair(bulk_threads=2, extra=f'[cpus]\nmain = "{MAIN}"\nbulk = "{BULK}"\n')
+    await pair.start()
+    try:
+        for s in "AB":
+            assert pair.status(s)["cpus"] == {"main": str(MAIN), "bulk": str(BULK)}
+        async with EngineClient(pair.sockets["A"], "place-A") as ea, EngineClient(pair.sockets["B"], "place-B") as eb:
+            size = 64 << 20
+            src, dst = SharedMemory(size), SharedMemory(size)
+            try:
+                src.buf[:] = os.urandom(size)
+                ra = await ea.register(src, block_bytes=1 << 20)
+                rb = await eb.register(dst, block_bytes=1 << 20)
+                await eb.post_recv("placed", [rb.blocks(0, 64)])
+                await ea.send_kv("placed", [ra.blocks(0, 64)], to=["B"])
+                assert isinstance(await eb.wait("placed", timeout=60), p.KvReceived)
+                assert isinstance(await ea.wait("placed", timeout=60), p.KvSent)
+                assert bytes(dst.buf) == bytes(src.buf)
+                await ea.deregister(ra)
+                await eb.deregister(rb)
+            finally:
+                src.close()
+                dst.close()
+        for s, proc in pair.procs.items():
+            threads = _thread_cpus(proc.pid)
+            assert threads["main"] == {str(MAIN)}, (s, threads)
+            assert threads["pdd-bulk-0"] == threads["pdd-bulk-1"] == {str(BULK)}, (s, threads)
+        code = "import sys; from pdd_wire.cli import tool_main; sys.exit(tool_main())"
+        r = subprocess.run([sys.executable, "-c", code, "status", "--admin", pair.admin["A"]],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and f"cpus: event loop {MAIN}, bulk threads {BULK}" in r.stdout, r.stdout + r.stderr
+        assert "threads placed" in (pair.dir / "agent-A.log").read_text()
+    finally:
+        pair.stop()
+
+
+async def test_an_agent_in_a_thread_of_its_own_gives_the_thread_its_cpus_back(tmp_sock_dir, engines):
+    """In-process (the adapters' way of running one), two agents placed on the test's thread:
+    placed while they run, a transfer moves, and the thread runs where it did before once both
+    have stopped, whichever stops first."""
+    before = os.sched_getaffinity(0)
+    for order in ((0, 1), (1, 0)):
+        tomls = two_site_toml(tmp_sock_dir, extra=f'[cpus]\nmain = "{MAIN}"\nbulk = "{BULK}"\n')
+        agents = [Agent(cfgmod.loads(tomls[s])) for s in "AB"]
+        try:
+            for a in agents:
+                await a.start()
+            assert os.sched_getaffinity(0) == {MAIN}
+            assert agents[0].describe()["cpus"] == {"main": str(MAIN), "bulk": str(BULK)}
+            ea, eb, src, dst, ra, rb = await engine_pair(engines, tmp_sock_dir, 8 << 20, 1 << 20)
+            await eb.post_recv(f"r{order}", [rb.blocks(0, 8)])
+            await ea.send_kv(f"r{order}", [ra.blocks(0, 8)], to=["B"])
+            assert isinstance(await eb.wait(f"r{order}", timeout=30), p.KvReceived)
+            assert bytes(dst.buf) == bytes(src.buf)
+            await engines.close()
+            engines.clients.clear()
+            engines.mems.clear()
+        finally:
+            for i in order:
+                await agents[i].shutdown(0)
+        assert os.sched_getaffinity(0) == before
+        await asyncio.sleep(0)
