@@ -141,6 +141,14 @@ class Agent:
             self.bulk_loops.append(bl)
         if main_cpus or bulk_cpus:
             self.log.info("threads placed", **self.cpus())
+        if bulk_cpus and cfg.transfer.bulk_threads > len(bulk_cpus):
+            # A bulk thread descheduled while it holds the GIL stops the event loop until it runs
+            # again (docs/operator.md, "CPU placement"): one core each keeps that from happening.
+            self.log.warning("more bulk threads than bulk CPUs: token frames may wait behind them",
+                             bulk_threads=cfg.transfer.bulk_threads, bulk_cpus=cfg.cpus.bulk)
+        if main_cpus & bulk_cpus:
+            self.log.warning("cpus.main and cpus.bulk share CPUs: the bulk threads take them from the event loop",
+                             shared=placement.format_cpus(main_cpus & bulk_cpus))
         self.wan_address = self.inbound.listen(*parse_hostport(cfg.listen.wan, "listen.wan"),
                                                ssl_server=self._ssl_server, bulk_tls=self._bulk_tls)
         uids = {os.getuid()} | ({cfg.listen.engine_uid} if cfg.listen.engine_uid is not None else set())

@@ -122,8 +122,8 @@ def _thread_cpus(pid: int) -> dict[str, set[str]]:
 
 async def test_daemons_run_their_threads_where_cpus_puts_them_and_move_kv():
     """Two pdd-wired processes with [cpus]: the kernel reports the event loop's thread on
-    ``main`` and every bulk thread on ``bulk`` (also after 64 MiB moved through them), and
-    /v1/status says the same."""
+    ``main`` and every bulk thread on ``bulk`` (also after 64 MiB moved through them),
+    /v1/status and ``pdd-wire status`` say the same, and the log says what is placed badly."""
     pair = AgentPair(bulk_threads=2, extra=f'[cpus]\nmain = "{MAIN}"\nbulk = "{BULK}"\n')
     await pair.start()
     try:
@@ -154,7 +154,11 @@ async def test_daemons_run_their_threads_where_cpus_puts_them_and_move_kv():
         r = subprocess.run([sys.executable, "-c", code, "status", "--admin", pair.admin["A"]],
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and f"cpus: event loop {MAIN}, bulk threads {BULK}" in r.stdout, r.stdout + r.stderr
-        assert "threads placed" in (pair.dir / "agent-A.log").read_text()
+        log = (pair.dir / "agent-A.log").read_text()
+        assert "threads placed" in log
+        # Two bulk threads on one CPU, said at start; main and bulk apart unless the host has one CPU.
+        assert "more bulk threads than bulk CPUs" in log
+        assert ("cpus.main and cpus.bulk share CPUs" in log) == (MAIN == BULK)
     finally:
         pair.stop()
 
@@ -185,3 +189,26 @@ async def test_an_agent_in_a_thread_of_its_own_gives_the_thread_its_cpus_back(tm
                 await agents[i].shutdown(0)
         assert os.sched_getaffinity(0) == before
         await asyncio.sleep(0)
+
+
+async def test_the_benchmarks_placed_token_figure_measures_placed_agents():
+    """``token_latency_under_load_p99_placed`` (scripts/bench --only latency, quick): its agents
+    run where [cpus] puts them (it checks /v1/status and refuses otherwise), its samples come from
+    under the transfers and from idle, and this process's CPUs are given back."""
+    from pdd_tools.bench import Figures
+    from pdd_tools.bench_goodput import placed_latency_figures
+
+    figs = Figures(as_json=False)
+    before = os.sched_getaffinity(0)
+    await placed_latency_figures(figs, True, 2.5, 7.0)
+    assert os.sched_getaffinity(0) == before
+    if len(ALLOWED) < 2:  # one CPU: nothing to place apart, no figure (said on stdout)
+        assert figs.rows == []
+        return
+    (row,) = figs.rows
+    assert row["figure"] == "token_latency_under_load_p99_placed" and row["unit"] == "ms"
+    assert row["value"] > 0 and row["baseline_value"] > 0 and row["ratio"] == pytest.approx(
+        row["value"] / row["baseline_value"], rel=0.01)
+    main, bulk = format_cpus(ALLOWED[:1]), format_cpus(ALLOWED[1:])
+    assert f'main = "{main}", bulk = "{bulk}"' in row["note"] and "100 samples" in row["note"]
+    assert "unplaced, in this run: 2.50 GB/s and 7.0x" in row["note"]

@@ -10,6 +10,8 @@ the same run:
   against the same on one CPU (``benchpipe ipc``): what each of a transfer's messages pays;
 * ``token_latency_under_load_p99``: token frames while 1 GiB transfers run, against idle samples
   taken between those transfers (so both see the same machine);
+* ``token_latency_under_load_p99_placed``: the same with two agents placed by ``[cpus]`` (the event
+  loops and the engines on one CPU, the bulk threads on the rest);
 * ``wake_latency_under_load_p99``: three processes that only wake one another
   (:mod:`~pdd_tools.wakeprobe`), during more such transfers, against the same idle token p99: a
   reference for what this host's scheduler alone does to three wake-ups under the agents'
@@ -30,6 +32,7 @@ from collections.abc import Callable
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine.client import EngineClient
 from pdd_wire.memory import SharedMemory
+from pdd_wire.placement import format_cpus
 from pdd_wire.stats import percentile
 
 from .benchpipe import bare_pipe, bare_pipe_goodput, ipc_round_trip, iperf3_goodput
@@ -348,6 +351,41 @@ async def goodput_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineCli
                      statistics.median(base.pipe), note="memfd to memfd, no framing or checksums (pdd_tools.benchpipe)")
 
 
+async def placed_latency_figures(figs, quick: bool, gbps: float, ratio: float) -> None:
+    """``token_latency_under_load_p99_placed``: the token figure again with two agents placed by
+    ``[cpus]`` (``main`` the first CPU this process may use, ``bulk`` the rest) and the engines'
+    process (this one) on the main CPU, so the token path's processes share no core with the
+    bulk threads; against idle samples of the same agents. ``gbps`` and ``ratio``: the unplaced
+    agents' transfers and token ratio in this run, for the note."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        print("# one CPU: token_latency_under_load_p99_placed needs two (cpus.main apart from cpus.bulk)")
+        return
+    main, bulk = format_cpus(cpus[:1]), format_cpus(cpus[1:])
+    before = os.sched_getaffinity(0)
+    async with AgentPair(extra=f'[cpus]\nmain = "{main}"\nbulk = "{bulk}"\n') as pair:
+        async with EngineClient(pair.sockets["A"], "bench-A") as ea, EngineClient(pair.sockets["B"], "bench-B") as eb:
+            placed = {s: pair.status(s)["cpus"] for s in "AB"}
+            if any(c != {"main": main, "bulk": bulk} for c in placed.values()):
+                raise RuntimeError(f"the agents did not run where [cpus] put them: {placed}")
+            os.sched_setaffinity(0, cpus[:1])  # the engines beside the main loops, off the bulk CPUs
+            try:
+                idle = await token_latency(ea, eb, 100 if quick else 300, "idle")
+                async with load_pools(ea, eb, 1 << 30) as pools:
+                    loaded, between, placed_gbps = await latency_under_load(ea, eb, pools, 100 if quick else 300,
+                                                                            25 if quick else 50)
+            finally:
+                os.sched_setaffinity(0, before)
+    idle += between
+    figs.add("token_latency_under_load_p99_placed", percentile(loaded, 99), "ms", "idle p99 (placed)",
+             percentile(idle, 99),
+             note=f"the token figure with both agents placed by [cpus] (main = \"{main}\", bulk = \"{bulk}\") and "
+                  f"the engines' process on CPU {main}: no bulk thread on the token path's cores; "
+                  f"{len(loaded)} samples during 1 GiB transfers at {placed_gbps:.2f} GB/s (unplaced, in this "
+                  f"run: {gbps:.2f} GB/s and {ratio:.1f}x), p50 {percentile(loaded, 50):.2f} ms; "
+                  f"idle: {len(idle)} samples")
+
+
 async def latency_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineClient, quick: bool) -> None:
     """Token latency idle and while 1 GiB transfers run, and the relay's bytes per token."""
     idle = await token_latency(ea, eb, 100 if quick else 300, "idle")
@@ -375,6 +413,7 @@ async def latency_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineCli
                   f"{percentile(under, 50):.2f} ms; with nothing running, just before, p99 "
                   f"{percentile(quiet, 99):.2f} ms ({len(quiet)} messages), so the transfers make it "
                   f"{percentile(under, 99) / percentile(quiet, 99):.0f}x slower")
+    await placed_latency_figures(figs, quick, gbps, percentile(loaded, 99) / percentile(idle, 99))
     foreign, pipe_gbps = await latency_under_bare_pipe(ea, eb, 2 if quick else 3, len(loaded))
     figs.add("token_latency_under_bare_pipe_p99", percentile(foreign, 99), "ms", "idle p99", percentile(idle, 99),
              note=f"the same token path while the bare pipe moves 4 MiB writes between two other processes "
