@@ -23,8 +23,9 @@ from ..errors import ErrorCode, ProtocolError
 from ..memory import BlockMap
 from ..transfer import InTransfer, State
 from ..transport.route import Route
-from ..wire import Flags, Frame, FrameType, Header
+from ..wire import Frame, FrameType, Header
 from ..wire import messages as m
+from ..wire.frame import F_CHECKSUM, F_LZ4
 from ..wire.handshake import MAX_CHUNK
 from .protocol import Landing, ReceiveLedger, Status, code_name
 
@@ -132,9 +133,9 @@ class InlineLanding:
 
     def sink(self, header: Header, body: bytes):
         """Where the chunk's payload goes (the frame reader checked: a KV_CHUNK, <= INLINE_MAX)."""
-        if not header.flags & Flags.PAYLOAD_CHECKSUM:
+        if not header.flags & F_CHECKSUM:
             raise ProtocolError("KV_CHUNK without its payload checksum (flag bit 0)", ErrorCode.MALFORMED_BODY)
-        if header.flags & Flags.LZ4:
+        if header.flags & F_LZ4:
             raise ProtocolError("an inline KV_CHUNK is never compressed (flag LZ4)", ErrorCode.MALFORMED_BODY)
         self._claim, self._invalid = None, False
         route = self.receiver.routes.get(header.transfer_id)

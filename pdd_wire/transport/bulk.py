@@ -20,7 +20,7 @@ from ..errors import ErrorCode, ProtocolError
 from ..memory import scatter
 from ..wire import FrameType, Lane, decode_body, encode, encode_body
 from ..wire import messages as m
-from ..wire.frame import DEFER, Flags, Frame, Header, payload_checksum
+from ..wire.frame import DEFER, F_CHECKSUM, F_LZ4, F_SHUFFLE16, Frame, Header, payload_checksum
 from ..wire.handshake import MAX_CHUNK
 from .route import Route
 from .tcp import FrameProtocol
@@ -70,7 +70,7 @@ def bulk_send(conn: FrameProtocol, tid: int, k: int, views, lz: Compression | No
         payload = cz.encode_chunk(data, shuffle=lz.shuffle)
         lz.est.feed(len(data), len(payload), time.perf_counter() - t0)
         if lz.on and len(payload) < len(data):
-            flags = Flags.LZ4 | (Flags.SHUFFLE16 if lz.shuffle else 0)
+            flags = F_LZ4 | (F_SHUFFLE16 if lz.shuffle else 0)
             lz.sent_compressed(len(data) - len(payload))
             conn.send(encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=tid, seq=k, payload=[payload],
                              flags=flags, xxh3=payload_checksum([data])))
@@ -109,7 +109,7 @@ class BulkHandler:
         if header.type != FrameType.KV_CHUNK:
             self._claim = None
             return None
-        if not header.flags & Flags.PAYLOAD_CHECKSUM:
+        if not header.flags & F_CHECKSUM:
             # Bytes nobody can verify must not be acknowledged into an engine's memory; there is
             # no setting that drops checksums on TCP, so this is a broken (or hostile) sender.
             raise ProtocolError("KV_CHUNK without its payload checksum (flag bit 0)", ErrorCode.MALFORMED_BODY)
@@ -143,7 +143,7 @@ class BulkHandler:
 
     def _land(self, route: Route, header: Header):
         """Where chunk ``header.seq`` of ``route``'s transfer lands (None: scratch)."""
-        if header.flags & Flags.LZ4:
+        if header.flags & F_LZ4:
             # The payload is smaller than the chunk: read it into scratch, decode it into the
             # claimed blocks when it is complete (_on_frame).
             n = route.chunk_len(header.seq)
@@ -168,7 +168,7 @@ class BulkHandler:
         assert self._lz is not None  # claimed in sink() for this frame
         views, n = self._lz
         self._lz = None
-        shuffle = bool(frame.header.flags & Flags.SHUFFLE16)
+        shuffle = bool(frame.header.flags & F_SHUFFLE16)
         try:
             if len(views) == 1:
                 cz.decode_chunk(frame.payload, views[0], shuffle=shuffle)
@@ -191,7 +191,7 @@ class BulkHandler:
                 return
             claim, self._claim = self._claim, None
             ok, nbytes = frame.payload_ok, h.payload_len
-            if h.flags & Flags.LZ4:
+            if h.flags & F_LZ4:
                 nbytes = self._lz[1] if self._lz is not None else h.payload_len
                 ok = self._decode_lz4(frame) if self._lz is not None else True
             if claim is not None:

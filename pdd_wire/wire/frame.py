@@ -77,6 +77,13 @@ class Flags(enum.IntFlag):
     SHUFFLE16 = 4  # with LZ4: the chunk was byte-shuffled as 16-bit elements before compression
 
 
+# The flags as plain ints, for the per-chunk paths: an IntFlag operation builds an enum member
+# (about 0.65 us each here, against 0.013 us on ints), paid under the GIL on the bulk threads.
+F_CHECKSUM = int(Flags.PAYLOAD_CHECKSUM)
+F_LZ4 = int(Flags.LZ4)
+F_SHUFFLE16 = int(Flags.SHUFFLE16)
+
+
 @dataclass(slots=True)
 class Header:
     type: int
@@ -127,10 +134,11 @@ def encode(type: int, body: bytes = b"", *, lane: int = Lane.CONTROL, transfer_i
     *before* compression, which the receiver checks after decoding it."""
     plen = sum(len(p) for p in payload)
     xx = 0
+    flags = int(flags)
     if plen and checksum:
-        flags |= Flags.PAYLOAD_CHECKSUM
+        flags |= F_CHECKSUM
         xx = payload_checksum(payload) if xxh3 is None else xxh3
-    h = Header(type=type, flags=int(flags), lane=lane, transfer_id=transfer_id, seq=seq,
+    h = Header(type=type, flags=flags, lane=lane, transfer_id=transfer_id, seq=seq,
                payload_len=plen, payload_xxh3=xx)
     return [encode_header(h, body) + body, *payload]
 
@@ -338,7 +346,7 @@ class FrameReader:
         self._segments = segs
         self._seg = 0
         # An lz4 payload's checksum covers the decoded chunk: the caller checks it after decoding.
-        self._hasher = xxhash.xxh3_64() if h.flags & Flags.PAYLOAD_CHECKSUM and not h.flags & Flags.LZ4 else None
+        self._hasher = xxhash.xxh3_64() if h.flags & F_CHECKSUM and not h.flags & F_LZ4 else None
         self._state = self._PAYLOAD
 
     def _finish(self, *, payload_done: bool) -> Frame:
