@@ -22,6 +22,7 @@ memory, stop.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import os
 import random
@@ -79,7 +80,7 @@ class Agent:
         # (proto/handshake.md §5: TLS on loopback bulk cost 3x of the goodput here).
         self._bulk_tls = config.tls.mode == "files"
         self.bulk_loops: list[BulkLoop] = []
-        self._cpus_before: frozenset[int] | None = None  # the event loop thread's CPUs before cpus.main
+        self._pinned = False  # the event loop's thread placed on cpus.main (placement.pin_main)
         self.gate = Gate()
         self.peers = Peers()
         self.sessions = self.peers.by_key  # "site/node" -> PeerSession
@@ -117,12 +118,19 @@ class Agent:
     # ------------------------------------------------------------------ start and stop
     async def start(self) -> None:
         cfg = self.config
-        # 0. the event loop's thread on cpus.main, first: the threads it starts inherit it
+        # 0. the event loop's thread on cpus.main; the threads that carry KV work (bulk, page-in,
+        #    the default executor's copies) on cpus.bulk, else where the process was started
         main_cpus, bulk_cpus = cfg.cpus.main_set, cfg.cpus.bulk_set
         placement.check_allowed(main_cpus, "cpus.main")
         placement.check_allowed(bulk_cpus, "cpus.bulk")
+        work = bulk_cpus or (placement.allowed() if main_cpus else frozenset())
+        self.requests.work_cpus = work
         if main_cpus:
-            self._cpus_before = placement.pin_this_thread(main_cpus)
+            placement.pin_main(main_cpus, "cpus.main")
+            self._pinned = True
+            # Made lazily from this thread, its workers (the UCX path's staging copies) would inherit cpus.main.
+            asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
+                thread_name_prefix="pdd-work", initializer=placement.pin_quietly, initargs=(work,)))
         self.pki = tls_files(cfg)  # may generate the deployment PKI (ConfigError: unusable directory)
         if self.pki is not None:
             self._ssl_server = server_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
@@ -132,11 +140,11 @@ class Agent:
         # 1. bulk threads, then every listener (a failure here leaves nothing serving: the caller
         #    runs shutdown(), which stops whatever did start)
         for i in range(cfg.transfer.bulk_threads):
-            bl = BulkLoop(f"pdd-bulk-{i}", bulk_cpus)
+            bl = BulkLoop(f"pdd-bulk-{i}", work)
             try:
                 bl.start()
             except OSError as exc:
-                raise ConfigError("cpus.bulk", f"bulk thread {i} cannot run on CPUs {cfg.cpus.bulk}: "
+                raise ConfigError("cpus.bulk", f"bulk thread {i} cannot run on CPUs {placement.format_cpus(work)}: "
                                                f"{exc.strerror}") from None
             self.bulk_loops.append(bl)
         if main_cpus or bulk_cpus:
@@ -146,6 +154,9 @@ class Agent:
             # again (docs/operator.md, "CPU placement"): one core each keeps that from happening.
             self.log.warning("more bulk threads than bulk CPUs: token frames may wait behind them",
                              bulk_threads=cfg.transfer.bulk_threads, bulk_cpus=cfg.cpus.bulk)
+        if main_cpus and not bulk_cpus:
+            self.log.warning("cpus.main without cpus.bulk: the bulk threads may run on the event loop's CPUs too",
+                             bulk_cpus=placement.format_cpus(work))
         if main_cpus & bulk_cpus:
             self.log.warning("cpus.main and cpus.bulk share CPUs: the bulk threads take them from the event loop",
                              shared=placement.format_cpus(main_cpus & bulk_cpus))
@@ -242,12 +253,9 @@ class Agent:
             await self.admin.stop()
         for bl in self.bulk_loops:
             await asyncio.to_thread(bl.stop)
-        if self._cpus_before is not None:
-            # An agent run in another program's thread gives it back, unless someone placed it
-            # since (a second agent in the same thread: the last to stop restores the first's).
-            if placement.this_thread() == self.config.cpus.main_set:
-                placement.pin_this_thread(self._cpus_before)
-            self._cpus_before = None
+        if self._pinned:  # an agent run in-process gives its thread back (the last of those sharing it)
+            placement.unpin_main()
+            self._pinned = False
         self._unwatch_loop()
         self.log.info("stopped")
 

@@ -45,6 +45,7 @@ class EngineRequests:
         self.engines: EngineServer | None = None  # set once the socket exists
         self.regions: dict[int, HostRegion] = {}
         self._region_ids = itertools.count(1)
+        self.work_cpus: frozenset[int] = frozenset()  # where page-in threads run (the agent's cpus.bulk)
 
     #: The requests answered without waiting for anything (:meth:`handle_now`): the engine
     #: socket answers them as soon as it reads them, when none of the engine's requests is ahead.
@@ -152,7 +153,8 @@ class EngineRequests:
             raise
         rid = next(self._region_ids)
         region = await register_async(HostRegion(rid, fd, msg.size, msg.block_bytes, owner=ec),  # closes fd
-                                      lambda: ec.closed or self.gate.closed)  # paged in off the loop
+                                      lambda: ec.closed or self.gate.closed,  # paged in off the loop
+                                      cpus=self.work_cpus)
         ec.regions[rid] = region
         self.regions[rid] = region
         self.metrics.regions.set(len(self.regions))

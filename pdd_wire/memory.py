@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import EngineRequestError, ErrorCode
+from .placement import pin_quietly
 
 HOST_FD = "host-fd"
 KINDS = (HOST_FD,)
@@ -157,10 +158,11 @@ class HostRegion(Region):
         finally:
             del anchor
 
-    async def populate_async(self) -> bool:
-        """:meth:`populate` on a thread of its own: the event loop keeps serving meanwhile. Not
-        niced: inside madvise the thread holds the mm lock the main thread's mmap() waits for, so
-        a low priority would let a busy host park the lock holder (priority inversion)."""
+    async def populate_async(self, cpus: frozenset[int] = frozenset()) -> bool:
+        """:meth:`populate` on a thread of its own, placed on ``cpus`` when given (the agent's
+        ``cpus.bulk``): the event loop keeps serving meanwhile. Not niced: inside madvise the
+        thread holds the mm lock the main thread's mmap() waits for, so a low priority would let a
+        busy host park the lock holder (priority inversion)."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -171,6 +173,7 @@ class HostRegion(Region):
         def run() -> None:
             result: object
             fn: Callable[[Any], None]
+            pin_quietly(cpus)
             try:
                 result, fn = self.populate(), done.set_result
             except BaseException as exc:
@@ -196,12 +199,13 @@ class HostRegion(Region):
         self._map = None
 
 
-async def register_async(region: HostRegion, abandoned) -> HostRegion:
-    """Page ``region`` in on a worker thread while the event loop keeps serving (heartbeats,
-    tokens, other engines' transfers); the register request answers when it is done. Closed,
-    and refused, if ``abandoned()`` says its engine or the agent went away meanwhile."""
+async def register_async(region: HostRegion, abandoned, *, cpus: frozenset[int] = frozenset()) -> HostRegion:
+    """Page ``region`` in on a worker thread (on ``cpus``, when given) while the event loop keeps
+    serving (heartbeats, tokens, other engines' transfers); the register request answers when it
+    is done. Closed, and refused, if ``abandoned()`` says its engine or the agent went away
+    meanwhile."""
     try:
-        await region.populate_async()
+        await region.populate_async(cpus)
         if abandoned():
             raise EngineRequestError("the engine or the agent went away while its region was paged in",
                                      ErrorCode.SHUTTING_DOWN)

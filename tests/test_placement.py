@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
 from conftest import engine_pair
 from pdd_tools.harness import AgentPair
 from pdd_wire import config as cfgmod
+from pdd_wire import placement
 from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine.client import EngineClient
@@ -27,6 +29,8 @@ from support.agents import two_site_toml
 ALLOWED = sorted(os.sched_getaffinity(0))
 MAIN, BULK = ALLOWED[0], ALLOWED[-1]  # one CPU each where there are two (the same one otherwise)
 NOT_ALLOWED = ALLOWED[-1] + 1  # a CPU number this process may not use (online or not)
+# A CPU the kernel cannot have: past every possible one (the kernel refuses it, whatever the mask).
+NOT_POSSIBLE = max(parse_cpus(Path("/sys/devices/system/cpu/possible").read_text(), "possible")) + 1
 
 
 @pytest.mark.parametrize(("text", "cpus"), [
@@ -41,6 +45,8 @@ def test_cpulists_parse_as_taskset_writes_them(text, cpus):
     ("a", "'a' is not a CPU number"), ("1-", "'1-' is not a CPU number"), ("-1", "'-1' is not a CPU number"),
     ("3-1", "range '3-1' ends before it starts"), ("0,,1", "'' is not a CPU number"),
     ("8192", "CPU 8192 is beyond 8191"), ("1-0x3", "is not a CPU number"), ("1 -2", "is not a CPU number"),
+    ("+1", "'+1' is not a CPU number"), ("1_0", "'1_0' is not a CPU number"), ("\u0663", "is not a CPU number"),
+    (",".join(["0-8191"] * 700), "characters: a cpulist is at most 4096"),
 ])
 def test_bad_cpulists_name_the_key_and_the_part(text, says):
     with pytest.raises(ConfigError) as e:
@@ -99,10 +105,13 @@ def test_an_agent_that_cannot_place_its_threads_does_not_start(tmp_sock_dir):
 
 
 def test_a_bulk_thread_that_cannot_be_placed_raises_and_ends():
-    loop = BulkLoop("pdd-bulk-x", frozenset({NOT_ALLOWED}))
-    with pytest.raises(OSError):
-        loop.start()
-    assert not loop._thread.is_alive()
+    loop = BulkLoop("pdd-bulk-x", frozenset({NOT_POSSIBLE}))
+    try:
+        with pytest.raises(OSError):
+            loop.start()
+        assert not loop._thread.is_alive()
+    finally:
+        loop.stop()
 
 
 def _thread_cpus(pid: int) -> dict[str, set[str]]:
@@ -124,9 +133,7 @@ async def test_daemons_run_their_threads_where_cpus_puts_them_and_move_kv():
     """Two pdd-wired processes with [cpus]: the kernel reports the event loop's thread on
     ``main`` and every bulk thread on ``bulk`` (also after 64 MiB moved through them),
     /v1/status and ``pdd-wire status`` say the same, and the log says what is placed badly."""
-    pair = AgentPair(bulk_threads=2, extra=f'[cpus]\nmain = "{MAIN}"\nbulk = "{BULK}"\n')
-    await pair.start()
-    try:
+    async with AgentPair(bulk_threads=2, extra=f'[cpus]\nmain = "{MAIN}"\nbulk = "{BULK}"\n') as pair:
         for s in "AB":
             assert pair.status(s)["cpus"] == {"main": str(MAIN), "bulk": str(BULK)}
         async with EngineClient(pair.sockets["A"], "place-A") as ea, EngineClient(pair.sockets["B"], "place-B") as eb:
@@ -159,23 +166,29 @@ async def test_daemons_run_their_threads_where_cpus_puts_them_and_move_kv():
         # Two bulk threads on one CPU, said at start; main and bulk apart unless the host has one CPU.
         assert "more bulk threads than bulk CPUs" in log
         assert ("cpus.main and cpus.bulk share CPUs" in log) == (MAIN == BULK)
-    finally:
-        pair.stop()
 
 
-async def test_an_agent_in_a_thread_of_its_own_gives_the_thread_its_cpus_back(tmp_sock_dir, engines):
-    """In-process (the adapters' way of running one), two agents placed on the test's thread:
-    placed while they run, a transfer moves, and the thread runs where it did before once both
-    have stopped, whichever stops first."""
+async def test_agents_sharing_a_thread_share_its_placement_and_the_last_to_stop_gives_it_back(
+        tmp_sock_dir, engines):
+    """In-process (as the tests run agents), two agents on the test's thread: the thread runs on
+    cpus.main from the first start to the last stop, whichever stops first; the default
+    executor's workers run on cpus.bulk; a transfer moves; a placement that differs from the one
+    the thread has is refused, naming the key."""
     before = os.sched_getaffinity(0)
     for order in ((0, 1), (1, 0)):
         tomls = two_site_toml(tmp_sock_dir, extra=f'[cpus]\nmain = "{MAIN}"\nbulk = "{BULK}"\n')
         agents = [Agent(cfgmod.loads(tomls[s])) for s in "AB"]
+        running: list[Agent] = []
         try:
             for a in agents:
                 await a.start()
+                running.append(a)
             assert os.sched_getaffinity(0) == {MAIN}
             assert agents[0].describe()["cpus"] == {"main": str(MAIN), "bulk": str(BULK)}
+            assert await asyncio.to_thread(placement.this_thread) == {BULK}
+            with pytest.raises(ConfigError) as e:
+                placement.pin_main(frozenset({NOT_POSSIBLE}), "cpus.main")
+            assert e.value.key == "cpus.main" and f"another agent of this thread runs it on CPUs {MAIN}" in str(e.value)
             ea, eb, src, dst, ra, rb = await engine_pair(engines, tmp_sock_dir, 8 << 20, 1 << 20)
             await eb.post_recv(f"r{order}", [rb.blocks(0, 8)])
             await ea.send_kv(f"r{order}", [ra.blocks(0, 8)], to=["B"])
@@ -184,11 +197,32 @@ async def test_an_agent_in_a_thread_of_its_own_gives_the_thread_its_cpus_back(tm
             await engines.close()
             engines.clients.clear()
             engines.mems.clear()
+            first, second = agents[order[0]], agents[order[1]]
+            await first.shutdown(0)
+            running.remove(first)
+            assert os.sched_getaffinity(0) == {MAIN}  # the other agent still runs on this thread
+            assert second.describe()["cpus"]["main"] == str(MAIN)
         finally:
-            for i in order:
-                await agents[i].shutdown(0)
+            for a in running:
+                await a.shutdown(0)
         assert os.sched_getaffinity(0) == before
-        await asyncio.sleep(0)
+
+
+async def test_main_without_bulk_keeps_the_bulk_threads_off_it_and_says_so(tmp_sock_dir):
+    """cpus.main alone: the bulk threads (and the default executor's workers) run on the CPUs the
+    process was started on, not on main's, which they would inherit; the agent warns."""
+    a = Agent(cfgmod.loads(two_site_toml(tmp_sock_dir, extra=f'[cpus]\nmain = "{MAIN}"\n')["A"]))
+    with capture_logs() as logs:
+        await a.start()
+    try:
+        assert os.sched_getaffinity(0) == {MAIN}
+        assert a.describe()["cpus"] == {"main": str(MAIN), "bulk": format_cpus(ALLOWED)}
+        assert await asyncio.to_thread(placement.this_thread) == set(ALLOWED)
+        assert any(r["event"].startswith("cpus.main without cpus.bulk") and r["log_level"] == "warning"
+                   for r in logs), logs
+    finally:
+        await a.shutdown(0)
+    assert os.sched_getaffinity(0) == set(ALLOWED)
 
 
 async def test_the_benchmarks_placed_token_figure_measures_placed_agents():
