@@ -81,6 +81,8 @@ class Agent:
         self._bulk_tls = config.tls.mode == "files"
         self.bulk_loops: list[BulkLoop] = []
         self._pinned = False  # the event loop's thread placed on cpus.main (placement.pin_main)
+        # Copies off the loop (the UCX path's staging) on the KV work's CPUs; None: the loop's default.
+        self.work_executor: concurrent.futures.ThreadPoolExecutor | None = None
         self.gate = Gate()
         self.peers = Peers()
         self.sessions = self.peers.by_key  # "site/node" -> PeerSession
@@ -123,14 +125,16 @@ class Agent:
         main_cpus, bulk_cpus = cfg.cpus.main_set, cfg.cpus.bulk_set
         placement.check_allowed(main_cpus, "cpus.main")
         placement.check_allowed(bulk_cpus, "cpus.bulk")
-        work = bulk_cpus or (placement.allowed() if main_cpus else frozenset())
+        # (threads inherit their creator's CPUs: with the loop's thread placed, by this agent or by
+        # another sharing it in-process, they must be placed explicitly)
+        work = bulk_cpus or (placement.allowed() if main_cpus or placement.pinned_here() else frozenset())
         self.requests.work_cpus = work
         if main_cpus:
             placement.pin_main(main_cpus, "cpus.main")
             self._pinned = True
-            # Made lazily from this thread, its workers (the UCX path's staging copies) would inherit cpus.main.
-            asyncio.get_running_loop().set_default_executor(concurrent.futures.ThreadPoolExecutor(
-                thread_name_prefix="pdd-work", initializer=placement.pin_quietly, initargs=(work,)))
+        if work:
+            self.work_executor = concurrent.futures.ThreadPoolExecutor(
+                thread_name_prefix="pdd-work", initializer=placement.pin_quietly, initargs=(work,))
         self.pki = tls_files(cfg)  # may generate the deployment PKI (ConfigError: unusable directory)
         if self.pki is not None:
             self._ssl_server = server_tls_context(self.pki.cert, self.pki.key, self.pki.ca)
@@ -144,8 +148,9 @@ class Agent:
             try:
                 bl.start()
             except OSError as exc:
-                raise ConfigError("cpus.bulk", f"bulk thread {i} cannot run on CPUs {placement.format_cpus(work)}: "
-                                               f"{exc.strerror}") from None
+                where = "" if bulk_cpus else " (where the process was started: cpus.bulk is unset)"
+                raise ConfigError("cpus.bulk", f"bulk thread {i} cannot run on CPUs {placement.format_cpus(work)}"
+                                               f"{where}: {exc.strerror}") from None
             self.bulk_loops.append(bl)
         if main_cpus or bulk_cpus:
             self.log.info("threads placed", **self.cpus())
@@ -214,6 +219,17 @@ class Agent:
         if self.stopping:
             return
         self.gate.closed = True
+        try:
+            await self._shutdown(grace_s)
+        finally:  # also when a step failed: the thread's placement and the workers go with the agent
+            if self.work_executor is not None:
+                self.work_executor.shutdown(wait=False)
+                self.work_executor = None
+            if self._pinned:  # an agent run in-process gives its thread back (the last of those sharing it)
+                placement.unpin_main()
+                self._pinned = False
+
+    async def _shutdown(self, grace_s: float | None) -> None:
         grace = self.config.timeouts.shutdown_grace_s if grace_s is None else grace_s
         systemd.notify_stopping()
         self.log.info("shutting down", open_transfers=self.open_transfers(), grace_s=grace)
@@ -253,9 +269,6 @@ class Agent:
             await self.admin.stop()
         for bl in self.bulk_loops:
             await asyncio.to_thread(bl.stop)
-        if self._pinned:  # an agent run in-process gives its thread back (the last of those sharing it)
-            placement.unpin_main()
-            self._pinned = False
         self._unwatch_loop()
         self.log.info("stopped")
 

@@ -9,8 +9,8 @@ of ``cpus.main`` (and of the engines), so a token finds its core free.
 Each set is applied with ``sched_setaffinity`` to one thread (on Linux a thread's own mask):
 ``main`` by the event loop's thread when the agent starts (:func:`pin_main`), ``bulk`` by each
 bulk thread as it starts. Threads the agent starts for other KV work (memory registration's
-page-in, the loop's default executor: UCX staging copies) run on the bulk set, or on the CPUs
-the process was started on when there is none, not on ``main``. A set must lie within the CPUs
+page-in, the agent's executor for the UCX path's staging copies) run on the bulk set, or on the
+CPUs the process was started on when there is none, not on ``main``. A set must lie within the CPUs
 the process was started on (``taskset``, systemd's ``CPUAffinity=``, a cgroup's cpuset):
 :func:`check_allowed` says which do not.
 """
@@ -35,9 +35,9 @@ _PART = re.compile(r"([0-9]+)(?:-([0-9]+))?", re.ASCII)
 #: when this module is first imported, before any thread is placed.
 _STARTED_ON = frozenset(os.sched_getaffinity(0))
 
-# Threads placed by pin_main: ident -> [mask before, the set, agents holding it].
-_pins: dict[int, list] = {}
-_pins_lock = threading.Lock()
+# The calling thread's pin_main record: [mask before, the set, agents holding it]. Thread-local:
+# it ends with its thread (a thread id is reused once its thread has ended).
+_local = threading.local()
 
 
 def parse_cpus(text: str, key: str) -> frozenset[int]:
@@ -121,36 +121,38 @@ def pin_main(cpus: frozenset[int], key: str) -> None:
     (run in-process, as the tests do) must agree on it; the thread gets its CPUs back when the
     last of them calls :func:`unpin_main`. :class:`ConfigError` on ``key`` otherwise, or when the
     kernel refuses the set."""
-    ident = threading.get_ident()
-    with _pins_lock:
-        rec = _pins.get(ident)
-        if rec is not None:
-            if rec[1] != cpus:
-                raise ConfigError(key, f"another agent of this thread runs it on CPUs {format_cpus(rec[1])}: "
-                                       "agents sharing a thread share its placement")
-            rec[2] += 1
-            return
-        before = this_thread()
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError as exc:
-            raise ConfigError(key, f"the event loop cannot run on CPUs {format_cpus(cpus)}: {exc.strerror}") from None
-        _pins[ident] = [before, cpus, 1]
+    rec = getattr(_local, "pin", None)
+    if rec is not None:
+        if rec[1] != cpus:
+            raise ConfigError(key, f"another agent of this thread runs it on CPUs {format_cpus(rec[1])}: "
+                                   "agents sharing a thread share its placement")
+        rec[2] += 1
+        return
+    before = this_thread()
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:
+        raise ConfigError(key, f"the event loop cannot run on CPUs {format_cpus(cpus)}: {exc.strerror}") from None
+    _local.pin = [before, cpus, 1]
 
 
 def unpin_main() -> None:
     """One agent of the calling thread is done with :func:`pin_main`'s placement; the last one
-    gives the thread the CPUs it had before the first."""
-    ident = threading.get_ident()
-    with _pins_lock:
-        rec = _pins.get(ident)
-        if rec is None:
-            return
-        rec[2] -= 1
-        if rec[2] > 0:
-            return
-        del _pins[ident]
-        try:
-            os.sched_setaffinity(0, rec[0])
-        except OSError:  # a CPU it had went offline meanwhile: it keeps the agent's set
-            pass
+    gives the thread the CPUs it had before the first. Called from the thread pin_main placed."""
+    rec = getattr(_local, "pin", None)
+    if rec is None:
+        return
+    rec[2] -= 1
+    if rec[2] > 0:
+        return
+    _local.pin = None
+    try:
+        os.sched_setaffinity(0, rec[0])
+    except OSError:  # a CPU it had went offline meanwhile: it keeps the agent's set
+        pass
+
+
+def pinned_here() -> bool:
+    """Whether an agent has placed the calling thread (:func:`pin_main`): threads it starts would
+    inherit that placement."""
+    return getattr(_local, "pin", None) is not None

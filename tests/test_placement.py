@@ -8,6 +8,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine.client import EngineClient
 from pdd_wire.errors import ConfigError
-from pdd_wire.memory import SharedMemory
+from pdd_wire.memory import HostRegion, SharedMemory, register_async
 from pdd_wire.placement import check_allowed, format_cpus, parse_cpus
 from pdd_wire.transport.tcp import BulkLoop
 from support.agents import two_site_toml
@@ -181,11 +182,12 @@ async def test_agents_sharing_a_thread_share_its_placement_and_the_last_to_stop_
         running: list[Agent] = []
         try:
             for a in agents:
-                await a.start()
                 running.append(a)
+                await a.start()
             assert os.sched_getaffinity(0) == {MAIN}
             assert agents[0].describe()["cpus"] == {"main": str(MAIN), "bulk": str(BULK)}
-            assert await asyncio.to_thread(placement.this_thread) == {BULK}
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(agents[0].work_executor, placement.this_thread) == {BULK}
             with pytest.raises(ConfigError) as e:
                 placement.pin_main(frozenset({NOT_POSSIBLE}), "cpus.main")
             assert e.value.key == "cpus.main" and f"another agent of this thread runs it on CPUs {MAIN}" in str(e.value)
@@ -212,12 +214,12 @@ async def test_main_without_bulk_keeps_the_bulk_threads_off_it_and_says_so(tmp_s
     """cpus.main alone: the bulk threads (and the default executor's workers) run on the CPUs the
     process was started on, not on main's, which they would inherit; the agent warns."""
     a = Agent(cfgmod.loads(two_site_toml(tmp_sock_dir, extra=f'[cpus]\nmain = "{MAIN}"\n')["A"]))
-    with capture_logs() as logs:
-        await a.start()
     try:
+        with capture_logs() as logs:
+            await a.start()
         assert os.sched_getaffinity(0) == {MAIN}
         assert a.describe()["cpus"] == {"main": str(MAIN), "bulk": format_cpus(ALLOWED)}
-        assert await asyncio.to_thread(placement.this_thread) == set(ALLOWED)
+        assert await asyncio.get_running_loop().run_in_executor(a.work_executor, placement.this_thread) == set(ALLOWED)
         assert any(r["event"].startswith("cpus.main without cpus.bulk") and r["log_level"] == "warning"
                    for r in logs), logs
     finally:
@@ -246,3 +248,83 @@ async def test_the_benchmarks_placed_token_figure_measures_placed_agents():
     main, bulk = format_cpus(ALLOWED[:1]), format_cpus(ALLOWED[1:])
     assert f'main = "{main}", bulk = "{bulk}"' in row["note"] and "100 samples" in row["note"]
     assert "unplaced, in this run: 2.50 GB/s and 7.0x" in row["note"]
+
+
+async def test_bulk_without_main_places_the_kv_work_and_leaves_the_loop_where_it_was(tmp_sock_dir):
+    """cpus.bulk alone: bulk threads and the agent's workers on it, the event loop's thread as it was."""
+    a = Agent(cfgmod.loads(two_site_toml(tmp_sock_dir, extra=f'[cpus]\nbulk = "{BULK}"\n')["A"]))
+    try:
+        await a.start()
+        assert os.sched_getaffinity(0) == set(ALLOWED) and not placement.pinned_here()
+        assert a.describe()["cpus"] == {"main": format_cpus(ALLOWED), "bulk": str(BULK)}
+        assert await asyncio.get_running_loop().run_in_executor(a.work_executor, placement.this_thread) == {BULK}
+    finally:
+        await a.shutdown(0)
+    assert a.work_executor is None
+
+
+async def test_an_unplaced_agent_on_a_placed_thread_keeps_its_bulk_threads_off_it(tmp_sock_dir):
+    """In-process, an agent without [cpus] started on a thread another agent placed: its bulk
+    threads run where the process was started, not on the CPUs they would inherit."""
+    tomls = two_site_toml(tmp_sock_dir, extra="")
+    placed = Agent(cfgmod.loads(tomls["A"].replace("[timeouts]", f'[cpus]\nmain = "{MAIN}"\n[timeouts]')))
+    plain = Agent(cfgmod.loads(tomls["B"]))
+    running: list[Agent] = []
+    try:
+        for a in (placed, plain):
+            running.append(a)
+            await a.start()
+        assert plain.describe()["cpus"] == {"main": str(MAIN), "bulk": format_cpus(ALLOWED)}
+    finally:
+        for a in running:
+            await a.shutdown(0)
+    assert os.sched_getaffinity(0) == set(ALLOWED)
+
+
+def test_a_loop_the_kernel_cannot_place_is_refused_on_cpus_main():
+    """The kernel's refusal (a CPU past every possible one) names the key; the thread is as it was."""
+    got: list = []
+
+    def run() -> None:
+        try:
+            placement.pin_main(frozenset({NOT_POSSIBLE}), "cpus.main")
+        except ConfigError as exc:
+            got.append(exc)
+        got.append((placement.pinned_here(), placement.this_thread()))
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    exc, (pinned, cpus) = got
+    assert exc.key == "cpus.main" and f"the event loop cannot run on CPUs {NOT_POSSIBLE}" in str(exc)
+    assert not pinned and cpus == set(ALLOWED)
+
+
+async def test_page_in_threads_run_on_the_work_cpus():
+    """Memory registration pages a region in on a thread of its own, placed on the CPUs given
+    (the agent's cpus.bulk); the region is then mapped and paged in."""
+    seen: list[frozenset[int]] = []
+
+    class Watched(HostRegion):
+        def populate(self, *args, **kw) -> bool:
+            seen.append(placement.this_thread())
+            return super().populate(*args, **kw)
+
+    shm = SharedMemory(8 << 20)
+    try:
+        region = await register_async(Watched(1, os.dup(shm.fd), 8 << 20, 1 << 20, owner=None), lambda: False,
+                                      cpus=frozenset({BULK}))
+        try:
+            assert seen == [{BULK}]
+            assert len(region.view()) == 8 << 20
+        finally:
+            region.close()
+    finally:
+        shm.close()
+
+
+@pytest.fixture(autouse=True)
+def _thread_left_as_found():
+    """No test here leaves the pytest thread placed (or an agent's placement record behind)."""
+    yield
+    assert not placement.pinned_here() and os.sched_getaffinity(0) == set(ALLOWED)

@@ -97,7 +97,7 @@ class PeerSession:
             name=self.key, host=host_, port=port, server_name=server_name, site=self.cfg.site, node=self.cfg.node,
             dialer=self.dialer, connect_s=to.connect_s, handshake_s=to.handshake_s,
             backoff_max_s=to.reconnect_max_backoff_s, ucx_chunk_bytes=self.cfg.transfer.ucx_chunk_bytes,
-            ssl_client=lambda: host.ssl_client(bulk=True),
+            ssl_client=lambda: host.ssl_client(bulk=True), executor=host.work_executor,
             bulk_loop=lambda n: host.bulk_loop(self.index * self.configured_streams + n),
             remote_token=lambda: self.remote_token,
             on_streams=lambda n: self.metrics.bulk_streams.labels(peer=self.key).set(n), log=self.log))

@@ -41,6 +41,7 @@ class PathSettings:
     bulk_loop: Callable[[int], BulkLoop]  # the bulk thread for stream n
     remote_token: Callable[[], int]  # the token the peer's WELCOME gave (dialer)
     on_streams: Callable[[int], None] = lambda n: None  # bulk connections up (a gauge)
+    executor: Any = None  # where copies off the loop run (a concurrent.futures.Executor; None: the loop's default)
     log: Any = None
 
 

@@ -116,7 +116,7 @@ class UcxDataPath(DataPath):
             self._spawn(self._gather_send(tid, k, views))
 
     async def _gather_send(self, tid: int, k: int, views: list[memoryview]) -> None:
-        self._start_send(tid, k, await asyncio.to_thread(b"".join, views))
+        self._start_send(tid, k, await self.main.run_in_executor(self.settings.executor, b"".join, views))
 
     def _start_send(self, tid: int, k: int, buf: Any) -> None:
         def done(exc: BaseException | None) -> None:
@@ -167,7 +167,7 @@ class UcxDataPath(DataPath):
 
     async def _scatter(self, tid: int, route: Route, k: int, n: int, staging: bytearray,
                        views: list[memoryview]) -> None:
-        work = asyncio.ensure_future(asyncio.to_thread(scatter, staging, views))
+        work = asyncio.ensure_future(self.main.run_in_executor(self.settings.executor, scatter, staging, views))
         try:
             await asyncio.shield(work)
         except BaseException:
