@@ -121,7 +121,7 @@ class Agent:
     async def start(self) -> None:
         cfg = self.config
         # 0. the event loop's thread on cpus.main; the threads that carry KV work (bulk, page-in,
-        #    the default executor's copies) on cpus.bulk, else where the process was started
+        #    the worker pool's copies) on cpus.bulk, else where the process was started
         main_cpus, bulk_cpus = cfg.cpus.main_set, cfg.cpus.bulk_set
         placement.check_allowed(main_cpus, "cpus.main")
         placement.check_allowed(bulk_cpus, "cpus.bulk")

@@ -129,10 +129,10 @@ class Tls(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True)
 
 class Cpus(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
     """Which CPUs the agent's threads run on (pdd_wire.placement), Linux cpulists such as "0-3,8";
-    "" = wherever the process may run (no placement)."""
+    "" = no placement (bulk, with main set: the CPUs the process was started on)."""
 
     main: str = ""  # the event loop's thread: token, control and engine frames
-    bulk: str = ""  # the bulk threads (transfer.bulk_threads): the KV bytes on TCP
+    bulk: str = ""  # the bulk threads (transfer.bulk_threads) and the other KV work: page-in, copies
 
     @property
     def main_set(self) -> frozenset[int]:

@@ -197,8 +197,16 @@ class VllmServer:
     async def metrics(self, http: aiohttp.ClientSession) -> dict[str, float]:
         """vLLM's Prometheus samples: ``name`` -> the sum over its label sets, and
         ``name{label="value"}`` -> the sum over the label sets that have that one label."""
-        async with http.get(f"{self.url}/metrics") as r:
-            text = await r.text()
+        for attempt in (1, 2):
+            try:
+                async with http.get(f"{self.url}/metrics") as r:
+                    text = await r.text()
+                break
+            except aiohttp.ServerDisconnectedError:
+                # A kept-alive connection the server closed (its keep-alive timeout) just as it was
+                # reused: a GET of the metrics is safe to send again, on a new connection.
+                if attempt == 2:
+                    raise
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("#") or " " not in line:
