@@ -17,6 +17,7 @@ the process was started on (``taskset``, systemd's ``CPUAffinity=``, a cgroup's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import threading
@@ -67,18 +68,13 @@ def parse_cpus(text: str, key: str) -> frozenset[int]:
 
 def format_cpus(cpus: Iterable[int]) -> str:
     """The cpulist of ``cpus``, ranges folded: ``{0, 1, 2, 8}`` -> ``"0-2,8"``."""
-    parts: list[str] = []
-    run: list[int] = []
+    runs: list[list[int]] = []  # [first, last] of each run of consecutive CPUs
     for c in sorted(cpus):
-        if run and c == run[-1] + 1:
-            run.append(c)
-            continue
-        if run:
-            parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-        run = [c]
-    if run:
-        parts.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
-    return ",".join(parts)
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def allowed() -> frozenset[int]:
@@ -96,19 +92,12 @@ def check_allowed(cpus: frozenset[int], key: str) -> None:
                                f"see taskset, systemd's CPUAffinity= or the cgroup's cpuset)")
 
 
-def pin_this_thread(cpus: frozenset[int]) -> None:
-    """Run the calling thread on ``cpus`` (nothing for the empty set). OSError from the kernel."""
-    if cpus:
-        os.sched_setaffinity(0, cpus)
-
-
 def pin_quietly(cpus: frozenset[int]) -> None:
-    """:func:`pin_this_thread` for a worker thread, whose work must not fail for its placement
-    (a CPU gone offline): it then runs where it was started."""
-    try:
-        pin_this_thread(cpus)
-    except OSError:
-        pass
+    """Run the calling worker thread on ``cpus`` (nothing for the empty set). Its work must not
+    fail for its placement: if the kernel refuses (a CPU gone offline), it runs where it was."""
+    if cpus:
+        with contextlib.suppress(OSError):
+            os.sched_setaffinity(0, cpus)
 
 
 def this_thread() -> frozenset[int]:
