@@ -42,6 +42,7 @@ from pdd_tools.vllm.serve import (
     connector_config,
     missing,
     tokens,
+    vllm_session,
 )
 from pdd_wire.router import Router, loads
 from support.agents import BESIDE_VLLM_DEAD_AFTER_S, cluster_toml, free_port, run_agents
@@ -217,7 +218,7 @@ async def pdd():
     tomls = cluster_toml(tmp, [("A", "a1"), ("A", "a2"), ("B", "b1"), ("B", "b2")], streams=2, extra=policy,
                          dead_after_s=BESIDE_VLLM_DEAD_AFTER_S)
     servers: list[VllmServer] = []
-    async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
+    async with run_agents(tomls) as agents, vllm_session() as http:
         try:
             P = VllmServer("P", tmp / "P.log", cpu="0", nice=NICE,
                            kv=connector_config("kv_producer", f"{tmp}/a1.sock", lease_s=30.0))

@@ -22,13 +22,16 @@ import shutil
 import socket
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
 import pytest_asyncio
+from aiohttp import web
 
 from conftest import until
 from pdd_wire.router import Router, loads
+from pdd_wire.router.server import UPSTREAM_KEEPALIVE_S
 from support.agents import run_agents, two_site_toml
 from support.fake_vllm import EOS, FINGERPRINT, FakeVllm, Model, Script, fakes
 
@@ -58,6 +61,8 @@ async def http():
     async with aiohttp.ClientSession() as s:
         yield s
 
+
+VLLM_KEEPALIVE_S = 5.0  # vLLM's default (vllm/envs.py VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 
 def router(tmp: Path, P: FakeVllm, RLD: FakeVllm, MD: FakeVllm, *, pos: int | None = None, deadline_s: float = 30,
            ask_agent: bool = True, connect_s: float = 5, rld_seqs: int = 4, policy: str = "", **handoff) -> Router:
@@ -451,3 +456,39 @@ async def test_fields_a_splice_would_change_run_p_md(agents, http, extra, why):
         got = await stream(http, r.url, body(**extra))
         assert sample(r, "pddwire_router_fallbacks_total", kind=f"p_rld_md_{why}") == 1
     assert flat(got)["ids"] == OUT and RLD.requests == []
+
+
+async def test_an_idle_upstream_connection_is_closed_before_vllm_closes_it(tmp_path):
+    """The router's upstream connections to ``vllm serve``: an idle one is closed by the router
+    before vLLM's HTTP server closes it (5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE), so a completion is
+    never sent on a connection the server is closing at that moment (ServerDisconnectedError).
+    A server that notes the client port of each request (as vLLM, it keeps idle connections
+    for 5 s): two requests in a row share a connection; after the router's keep-alive, idle, the
+    next one comes on a new connection, well before the server would have closed the old one."""
+    assert UPSTREAM_KEEPALIVE_S < VLLM_KEEPALIVE_S / 2  # room for a loaded host's scheduling delays
+    ports: list[int] = []
+
+    async def models(request: web.Request) -> web.Response:
+        ports.append(request.transport.get_extra_info("peername")[1])
+        return web.json_response({"data": []})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app, keepalive_timeout=VLLM_KEEPALIVE_S)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    vllm = SimpleNamespace(url=url)
+    r0 = router(tmp_path, vllm, vllm, vllm)
+    await r0.start()
+    try:
+        for pause in (0, 0, UPSTREAM_KEEPALIVE_S + 0.5):
+            await asyncio.sleep(pause)
+            async with r0.http.get(f"{url}/v1/models") as r:
+                assert r.status == 200
+                await r.read()
+        assert ports[0] == ports[1] != ports[2], ports
+    finally:
+        await r0.stop()
+        await runner.cleanup()

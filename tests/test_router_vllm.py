@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import aiohttp
 import pytest
 import pytest_asyncio
 
@@ -34,6 +33,7 @@ from pdd_tools.vllm.serve import (
     connector_config,
     missing,
     tokens,
+    vllm_session,
 )
 from pdd_wire.router import Router, loads
 from support.agents import BESIDE_VLLM_DEAD_AFTER_S, run_agents, two_site_toml
@@ -126,7 +126,7 @@ async def cluster():
     policy = "[policy.pipeline]\nttft_budget_s = 5\nanomaly_min_input_tokens = 250\nanomaly_max_output_tokens = 8\n"
     tomls = two_site_toml(tmp, streams=2, chunk=64 << 10, extra=policy, dead_after_s=BESIDE_VLLM_DEAD_AFTER_S)
     servers: list[VllmServer] = []
-    async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
+    async with run_agents(tomls) as agents, vllm_session() as http:
         try:
             P = VllmServer("P", tmp / "P.log", cpu="0", nice=NICE,
                            kv=connector_config("kv_producer", f"{tmp}/A.sock", send_to=["B"], lease_s=30.0))

@@ -39,6 +39,7 @@ from pdd_tools.vllm.serve import (
     connector_config,
     missing,
     tokens,
+    vllm_session,
 )
 from support.agents import BESIDE_VLLM_DEAD_AFTER_S, run_agents, two_site_toml
 
@@ -112,7 +113,7 @@ async def cluster():
     tmp = Path(tempfile.mkdtemp(prefix="pdw-vserve-"))
     tomls = two_site_toml(tmp, streams=2, chunk=64 << 10, dead_after_s=BESIDE_VLLM_DEAD_AFTER_S)
     servers: list[VllmServer] = []
-    async with run_agents(tomls) as agents, aiohttp.ClientSession() as http:
+    async with run_agents(tomls) as agents, vllm_session() as http:
         try:
             # P as users type it (vllm serve); D through the module entry point. P stages its KV
             # (staging: the KV-on-CUDA path's code, here on CPU tensors; the zero-copy send is

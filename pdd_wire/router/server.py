@@ -40,6 +40,12 @@ from .upstream import Trace, UpstreamError, dest, error_response, sse_events, to
 log = structlog.get_logger("pdd_wire.router")
 
 
+#: Upstream connections idle this long are closed by the router itself. vLLM's HTTP server closes
+#: an idle one after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); with aiohttp's default of 15 s, a request
+#: sent on a pooled connection just as vLLM closes it fails (ServerDisconnectedError), and a
+#: completion cannot be sent again.
+UPSTREAM_KEEPALIVE_S = 2.0
+
 class Router:
     """``Router(cfg)``; ``await start()`` binds ``cfg.listen.address`` (port 0: see ``port``);
     ``await stop()``. ``pools`` is live: add and remove members while it runs."""
@@ -70,7 +76,7 @@ class Router:
     async def start(self) -> Self:
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.request.connect_s),
-            connector=aiohttp.TCPConnector(limit=0))
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S))
         self._loads = LoadReader(self.cfg.rld_load, self._http, self.metrics)
         self._core = Core(self.cfg, self._http, self.pools, self.metrics, self._loads, self._decoder)
         self._chooser = Chooser(self._core)

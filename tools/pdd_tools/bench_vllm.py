@@ -46,6 +46,7 @@ from .vllm.serve import (
     missing,
     running,
     tokens,
+    vllm_session,
 )
 
 CONCURRENCY = 32
@@ -120,7 +121,7 @@ async def run(quick: bool = False) -> dict:
     async with running(tmp, agents, [P, D]):
         n = 8 if quick else CONCURRENCY
         prompts = [prompt_for(i, 64 + 8 * (i % 8)) for i in range(n)]
-        async with aiohttp.ClientSession() as http, Proxy(P.url, D.url) as proxy:
+        async with vllm_session() as http, Proxy(P.url, D.url) as proxy:
             await load(http, P.url, prompts[:2])  # warm both paths once
             await load(http, proxy.url, prompts[:2])
             ttft1, tps1 = await load(http, P.url, prompts)

@@ -26,6 +26,7 @@ import aiohttp
 from aiohttp import web
 
 import pdd_wire
+from pdd_wire.router.server import UPSTREAM_KEEPALIVE_S
 
 from .roles import VENV_DIR, checkout_path, find_venv
 
@@ -105,6 +106,13 @@ def pin_session(sid: int, cpus: set[int]) -> int:
                     os.sched_setaffinity(int(task.name), cpus)
                     n += 1
     return n
+
+
+def vllm_session(**kw) -> aiohttp.ClientSession:
+    """A client session for ``vllm serve``: it closes idle connections before vLLM does, as the
+    router does (:data:`pdd_wire.router.server.UPSTREAM_KEEPALIVE_S`), so none is reused just as
+    vLLM closes it (a ServerDisconnectedError, seen in a test's metrics read)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=UPSTREAM_KEEPALIVE_S), **kw)
 
 
 async def until_healthy(url: str, proc: asyncio.subprocess.Process, timeout: float, died, every_s: float = 0.5) -> None:
@@ -197,16 +205,8 @@ class VllmServer:
     async def metrics(self, http: aiohttp.ClientSession) -> dict[str, float]:
         """vLLM's Prometheus samples: ``name`` -> the sum over its label sets, and
         ``name{label="value"}`` -> the sum over the label sets that have that one label."""
-        for attempt in (1, 2):
-            try:
-                async with http.get(f"{self.url}/metrics") as r:
-                    text = await r.text()
-                break
-            except aiohttp.ServerDisconnectedError:
-                # A kept-alive connection the server closed (its keep-alive timeout) just as it was
-                # reused: a GET of the metrics is safe to send again, on a new connection.
-                if attempt == 2:
-                    raise
+        async with http.get(f"{self.url}/metrics") as r:
+            text = await r.text()
         out: dict[str, float] = {}
         for line in text.splitlines():
             if line.startswith("#") or " " not in line:
@@ -260,7 +260,7 @@ class Proxy:
         self._http: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> "Proxy":
-        self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        self._http = vllm_session(timeout=aiohttp.ClientTimeout(total=None))
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
