@@ -110,6 +110,10 @@ def daemons(short_dir):
     finally:
         for d in started:
             d.stop()
+        # Shown by pytest only when the test failed: every agent's own account (one that died
+        # or never came up is otherwise invisible behind a timeout of the one being waited on).
+        for d in started:
+            print(f"---- pdd-wired {' '.join(d.args)} (exit {d.proc.returncode}):\n{d.text()[-6000:]}")
 
 
 def http_get(url: str, timeout: float = 2) -> tuple[int, bytes]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -19,11 +20,45 @@ import tempfile
 import urllib.request
 from pathlib import Path
 
+_HANDED_OUT: set[int] = set()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A TCP port on 127.0.0.1 that nothing is bound to, for a server started later.
+
+    Picked below the kernel's ephemeral range where it can: a port from that range (``bind(0)``)
+    can be taken, between this call and the server's bind, by any outgoing connection's source
+    port or by any other ``bind(0)`` on the machine, which fails the later server with
+    EADDRINUSE. Below the range only an explicit bind can take it. Never the same port twice
+    in one process."""
+    lo, _ = _ephemeral_range()
+    first = 20000
+    if lo - first >= 2048:
+        rng = random.Random()
+        for _ in range(200):
+            port = rng.randrange(first, lo)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+            _HANDED_OUT.add(port)
+            return port
+    with socket.socket() as s:  # a narrow or unusual range: the kernel's pick
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port = s.getsockname()[1]
+    _HANDED_OUT.add(port)
+    return port
 
 
 def agent_toml(site: str, node: str, wan: int, admin: int, sock: str, peers: list[tuple[str, str, int]],

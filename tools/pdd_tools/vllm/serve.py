@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -28,18 +27,13 @@ from aiohttp import web
 import pdd_wire
 from pdd_wire.router.server import UPSTREAM_KEEPALIVE_S
 
+from ..harness import free_port  # noqa: F401 - callers import it from here
 from .roles import VENV_DIR, checkout_path, find_venv
 
 # The checkout whose pdd_wire runs here (checkout_path() puts it first on the servers' PYTHONPATH).
 ROOT = Path(pdd_wire.__file__).resolve().parents[1]
 BLOCK = 32  # tokens per vLLM block in these servers
 VOCAB = 444  # the tiny model's
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def venv() -> Path:
