@@ -64,6 +64,7 @@ async def http():
 
 VLLM_KEEPALIVE_S = 5.0  # vLLM's default (vllm/envs.py VLLM_HTTP_TIMEOUT_KEEP_ALIVE)
 
+
 def router(tmp: Path, P: FakeVllm, RLD: FakeVllm, MD: FakeVllm, *, pos: int | None = None, deadline_s: float = 30,
            ask_agent: bool = True, connect_s: float = 5, rld_seqs: int = 4, policy: str = "", **handoff) -> Router:
     if pos is not None:
@@ -478,7 +479,7 @@ async def test_an_idle_upstream_connection_is_closed_before_vllm_closes_it(tmp_p
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
     vllm = SimpleNamespace(url=url)
     r0 = router(tmp_path, vllm, vllm, vllm)
     await r0.start()

@@ -46,6 +46,7 @@ log = structlog.get_logger("pdd_wire.router")
 #: completion cannot be sent again.
 UPSTREAM_KEEPALIVE_S = 2.0
 
+
 class Router:
     """``Router(cfg)``; ``await start()`` binds ``cfg.listen.address`` (port 0: see ``port``);
     ``await stop()``. ``pools`` is live: add and remove members while it runs."""
