@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-from pdd_tools.benchpipe import bare_pipe, ipc_round_trip, ipc_round_trip_on
+from pdd_tools.benchpipe import bare_pipe, bare_pipe_split, ipc_round_trip, ipc_round_trip_on
 
 MiB = 1 << 20
 
@@ -33,3 +36,33 @@ def test_an_echo_that_fails_is_an_error_not_a_hang():
     (its end of the socket pair closes, so nobody waits in recv)."""
     with pytest.raises(RuntimeError, match="exited 1"):
         ipc_round_trip_on(200, (0, 4096))
+
+
+def test_the_pipe_takes_a_send_size_and_a_receiver_mode():
+    """Blocking MSG_WAITALL reads fill 4 MiB a call (the kernel waits for the whole buffer); the
+    loop's reads take what the socket holds; sends of 256 KiB move the same bytes."""
+    block = bare_pipe_split(4 * MiB, reps=4, rx="block", xxh3=True)
+    assert block["rx_reads_per_4MiB"] == 1.0
+    loop = bare_pipe_split(4 * MiB, reps=4, write=256 << 10)
+    assert loop["rx_reads_per_4MiB"] >= 1.0
+    for r in (block, loop):
+        assert r["gbps"] > 0 and r["tx_s_per_gb"] > 0 and r["rx_s_per_gb"] >= 0
+
+
+def test_an_unknown_receiver_mode_is_refused():
+    with pytest.raises(ValueError, match="rx mode must be one of"):
+        bare_pipe_split(4 * MiB, reps=1, rx="spin")
+
+
+def test_pipesizes_prints_a_line_per_configuration_and_the_medians():
+    out = subprocess.run([sys.executable, "-m", "pdd_tools.pipesizes", "--rounds", "2", "--writes", "4194304",
+                          "--gb", "3"], capture_output=True, text=True, timeout=300, check=True)
+    lines = [json.loads(line) for line in out.stdout.splitlines()]
+    runs = [f for f in lines if "round" in f]
+    medians = [f for f in lines if "median_of" in f]
+    assert len(runs) == 2 * (1 + 4) and len(medians) == 1 + 4
+    writes = [f for f in runs if f["experiment"] == "writes"]
+    assert all(f["write_bytes"] == 4 * MiB and f["messages"] >= 100 and f["wake_p99_ms"] >= f["wake_p50_ms"] > 0
+               for f in writes)
+    reads = {(f["rx"], f["xxh3"]) for f in runs if f["experiment"] == "reads"}
+    assert reads == {("loop", False), ("loop", True), ("block", False), ("block", True)}

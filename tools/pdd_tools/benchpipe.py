@@ -1,10 +1,12 @@
 """A bare Python loopback pipe, the ceiling for KV moved from cold registered memory here, and
 the CPU one message between two processes costs.
 
-``python -m pdd_tools.benchpipe rx PORT SIZE`` receives with a uvloop ``BufferedProtocol`` and
-``recv_into`` straight into a memfd region; ``tx PORT SIZE REPS`` sends a memfd region with
-blocking ``sendall`` in 4 MiB writes and prints GB/s and the CPU seconds it spent sending; ``rx``
-prints the CPU seconds it spent receiving when the sender is done. No framing, no checksums, no
+``python -m pdd_tools.benchpipe rx PORT SIZE [loop|block] [xxh3|-]`` receives with a uvloop
+``BufferedProtocol`` and ``recv_into`` straight into a memfd region (``block``: blocking
+``recv_into`` calls of 4 MiB with ``MSG_WAITALL`` instead; ``xxh3``: and hashes what arrives);
+``tx PORT SIZE REPS [WRITE]`` sends a memfd region with blocking ``sendall`` in 4 MiB writes (or
+``WRITE`` bytes) and prints GB/s and the CPU seconds it spent sending; ``rx`` prints the CPU
+seconds it spent receiving and its number of reads when the sender is done. No framing, no checksums, no
 acks: what pdd-wire's bulk path would cost if it did nothing but move bytes between two
 processes' pools.
 
@@ -41,18 +43,37 @@ def _region(size: int) -> memoryview:
     return memoryview(m)
 
 
-def rx(port: int, size: int) -> None:
-    import uvloop
+RX_MODES = ("loop", "block")
 
+
+def rx(port: int, size: int, mode: str = "loop", xxh3: bool = False) -> None:
+    """Receive into a memfd region until the sender's end of file, then print the CPU seconds
+    spent receiving and the number of reads. ``loop``: a uvloop ``BufferedProtocol`` (each read
+    takes what the socket holds, and runs Python); ``block``: one blocking ``recv_into`` with
+    ``MSG_WAITALL`` per 4 MiB, in which the kernel fills the whole buffer before it returns.
+    ``xxh3``: hash what arrived, per read (``loop``, while it is in cache) or per 4 MiB (``block``)."""
+    if mode not in RX_MODES:
+        raise ValueError(f"rx mode must be one of {RX_MODES}, got {mode!r}")
     dst = _region(size)
+    if mode == "block":
+        _rx_block(port, dst, xxh3)
+        return
+    import uvloop
+    import xxhash
+
+    hasher = xxhash.xxh3_64()
 
     class Sink(asyncio.BufferedProtocol):
         n = 0
+        reads = 0
 
         def get_buffer(self, hint):
             return dst[self.n:]
 
         def buffer_updated(self, nbytes):
+            self.reads += 1
+            if xxh3:
+                hasher.update(dst[self.n:self.n + nbytes])
             self.n = (self.n + nbytes) % size
 
         def eof_received(self):
@@ -62,25 +83,47 @@ def rx(port: int, size: int) -> None:
         global done
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        srv = await loop.create_server(Sink, "127.0.0.1", port)
+        sink = Sink()
+        srv = await loop.create_server(lambda: sink, "127.0.0.1", port)
         cpu0 = time.process_time()
         print("ready", flush=True)
         await done
-        print(f"{time.process_time() - cpu0:.4f}", flush=True)
+        print(f"{time.process_time() - cpu0:.4f} {sink.reads}", flush=True)
         srv.close()
 
     uvloop.run(main())
 
 
-def tx(port: int, size: int, reps: int) -> tuple[float, float]:
-    """(GB/s, CPU seconds of this process while sending)."""
+def _rx_block(port: int, dst: memoryview, xxh3: bool) -> None:
+    import xxhash
+
+    with socket.create_server(("127.0.0.1", port)) as srv:
+        print("ready", flush=True)
+        conn, _ = srv.accept()
+    with conn:
+        cpu0 = time.process_time()
+        n = reads = 0
+        while True:
+            view = dst[n:n + (4 << 20)]
+            got = conn.recv_into(view, len(view), socket.MSG_WAITALL)
+            if not got:
+                break
+            reads += 1
+            if xxh3:
+                xxhash.xxh3_64_intdigest(view[:got])
+            n = (n + got) % len(dst)
+        print(f"{time.process_time() - cpu0:.4f} {reads}", flush=True)
+
+
+def tx(port: int, size: int, reps: int, write: int = 4 << 20) -> tuple[float, float]:
+    """(GB/s, CPU seconds of this process while sending), ``write`` bytes a ``sendall``."""
     src = _region(size)
     src[:] = os.urandom(size)
     s = socket.create_connection(("127.0.0.1", port))
     t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(reps):
-        for off in range(0, size, 4 << 20):
-            s.sendall(src[off:off + (4 << 20)])
+        for off in range(0, size, write):
+            s.sendall(src[off:off + write])
     s.shutdown(socket.SHUT_WR)
     s.recv(1)
     return size * reps / (time.perf_counter() - t0) / 1e9, time.process_time() - cpu0
@@ -182,24 +225,38 @@ def bare_pipe_goodput(size: int = 64 * MiB, reps: int = 16) -> float:
 
 def bare_pipe(size: int = 64 * MiB, reps: int = 16) -> tuple[float, float]:
     """The bare Python pipe: (GB/s, CPU seconds of sender and receiver per GB moved)."""
+    r = bare_pipe_split(size, reps)
+    return r["gbps"], r["tx_s_per_gb"] + r["rx_s_per_gb"]
+
+
+def bare_pipe_split(size: int = 64 * MiB, reps: int = 16, *, write: int = 4 * MiB, rx: str = "loop",
+                    xxh3: bool = False) -> dict[str, float]:
+    """The bare pipe with ``write``-byte sends and the receiver in mode ``rx`` (see :func:`rx`):
+    GB/s, each side's CPU seconds per GB, and the receiver's reads per 4 MiB."""
     from .harness import free_port
 
+    if rx not in RX_MODES:
+        raise ValueError(f"rx mode must be one of {RX_MODES}, got {rx!r}")
     port = free_port()
-    rx = subprocess.Popen([sys.executable, "-m", "pdd_tools.benchpipe", "rx", str(port), str(size)],
-                          stdout=subprocess.PIPE, text=True)
+    rxp = subprocess.Popen([sys.executable, "-m", "pdd_tools.benchpipe", "rx", str(port), str(size), rx,
+                            "xxh3" if xxh3 else "-"], stdout=subprocess.PIPE, text=True)
+    assert rxp.stdout is not None
     try:
-        rx.stdout.readline()  # "ready"
-        out = subprocess.run([sys.executable, "-m", "pdd_tools.benchpipe", "tx", str(port), str(size), str(reps)],
-                             capture_output=True, text=True, check=True)
+        if rxp.stdout.readline().strip() != "ready":
+            raise RuntimeError(f"the pipe's receiver did not start (exit {rxp.wait()})")
+        out = subprocess.run([sys.executable, "-m", "pdd_tools.benchpipe", "tx", str(port), str(size), str(reps),
+                              str(write)], capture_output=True, text=True, check=True)
         gbps, tx_cpu = map(float, out.stdout.split())
-        rx_cpu = float(rx.stdout.readline())
-        return gbps, (tx_cpu + rx_cpu) / (size * reps / 1e9)
+        rx_cpu, reads = rxp.stdout.readline().split()
+        gb = size * reps / 1e9
+        return {"gbps": gbps, "tx_s_per_gb": tx_cpu / gb, "rx_s_per_gb": float(rx_cpu) / gb,
+                "rx_reads_per_4MiB": int(reads) / (size * reps / (4 * MiB))}
     finally:
         try:
-            rx.wait(10)
+            rxp.wait(10)
         except subprocess.TimeoutExpired:
-            rx.kill()
-            rx.wait()
+            rxp.kill()
+            rxp.wait()
 
 
 if __name__ == "__main__":
@@ -209,7 +266,7 @@ if __name__ == "__main__":
         sys.exit(0)
     role, port, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if role == "rx":
-        rx(port, size)
+        rx(port, size, sys.argv[4] if len(sys.argv) > 4 else "loop", xxh3=sys.argv[5:6] == ["xxh3"])
     else:
-        gbps, cpu = tx(port, size, int(sys.argv[4]))
+        gbps, cpu = tx(port, size, int(sys.argv[4]), int(sys.argv[5]) if len(sys.argv) > 5 else 4 << 20)
         print(f"{gbps:.4f} {cpu:.4f}")
