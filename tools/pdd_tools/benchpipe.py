@@ -4,11 +4,12 @@ the CPU one message between two processes costs.
 ``python -m pdd_tools.benchpipe rx PORT SIZE [loop|block] [xxh3|-]`` receives with a uvloop
 ``BufferedProtocol`` and ``recv_into`` straight into a memfd region (``block``: blocking
 ``recv_into`` calls of 4 MiB with ``MSG_WAITALL`` instead; ``xxh3``: and hashes what arrives);
-``tx PORT SIZE REPS [WRITE]`` sends a memfd region with blocking ``sendall`` in 4 MiB writes (or
-``WRITE`` bytes) and prints GB/s and the CPU seconds it spent sending; ``rx`` prints the CPU
-seconds it spent receiving and its number of reads when the sender is done. No framing, no checksums, no
-acks: what pdd-wire's bulk path would cost if it did nothing but move bytes between two
-processes' pools.
+``tx PORT SIZE REPS [WRITE [SECONDS]]`` sends a memfd region REPS times (or, with SECONDS, as many
+times as fit in SECONDS) with blocking ``sendall`` in 4 MiB writes (or ``WRITE`` bytes). When the
+sender is done, ``tx`` prints GB/s, the CPU seconds it spent sending, the bytes sent and when it
+started and ended (``time.perf_counter``); ``rx`` prints the CPU seconds it spent receiving, its
+number of reads and the bytes received. No framing, no acks, and by default no checksums: what
+pdd-wire's bulk path would cost if it did nothing but move bytes between two processes' pools.
 
 ``python -m pdd_tools.benchpipe ipc N CPU_A CPU_B`` is the other floor, of every message between
 two processes (engine and agent, agent and agent; a thread waking another wakes a CPU the same
@@ -66,12 +67,14 @@ def rx(port: int, size: int, mode: str = "loop", xxh3: bool = False) -> None:
     class Sink(asyncio.BufferedProtocol):
         n = 0
         reads = 0
+        total = 0
 
         def get_buffer(self, hint):
             return dst[self.n:]
 
         def buffer_updated(self, nbytes):
             self.reads += 1
+            self.total += nbytes
             if xxh3:
                 hasher.update(dst[self.n:self.n + nbytes])
             self.n = (self.n + nbytes) % size
@@ -88,7 +91,7 @@ def rx(port: int, size: int, mode: str = "loop", xxh3: bool = False) -> None:
         cpu0 = time.process_time()
         print("ready", flush=True)
         await done
-        print(f"{time.process_time() - cpu0:.4f} {sink.reads}", flush=True)
+        print(f"{time.process_time() - cpu0:.4f} {sink.reads} {sink.total}", flush=True)
         srv.close()
 
     uvloop.run(main())
@@ -102,31 +105,41 @@ def _rx_block(port: int, dst: memoryview, xxh3: bool) -> None:
         conn, _ = srv.accept()
     with conn:
         cpu0 = time.process_time()
-        n = reads = 0
+        n = reads = total = 0
         while True:
             view = dst[n:n + (4 << 20)]
             got = conn.recv_into(view, len(view), socket.MSG_WAITALL)
             if not got:
                 break
             reads += 1
+            total += got
             if xxh3:
                 xxhash.xxh3_64_intdigest(view[:got])
             n = (n + got) % len(dst)
-        print(f"{time.process_time() - cpu0:.4f} {reads}", flush=True)
+        print(f"{time.process_time() - cpu0:.4f} {reads} {total}", flush=True)
 
 
-def tx(port: int, size: int, reps: int, write: int = 4 << 20) -> tuple[float, float]:
-    """(GB/s, CPU seconds of this process while sending), ``write`` bytes a ``sendall``."""
+def tx(port: int, size: int, reps: int, write: int = 4 << 20,
+       seconds: float = 0.0) -> tuple[float, float, int, float, float]:
+    """Send ``reps`` passes over a ``size``-byte region (with ``seconds`` > 0: as many passes as
+    fit in ``seconds``), ``write`` bytes a ``sendall``: (GB/s, CPU seconds of this process while
+    sending, bytes sent, start and end on ``time.perf_counter``)."""
+    if write <= 0 or size <= 0:
+        raise ValueError(f"size and write must be > 0 (size {size}, write {write})")
     src = _region(size)
     src[:] = os.urandom(size)
     s = socket.create_connection(("127.0.0.1", port))
     t0, cpu0 = time.perf_counter(), time.process_time()
-    for _ in range(reps):
+    sent = passes = 0
+    while (time.perf_counter() - t0 < seconds) if seconds > 0 else passes < reps:
         for off in range(0, size, write):
             s.sendall(src[off:off + write])
+        sent += size
+        passes += 1
+    t1 = time.perf_counter()
     s.shutdown(socket.SHUT_WR)
     s.recv(1)
-    return size * reps / (time.perf_counter() - t0) / 1e9, time.process_time() - cpu0
+    return sent / (time.perf_counter() - t0) / 1e9, time.process_time() - cpu0, sent, t0, t1
 
 
 def ipc(n: int, cpu_a: int, cpu_b: int) -> tuple[float, float, float]:
@@ -230,27 +243,39 @@ def bare_pipe(size: int = 64 * MiB, reps: int = 16) -> tuple[float, float]:
 
 
 def bare_pipe_split(size: int = 64 * MiB, reps: int = 16, *, write: int = 4 * MiB, rx: str = "loop",
-                    xxh3: bool = False) -> dict[str, float]:
-    """The bare pipe with ``write``-byte sends and the receiver in mode ``rx`` (see :func:`rx`):
-    GB/s, each side's CPU seconds per GB, and the receiver's reads per 4 MiB."""
+                    xxh3: bool = False, seconds: float = 0.0) -> dict[str, float]:
+    """The bare pipe with ``write``-byte sends and the receiver in mode ``rx`` (see :func:`rx`),
+    ``reps`` passes over a ``size``-byte region (``seconds`` > 0: as many as fit in that time):
+    GB/s, each side's CPU seconds per GB, the receiver's reads per 4 MiB, and when the sender
+    started and stopped sending (``t0``, ``t1``, on ``time.perf_counter``'s clock, which is the
+    same in every process on Linux). Raises RuntimeError if the receiver did not get every byte."""
     from .harness import free_port
 
     if rx not in RX_MODES:
         raise ValueError(f"rx mode must be one of {RX_MODES}, got {rx!r}")
+    if write <= 0:
+        raise ValueError(f"write must be > 0, got {write}")
     port = free_port()
     rxp = subprocess.Popen([sys.executable, "-m", "pdd_tools.benchpipe", "rx", str(port), str(size), rx,
                             "xxh3" if xxh3 else "-"], stdout=subprocess.PIPE, text=True)
     assert rxp.stdout is not None
     try:
         if rxp.stdout.readline().strip() != "ready":
-            raise RuntimeError(f"the pipe's receiver did not start (exit {rxp.wait()})")
+            raise RuntimeError(f"the pipe's receiver did not start (exit status {rxp.poll()}; its error is on stderr)")
         out = subprocess.run([sys.executable, "-m", "pdd_tools.benchpipe", "tx", str(port), str(size), str(reps),
-                              str(write)], capture_output=True, text=True, check=True)
-        gbps, tx_cpu = map(float, out.stdout.split())
-        rx_cpu, reads = rxp.stdout.readline().split()
-        gb = size * reps / 1e9
-        return {"gbps": gbps, "tx_s_per_gb": tx_cpu / gb, "rx_s_per_gb": float(rx_cpu) / gb,
-                "rx_reads_per_4MiB": int(reads) / (size * reps / (4 * MiB))}
+                              str(write), str(seconds)], capture_output=True, text=True, timeout=600)
+        if out.returncode != 0:
+            raise RuntimeError(f"the pipe's sender exited {out.returncode}: {out.stderr.strip()[-2000:]}")
+        gbps, tx_cpu, sent, t0, t1 = map(float, out.stdout.split())
+        fields = rxp.stdout.readline().split()
+        if len(fields) != 3:
+            raise RuntimeError(f"the pipe's receiver failed (exit status {rxp.wait(10)}; its error is on stderr)")
+        rx_cpu, reads, got = float(fields[0]), int(fields[1]), int(fields[2])
+        if got != sent:
+            raise RuntimeError(f"the pipe's receiver got {got} bytes of the {int(sent)} sent")
+        gb = sent / 1e9
+        return {"gbps": gbps, "tx_s_per_gb": tx_cpu / gb, "rx_s_per_gb": rx_cpu / gb,
+                "rx_reads_per_4MiB": reads / (sent / (4 * MiB)), "t0": t0, "t1": t1}
     finally:
         try:
             rxp.wait(10)
@@ -268,5 +293,6 @@ if __name__ == "__main__":
     if role == "rx":
         rx(port, size, sys.argv[4] if len(sys.argv) > 4 else "loop", xxh3=sys.argv[5:6] == ["xxh3"])
     else:
-        gbps, cpu = tx(port, size, int(sys.argv[4]), int(sys.argv[5]) if len(sys.argv) > 5 else 4 << 20)
-        print(f"{gbps:.4f} {cpu:.4f}")
+        gbps, cpu, sent, t0, t1 = tx(port, size, int(sys.argv[4]), int(sys.argv[5]) if len(sys.argv) > 5 else 4 << 20,
+                                     float(sys.argv[6]) if len(sys.argv) > 6 else 0.0)
+        print(f"{gbps:.4f} {cpu:.4f} {sent} {t0:.6f} {t1:.6f}")
