@@ -232,7 +232,7 @@ async def test_the_benchmarks_placed_token_figure_measures_placed_agents():
     run where [cpus] puts them (it checks /v1/status and refuses otherwise), its samples come from
     under the transfers and from idle, and this process's CPUs are given back."""
     from pdd_tools.bench import Figures
-    from pdd_tools.bench_goodput import placed_latency_figures
+    from pdd_tools.bench_goodput import placed_latency_figures, placed_layout
 
     figs = Figures(as_json=False)
     before = os.sched_getaffinity(0)
@@ -245,9 +245,30 @@ async def test_the_benchmarks_placed_token_figure_measures_placed_agents():
     assert row["figure"] == "token_latency_under_load_p99_placed" and row["unit"] == "ms"
     assert row["value"] > 0 and row["baseline_value"] > 0 and row["ratio"] == pytest.approx(
         row["value"] / row["baseline_value"], rel=0.01)
-    main, bulk = format_cpus(ALLOWED[:1]), format_cpus(ALLOWED[1:])
-    assert f'main = "{main}", bulk = "{bulk}"' in row["note"] and "100 samples" in row["note"]
+    layout, _, how = placed_layout(ALLOWED)
+    for site, c in layout.items():
+        assert f'{site}: main = "{c["main"]}", bulk = "{c["bulk"]}"' in row["note"]
+    assert how in row["note"] and "100 samples" in row["note"]
     assert "unplaced, in this run: 2.50 GB/s and 7.0x" in row["note"]
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 16])
+def test_the_placed_figure_comes_as_close_to_two_nodes_as_the_cpus_allow(n):
+    """No bulk thread on a CPU of an event loop or of the engines; from 3 CPUs the two agents'
+    bulk threads apart (neither can switch the other out holding its GIL); from 5 each agent's
+    event loop on a CPU of its own and the engines on another; every CPU given used."""
+    from pdd_tools.bench_goodput import placed_layout
+
+    cpus = list(range(10, 10 + n))
+    layout, engines, how = placed_layout(cpus)
+    sets = {s: (set(parse_cpus(c["main"], "main")), set(parse_cpus(c["bulk"], "bulk"))) for s, c in layout.items()}
+    (ma, ba), (mb, bb) = sets["A"], sets["B"]
+    assert ba and bb and not (ba | bb) & (ma | mb | set(engines))
+    assert (ba.isdisjoint(bb)) == (n >= 3)
+    assert (ma.isdisjoint(mb) and ma.isdisjoint(engines) and mb.isdisjoint(engines)) == (n >= 5)
+    assert ma | mb | ba | bb | set(engines) == set(cpus) and how
+    with pytest.raises(ValueError, match="two CPUs or more"):
+        placed_layout(cpus[:1])
 
 
 async def test_bulk_without_main_places_the_kv_work_and_leaves_the_loop_where_it_was(tmp_sock_dir):

@@ -10,8 +10,9 @@ the same run:
   against the same on one CPU (``benchpipe ipc``): what each of a transfer's messages pays;
 * ``token_latency_under_load_p99``: token frames while 1 GiB transfers run, against idle samples
   taken between those transfers (so both see the same machine);
-* ``token_latency_under_load_p99_placed``: the same with two agents placed by ``[cpus]`` (the event
-  loops and the engines on one CPU, the bulk threads on the rest);
+* ``token_latency_under_load_p99_placed``: the same with two agents placed by ``[cpus]``, as close
+  to two nodes as the CPUs allow (:func:`placed_layout`; on two CPUs the event loops and the
+  engines on one, both agents' bulk threads on the other);
 * ``wake_latency_under_load_p99``: three processes that only wake one another
   (:mod:`~pdd_tools.wakeprobe`), during more such transfers, against the same idle token p99: a
   reference for what this host's scheduler alone does to three wake-ups under the agents'
@@ -351,24 +352,56 @@ async def goodput_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineCli
                      statistics.median(base.pipe), note="memfd to memfd, no framing or checksums (pdd_tools.benchpipe)")
 
 
+def placed_layout(cpus: list[int]) -> tuple[dict[str, dict[str, str]], list[int], str]:
+    """Where :func:`placed_latency_figures` puts things on ``cpus`` (two or more): ``[cpus]`` for
+    agents A and B, the CPUs of the engines' process, and a description for the note. As close
+    to two nodes as the CPUs allow, each agent's bulk threads on CPUs of their own:
+
+    * 5 or more: each agent's event loop on a CPU of its own, the engines on a third, and the
+      rest split between the two agents' bulk threads (a node each, as in a deployment);
+    * 3 or 4: both event loops and the engines on the first CPU, the rest split between the
+      agents' bulk threads;
+    * 2: event loops and engines on the first, both agents' bulk threads on the second (where one
+      bulk thread can be switched out holding its GIL for the other agent's: docs/benchmarks.md,
+      "CPU placement")."""
+    if len(cpus) < 2:
+        raise ValueError(f"placement needs two CPUs or more, got {cpus}")
+    if len(cpus) >= 5:
+        mains, engines, rest = cpus[:2], cpus[2:3], cpus[3:]
+    else:
+        mains, engines, rest = cpus[:1] * 2, cpus[:1], cpus[1:]
+    if len(rest) >= 2:
+        half = (len(rest) + 1) // 2
+        bulks = [rest[:half], rest[half:]]
+        how = ("each agent's event loop, the engines and each agent's bulk threads on CPUs of their own"
+               if len(cpus) >= 5 else "the event loops and the engines on one CPU, each agent's bulk threads "
+                                      "on CPUs of their own")
+    else:
+        bulks = [rest, rest]
+        how = "the event loops and the engines on one CPU, both agents' bulk threads on the other"
+    layout = {s: {"main": format_cpus([m]), "bulk": format_cpus(b)} for s, m, b in zip("AB", mains, bulks)}
+    return layout, engines, how
+
+
 async def placed_latency_figures(figs, quick: bool, gbps: float, ratio: float) -> None:
     """``token_latency_under_load_p99_placed``: the token figure again with two agents placed by
-    ``[cpus]`` (``main`` the first CPU this process may use, ``bulk`` the rest) and the engines'
-    process (this one) on the main CPU, so the token path's processes share no core with the
-    bulk threads; against idle samples of the same agents. ``gbps`` and ``ratio``: the unplaced
-    agents' transfers and token ratio in this run, for the note."""
+    ``[cpus]`` as :func:`placed_layout` says, and the engines' process (this one) on its CPUs, so
+    the token path's processes share no core with the bulk threads; against idle samples of the
+    same agents. ``gbps`` and ``ratio``: the unplaced agents' transfers and token ratio in this
+    run, for the note."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         print("# one CPU: token_latency_under_load_p99_placed needs two (cpus.main apart from cpus.bulk)")
         return
-    main, bulk = format_cpus(cpus[:1]), format_cpus(cpus[1:])
+    layout, engines, how = placed_layout(cpus)
     before = os.sched_getaffinity(0)
-    async with AgentPair(extra=f'[cpus]\nmain = "{main}"\nbulk = "{bulk}"\n') as pair:
+    extra = {s: f'[cpus]\nmain = "{c["main"]}"\nbulk = "{c["bulk"]}"\n' for s, c in layout.items()}
+    async with AgentPair(extra_by_site=extra) as pair:
         async with EngineClient(pair.sockets["A"], "bench-A") as ea, EngineClient(pair.sockets["B"], "bench-B") as eb:
             placed = {s: pair.status(s)["cpus"] for s in "AB"}
-            if any(c != {"main": main, "bulk": bulk} for c in placed.values()):
-                raise RuntimeError(f"the agents did not run where [cpus] put them: {placed}")
-            os.sched_setaffinity(0, cpus[:1])  # the engines beside the main loops, off the bulk CPUs
+            if placed != layout:
+                raise RuntimeError(f"the agents did not run where [cpus] put them: {placed}, not {layout}")
+            os.sched_setaffinity(0, engines)  # the engines off the bulk CPUs
             try:
                 idle = await token_latency(ea, eb, 100 if quick else 300, "idle")
                 async with load_pools(ea, eb, 1 << 30) as pools:
@@ -377,10 +410,11 @@ async def placed_latency_figures(figs, quick: bool, gbps: float, ratio: float) -
             finally:
                 os.sched_setaffinity(0, before)
     idle += between
+    where = "; ".join(f'{s}: main = "{c["main"]}", bulk = "{c["bulk"]}"' for s, c in layout.items())
     figs.add("token_latency_under_load_p99_placed", percentile(loaded, 99), "ms", "idle p99 (placed)",
              percentile(idle, 99),
-             note=f"the token figure with both agents placed by [cpus] (main = \"{main}\", bulk = \"{bulk}\") and "
-                  f"the engines' process on CPU {main}: no bulk thread on the token path's cores; "
+             note=f"the token figure with both agents placed by [cpus] ({where}) and the engines' process on "
+                  f"CPU {format_cpus(engines)}: {how}, no bulk thread on the token path's cores; "
                   f"{len(loaded)} samples during 1 GiB transfers at {placed_gbps:.2f} GB/s (unplaced, in this "
                   f"run: {gbps:.2f} GB/s and {ratio:.1f}x), p50 {percentile(loaded, 50):.2f} ms; "
                   f"idle: {len(idle)} samples")
