@@ -245,30 +245,83 @@ async def test_the_benchmarks_placed_token_figure_measures_placed_agents():
     assert row["figure"] == "token_latency_under_load_p99_placed" and row["unit"] == "ms"
     assert row["value"] > 0 and row["baseline_value"] > 0 and row["ratio"] == pytest.approx(
         row["value"] / row["baseline_value"], rel=0.01)
-    layout, _, how = placed_layout(ALLOWED)
+    layout, engines, how = placed_layout(ALLOWED)
     for site, c in layout.items():
         assert f'{site}: main = "{c["main"]}", bulk = "{c["bulk"]}"' in row["note"]
-    assert how in row["note"] and "100 samples" in row["note"]
+    assert f"the engines' process on CPU {format_cpus(engines)}: {how}" in row["note"] and "100 samples" in row["note"]
     assert "unplaced, in this run: 2.50 GB/s and 7.0x" in row["note"]
 
 
-@pytest.mark.parametrize("n", [2, 3, 4, 5, 6, 16])
-def test_the_placed_figure_comes_as_close_to_two_nodes_as_the_cpus_allow(n):
-    """No bulk thread on a CPU of an event loop or of the engines; from 3 CPUs the two agents'
-    bulk threads apart (neither can switch the other out holding its GIL); from 5 each agent's
-    event loop on a CPU of its own and the engines on another; every CPU given used."""
+def _alone(cpu: int) -> frozenset[int]:  # no hyperthreads: each CPU a core
+    return frozenset({cpu})
+
+
+def _check_layout(cpus: list[int], siblings) -> tuple[dict, list[int], str, int]:
+    """The invariants of placed_layout on ``cpus``; returns its answer and the cores counted."""
     from pdd_tools.bench_goodput import placed_layout
 
-    cpus = list(range(10, 10 + n))
-    layout, engines, how = placed_layout(cpus)
+    layout, engines, how = placed_layout(cpus, siblings)
+    core = {c: frozenset(siblings(c) | {c}) & set(cpus) for c in cpus}
+    ncores = len(set(core.values()))
     sets = {s: (set(parse_cpus(c["main"], "main")), set(parse_cpus(c["bulk"], "bulk"))) for s, c in layout.items()}
     (ma, ba), (mb, bb) = sets["A"], sets["B"]
-    assert ba and bb and not (ba | bb) & (ma | mb | set(engines))
-    assert (ba.isdisjoint(bb)) == (n >= 3)
-    assert (ma.isdisjoint(mb) and ma.isdisjoint(engines) and mb.isdisjoint(engines)) == (n >= 5)
-    assert ma | mb | ba | bb | set(engines) == set(cpus) and how
+    token_path = ma | mb | set(engines)
+    assert ba and bb and not (ba | bb) & token_path
+    if ncores >= 2:  # no bulk CPU on a core of the token path's (its hyperthread siblings included)
+        assert not {c for b in ba | bb for c in core[b]} & token_path
+    units = ncores if ncores >= 2 else len(cpus)
+    assert ba.isdisjoint(bb) == (units >= 3)
+    assert (ma.isdisjoint(mb) and ma.isdisjoint(engines) and mb.isdisjoint(engines)) == (units >= 5)
+    assert ma | mb | ba | bb | set(engines) == set(cpus)
+    return layout, engines, how, units
+
+
+@pytest.mark.parametrize("cpus", [list(range(10, 10 + n)) for n in (2, 3, 4, 5, 6, 16)] + [[0, 2, 5, 7, 9]],
+                         ids=lambda c: format_cpus(c))
+def test_the_placed_figure_comes_as_close_to_two_nodes_as_the_cpus_allow(cpus):
+    """No bulk thread on a CPU of an event loop or of the engines; from 3 CPUs the two agents'
+    bulk threads apart (neither can switch the other out holding its GIL); from 5 each agent's
+    event loop on a CPU of its own and the engines on another; the bulk CPUs split evenly
+    (A takes the odd one); every CPU used; the note's text says which layout it is."""
+    layout, engines, how, units = _check_layout(cpus, _alone)
+    ba, bb = (parse_cpus(layout[s]["bulk"], "bulk") for s in "AB")
+    if units >= 3:
+        assert 0 <= len(ba) - len(bb) <= 1
+    if units >= 5:
+        assert len(parse_cpus(layout["A"]["main"], "main")) == 1 and len(engines) == 1
+        assert how.startswith("each agent's event loop, the engines and each agent's bulk threads on cores")
+    elif units >= 3:
+        assert how.startswith("the event loops and the engines on one of the cores, each agent's bulk")
+    else:
+        assert how.startswith("the event loops and the engines on one of the two cores, both agents' bulk")
+
+
+def test_the_placed_figure_counts_cores_not_hyperthreads():
+    """16 logical CPUs as 8 cores of two (siblings c and c + 8): whole cores are placed, so no
+    bulk thread runs on the twin of an event loop's or the engines' CPU. Two hyperthreads of a
+    single core are placed as CPUs (there is nothing better), and the note says so."""
+    layout, engines, how, units = _check_layout(list(range(16)), lambda c: frozenset({c % 8, c % 8 + 8}))
+    assert units == 8 and layout["A"]["main"] == "0,8" and layout["B"]["main"] == "1,9" and engines == [2, 10]
+    layout, engines, how, units = _check_layout([4, 5], lambda c: frozenset({4, 5}))
+    assert layout["A"] == layout["B"] == {"main": "4", "bulk": "5"} and "hyperthreads of one core" in how
+
+
+def test_the_placed_figure_needs_two_cpus():
+    from pdd_tools.bench_goodput import placed_layout
+
     with pytest.raises(ValueError, match="two CPUs or more"):
-        placed_layout(cpus[:1])
+        placed_layout([3, 3], _alone)
+
+
+async def test_agent_pair_gives_each_site_its_own_config():
+    """AgentPair(extra_by_site=...): A's text reaches A only (its bulk threads on one CPU, B's
+    where the process runs); a site other than A and B is refused."""
+    with pytest.raises(ValueError, match="sites are 'A' and 'B'"):
+        AgentPair(extra_by_site={"a": ""})
+    last = ALLOWED[-1]
+    async with AgentPair(extra_by_site={"A": f'[cpus]\nbulk = "{last}"\n'}) as pair:
+        assert pair.status("A")["cpus"]["bulk"] == str(last)
+        assert pair.status("B")["cpus"]["bulk"] == format_cpus(ALLOWED)
 
 
 async def test_bulk_without_main_places_the_kv_work_and_leaves_the_loop_where_it_was(tmp_sock_dir):

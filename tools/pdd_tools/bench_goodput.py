@@ -28,12 +28,13 @@ import contextlib
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine.client import EngineClient
+from pdd_wire.errors import ConfigError
 from pdd_wire.memory import SharedMemory
-from pdd_wire.placement import format_cpus
+from pdd_wire.placement import format_cpus, parse_cpus
 from pdd_wire.stats import percentile
 
 from .benchpipe import bare_pipe, bare_pipe_goodput, ipc_round_trip, iperf3_goodput
@@ -352,34 +353,61 @@ async def goodput_figures(figs, pair: AgentPair, ea: EngineClient, eb: EngineCli
                      statistics.median(base.pipe), note="memfd to memfd, no framing or checksums (pdd_tools.benchpipe)")
 
 
-def placed_layout(cpus: list[int]) -> tuple[dict[str, dict[str, str]], list[int], str]:
+def core_of(cpu: int) -> frozenset[int]:
+    """The logical CPUs of ``cpu``'s physical core (its hyperthread siblings and itself), from
+    sysfs; ``{cpu}`` where the kernel does not say."""
+    try:
+        with open(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list") as f:
+            return parse_cpus(f.read().strip(), "thread_siblings_list") | {cpu}
+    except (OSError, ConfigError):
+        return frozenset({cpu})
+
+
+def placed_layout(cpus: Iterable[int], siblings: Callable[[int], frozenset[int]] = core_of
+                  ) -> tuple[dict[str, dict[str, str]], list[int], str]:
     """Where :func:`placed_latency_figures` puts things on ``cpus`` (two or more): ``[cpus]`` for
     agents A and B, the CPUs of the engines' process, and a description for the note. As close
-    to two nodes as the CPUs allow, each agent's bulk threads on CPUs of their own:
+    to two nodes as the machine allows, counted in physical cores (``siblings``: a CPU's
+    hyperthreads; on a single core, in logical CPUs), so that no bulk thread shares a core with
+    an event loop or the engines:
 
-    * 5 or more: each agent's event loop on a CPU of its own, the engines on a third, and the
-      rest split between the two agents' bulk threads (a node each, as in a deployment);
-    * 3 or 4: both event loops and the engines on the first CPU, the rest split between the
+    * 5 cores or more: each agent's event loop on a core of its own, the engines on a third, and
+      the rest split between the two agents' bulk threads;
+    * 3 or 4: both event loops and the engines on the first core, the rest split between the
       agents' bulk threads;
     * 2: event loops and engines on the first, both agents' bulk threads on the second (where one
       bulk thread can be switched out holding its GIL for the other agent's: docs/benchmarks.md,
       "CPU placement")."""
-    if len(cpus) < 2:
-        raise ValueError(f"placement needs two CPUs or more, got {cpus}")
-    if len(cpus) >= 5:
-        mains, engines, rest = cpus[:2], cpus[2:3], cpus[3:]
+    allowed = sorted(set(cpus))
+    if len(allowed) < 2:
+        raise ValueError(f"placement needs two CPUs or more, got {allowed}")
+    units: list[list[int]] = []
+    seen: set[int] = set()
+    for c in allowed:
+        if c not in seen:
+            core = sorted((siblings(c) | {c}) & set(allowed))
+            seen.update(core)
+            units.append(core)
+    what = "cores"
+    if len(units) < 2:  # one core's hyperthreads: place them as CPUs
+        units, what = [[c] for c in allowed], "CPUs (hyperthreads of one core)"
+    if len(units) >= 5:
+        mains, engines, rest = units[:2], units[2], units[3:]
     else:
-        mains, engines, rest = cpus[:1] * 2, cpus[:1], cpus[1:]
+        mains, engines, rest = units[:1] * 2, units[0], units[1:]
     if len(rest) >= 2:
         half = (len(rest) + 1) // 2
         bulks = [rest[:half], rest[half:]]
-        how = ("each agent's event loop, the engines and each agent's bulk threads on CPUs of their own"
-               if len(cpus) >= 5 else "the event loops and the engines on one CPU, each agent's bulk threads "
-                                      "on CPUs of their own")
+        if len(units) >= 5:
+            how = f"each agent's event loop, the engines and each agent's bulk threads on {what} of their own"
+        else:
+            how = (f"the event loops and the engines on one of the {what}, each agent's bulk threads on {what} "
+                   "of their own")
     else:
         bulks = [rest, rest]
-        how = "the event loops and the engines on one CPU, both agents' bulk threads on the other"
-    layout = {s: {"main": format_cpus([m]), "bulk": format_cpus(b)} for s, m, b in zip("AB", mains, bulks)}
+        how = f"the event loops and the engines on one of the two {what}, both agents' bulk threads on the other"
+    layout = {s: {"main": format_cpus(m), "bulk": format_cpus([c for u in b for c in u])}
+              for s, m, b in zip("AB", mains, bulks)}
     return layout, engines, how
 
 
@@ -414,7 +442,7 @@ async def placed_latency_figures(figs, quick: bool, gbps: float, ratio: float) -
     figs.add("token_latency_under_load_p99_placed", percentile(loaded, 99), "ms", "idle p99 (placed)",
              percentile(idle, 99),
              note=f"the token figure with both agents placed by [cpus] ({where}) and the engines' process on "
-                  f"CPU {format_cpus(engines)}: {how}, no bulk thread on the token path's cores; "
+                  f"CPU {format_cpus(engines)}: {how}, no bulk thread on a core of the token path's; "
                   f"{len(loaded)} samples during 1 GiB transfers at {placed_gbps:.2f} GB/s (unplaced, in this "
                   f"run: {gbps:.2f} GB/s and {ratio:.1f}x), p50 {percentile(loaded, 50):.2f} ms; "
                   f"idle: {len(idle)} samples")

@@ -92,7 +92,10 @@ class AgentPair:
 
     def __init__(self, *, streams: int = 4, chunk: int = 4 << 20, bulk_threads: int = 1, extra: str = "",
                  same_site_ucx: bool = False, extra_by_site: dict[str, str] | None = None) -> None:
-        """``extra``: TOML appended to both agents' configs; ``extra_by_site``: to one's ("A", "B")."""
+        """``extra``: TOML appended to both agents' configs; ``extra_by_site``: to one's ("A" or
+        "B"), after ``extra`` (the two must not declare the same table)."""
+        if extra_by_site and not set(extra_by_site) <= {"A", "B"}:
+            raise ValueError(f"extra_by_site: sites are 'A' and 'B', got {sorted(extra_by_site)}")
         self.dir = Path(tempfile.mkdtemp(prefix="pdd-wire-"))  # configs, sockets and agent logs
         self.procs: dict[str, subprocess.Popen] = {}
         ports = {s: (free_port(), free_port()) for s in "AB"}
@@ -107,7 +110,8 @@ class AgentPair:
             other = "B" if s == "A" else "A"
             text = agent_toml(sites[s], nodes[s], ports[s][0], ports[s][1], self.sockets[s],
                               [(sites[other], nodes[other], ports[other][0])], streams=streams, chunk=chunk,
-                              bulk_threads=bulk_threads, extra=extra + (extra_by_site or {}).get(s, ""),
+                              bulk_threads=bulk_threads,
+                              extra=extra + "\n" + (extra_by_site or {}).get(s, ""),
                               transport="ucx" if same_site_ucx else "tcp")
             path = self.dir / f"{s}.toml"
             path.write_text(text)
