@@ -285,6 +285,7 @@ def test_the_placed_figure_comes_as_close_to_two_nodes_as_the_cpus_allow(cpus):
     (A takes the odd one); every CPU used; the note's text says which layout it is."""
     layout, engines, how, units = _check_layout(cpus, _alone)
     ba, bb = (parse_cpus(layout[s]["bulk"], "bulk") for s in "AB")
+    assert how.endswith(", no bulk thread on a core of the token path's")
     if units >= 3:
         assert 0 <= len(ba) - len(bb) <= 1
     if units >= 5:
@@ -304,6 +305,7 @@ def test_the_placed_figure_counts_cores_not_hyperthreads():
     assert units == 8 and layout["A"]["main"] == "0,8" and layout["B"]["main"] == "1,9" and engines == [2, 10]
     layout, engines, how, units = _check_layout([4, 5], lambda c: frozenset({4, 5}))
     assert layout["A"] == layout["B"] == {"main": "4", "bulk": "5"} and "hyperthreads of one core" in how
+    assert "share the token path's core" in how and "no bulk thread on a core" not in how
 
 
 def test_the_placed_figure_needs_two_cpus():

@@ -406,6 +406,8 @@ def placed_layout(cpus: Iterable[int], siblings: Callable[[int], frozenset[int]]
     else:
         bulks = [rest, rest]
         how = f"the event loops and the engines on one of the two {what}, both agents' bulk threads on the other"
+    how += (", no bulk thread on a core of the token path's" if what == "cores" else
+            ", so the bulk threads share the token path's core as its other hyperthreads")
     layout = {s: {"main": format_cpus(m), "bulk": format_cpus([c for u in b for c in u])}
               for s, m, b in zip("AB", mains, bulks)}
     return layout, engines, how
@@ -414,9 +416,9 @@ def placed_layout(cpus: Iterable[int], siblings: Callable[[int], frozenset[int]]
 async def placed_latency_figures(figs, quick: bool, gbps: float, ratio: float) -> None:
     """``token_latency_under_load_p99_placed``: the token figure again with two agents placed by
     ``[cpus]`` as :func:`placed_layout` says, and the engines' process (this one) on its CPUs, so
-    the token path's processes share no core with the bulk threads; against idle samples of the
-    same agents. ``gbps`` and ``ratio``: the unplaced agents' transfers and token ratio in this
-    run, for the note."""
+    the token path's processes share no core with the bulk threads (where the machine has two
+    cores or more); against idle samples of the same agents. ``gbps`` and ``ratio``: the unplaced
+    agents' transfers and token ratio in this run, for the note."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         print("# one CPU: token_latency_under_load_p99_placed needs two (cpus.main apart from cpus.bulk)")
@@ -442,7 +444,7 @@ async def placed_latency_figures(figs, quick: bool, gbps: float, ratio: float) -
     figs.add("token_latency_under_load_p99_placed", percentile(loaded, 99), "ms", "idle p99 (placed)",
              percentile(idle, 99),
              note=f"the token figure with both agents placed by [cpus] ({where}) and the engines' process on "
-                  f"CPU {format_cpus(engines)}: {how}, no bulk thread on a core of the token path's; "
+                  f"CPU {format_cpus(engines)}: {how}; "
                   f"{len(loaded)} samples during 1 GiB transfers at {placed_gbps:.2f} GB/s (unplaced, in this "
                   f"run: {gbps:.2f} GB/s and {ratio:.1f}x), p50 {percentile(loaded, 50):.2f} ms; "
                   f"idle: {len(idle)} samples")
