@@ -62,6 +62,7 @@ class Handoff:
         self.deferred = 0  # RLD events after which a due switch waited for a clean text boundary
         self.outcome = ""  # how the output ended (the handoffs_total outcome)
         self.warm: asyncio.Task[bool] | None = None
+        self._warm_s: float | None = None  # when MD's warm request ended, from the request's start
         self.absorb: asyncio.Task[bool] | None = None
         self._absorb_k = 0
         self._absorb_t0 = 0.0
@@ -80,6 +81,7 @@ class Handoff:
                   "stream_interval"):
             warm.pop(k, None)
         self.warm = asyncio.ensure_future(warm_ok(self.core, self.md, self.req.path, warm))
+        self.warm.add_done_callback(self._warm_ended)
         ended = False
         try:
             resp = await self._run()
@@ -204,6 +206,14 @@ class Handoff:
     def _md_ready_left(self) -> float:
         return self.cfg.md_ready_s - (time.monotonic() - self.req.trace.t0)
 
+    def _warm_ended(self, _task: asyncio.Task) -> None:
+        self._warm_s = time.monotonic() - self.req.trace.t0
+
+    def _md_late(self) -> bool:
+        """MD's warm request ended after ``md_ready_s``: it did not hold the KV in time, however
+        soon after RLD's loop looks (a busy router may look late)."""
+        return self._warm_s is not None and self._warm_s > self.cfg.md_ready_s
+
     def _stay(self, kind: str, **fields) -> None:
         self.stay = kind
         self.core.fallback(self.req.rid, kind, position=len(self.out.ids), **fields)
@@ -222,6 +232,9 @@ class Handoff:
         if not self.warm.done():
             if self._md_ready_left() < 0:
                 self._stay("md_not_ready")
+            return False
+        if self._md_late():
+            self._stay("md_not_ready")
             return False
         if not self.warm.result():
             self._stay("md_failed")
