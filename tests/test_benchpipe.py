@@ -39,14 +39,12 @@ def test_an_echo_that_fails_is_an_error_not_a_hang():
 
 
 def test_the_pipe_takes_a_send_size_and_a_receiver_mode():
-    """Blocking MSG_WAITALL reads fill 4 MiB a call (the kernel waits for the whole buffer); the
-    loop's reads take what the socket holds (over a 4 MiB region, at least one a pass); sends of
-    256 KiB move the same bytes. Every byte sent arrives (bare_pipe_split checks the receiver's
-    count against the sender's)."""
+    """Blocking MSG_WAITALL reads fill 4 MiB a call (the kernel waits for the whole buffer);
+    sends of 256 KiB move the same bytes. Every byte sent arrives (bare_pipe_split checks the
+    receiver's count against the sender's)."""
     block = bare_pipe_split(4 * MiB, reps=4, rx="block", xxh3=True)
     assert block["rx_reads_per_4MiB"] == 1.0
     loop = bare_pipe_split(4 * MiB, reps=4, write=256 << 10)
-    assert loop["rx_reads_per_4MiB"] >= 1.0
     for r in (block, loop):
         assert r["gbps"] > 0 and r["tx_s_per_gb"] > 0 and r["rx_s_per_gb"] > 0 and r["t1"] > r["t0"]
 

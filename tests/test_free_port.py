@@ -37,7 +37,11 @@ def test_a_port_in_use_is_skipped(monkeypatch):
 
 
 def test_a_narrow_range_falls_back_to_the_kernels_pick(monkeypatch):
+    """Under 2048 ports below the range: the picker does not search them, the kernel picks
+    (from its real range, which the patched one only pretends to move), and the port is free."""
+    real_lo, real_hi = harness._ephemeral_range()
     monkeypatch.setattr(harness, "_ephemeral_range", lambda: (21000, 60999))
     p = harness.free_port()
+    assert real_lo <= p <= real_hi, p
     with socket.socket() as s:
         s.bind(("127.0.0.1", p))

@@ -49,13 +49,13 @@ from pdd_wire.router import Router, loads
 from pdd_wire.stats import percentile
 
 from .bench_vllm import agent_toml, prompt_for
+from .harness import free_port
 from .vllm.serve import (
     BLOCK,
     VllmServer,
     complete,
     completion_body,
     connector_config,
-    free_port,
     missing,
     running,
 )

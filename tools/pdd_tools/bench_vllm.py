@@ -34,6 +34,7 @@ import aiohttp
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
 
+from .harness import free_port
 from .vllm.serve import (
     BLOCK,
     VOCAB,
@@ -42,7 +43,6 @@ from .vllm.serve import (
     complete,
     completion_body,
     connector_config,
-    free_port,
     missing,
     running,
     tokens,

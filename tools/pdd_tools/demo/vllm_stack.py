@@ -29,7 +29,8 @@ from pathlib import Path
 
 import aiohttp
 
-from ..vllm.serve import VllmServer, complete, completion_body, connector_config, free_port, until_healthy
+from ..harness import free_port
+from ..vllm.serve import VllmServer, complete, completion_body, connector_config, until_healthy
 from . import tiny
 from .config import MD_PEER, DemoConfig
 from .layout import Layout, Procs, agent_toml, layout_for

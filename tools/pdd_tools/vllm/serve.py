@@ -27,7 +27,7 @@ from aiohttp import web
 import pdd_wire
 from pdd_wire.router.server import UPSTREAM_KEEPALIVE_S
 
-from ..harness import free_port  # noqa: F401 - callers import it from here
+from ..harness import free_port
 from .roles import VENV_DIR, checkout_path, find_venv
 
 # The checkout whose pdd_wire runs here (checkout_path() puts it first on the servers' PYTHONPATH).
