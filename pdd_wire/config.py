@@ -77,7 +77,7 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
 
 
 class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
-    max_body: int = 1 * MiB  # largest control frame body accepted from a peer or engine
+    max_body: int = 1 * MiB  # largest control frame body from a peer (engine messages: 16 MiB, proto/engine.md)
     max_engines: int = 64
     max_engines_per_uid: int = 32  # engine connections of one uid: others keep the rest of max_engines
     max_regions: int = 4096  # per engine

@@ -197,7 +197,12 @@ class EngineRequests:
         if msg.bytes < 0:
             raise EngineRequestError(f"bytes must be >= 0, got {msg.bytes}", ErrorCode.BAD_REQUEST)
         s = self.peers.session_for(msg.to)
-        return {"peer": s.key, "up": s.is_up, "seconds": s.predict(msg.bytes)} | s.est.describe(s.queue_bytes())
+        # The figures `seconds` was computed from: the probes' bandwidth, or before their first
+        # sample the goodput of finished transfers (bandwidth_source says which; 0 and None: neither).
+        probed = s.est.bandwidth_Bps
+        source = "probes" if probed else "transfers" if s.goodput_Bps else None
+        return ({"peer": s.key, "up": s.is_up, "seconds": s.predict(msg.bytes)} | s.est.describe(s.queue_bytes())
+                | {"bandwidth_Bps": round(probed or s.goodput_Bps), "bandwidth_source": source})
 
     async def _choose_pipeline(self, msg: p.ChoosePipeline) -> dict:
         session = self.peers.session_for(msg.to)

@@ -28,7 +28,8 @@ if TYPE_CHECKING:
 
 log = structlog.get_logger("pdd_wire.engine")
 
-MAX_FDS = 4
+MAX_FDS = 4  # fds in one recvmsg, and fds held that no register request read so far claims
+MAX_PENDING_REGISTERS = 16  # registers read and waiting their turn (each holds its fd); more stay in the socket
 
 
 MAX_QUEUED = 1024  # requests of one engine decoded and waiting; more stay in the socket
@@ -48,6 +49,7 @@ class EngineConn:
         self.loop = asyncio.get_running_loop()
         self._decoder = p.Decoder(to_agent=True, max_message=server.max_message)
         self._fds: list[int] = []
+        self._claims = 0  # register requests read whose turn (and fd) has not come yet
         self._out = bytearray()
         self._writing = False
         self.closed = False
@@ -78,17 +80,21 @@ class EngineConn:
                 fds = array.array("i")
                 fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
                 self._fds.extend(fds)
-        if len(self._fds) > MAX_FDS:
-            self.close(f"{len(self._fds)} file descriptors sent without register requests to use them")
-            return
         if flags & socket.MSG_CTRUNC:
-            self.close("too many file descriptors in one message")
+            self._refuse(f"more than {MAX_FDS} file descriptors in one message")
             return
         if not data:
             self.close("engine closed the socket")
             return
         try:
             msgs = self._decoder.feed(data)
+            self._claims += sum(1 for msg in msgs if type(msg) is p.Register)
+            # An fd rides with the first byte of its register (proto/engine.md §4), so by now every
+            # register read has its fd here; what no register claims is limited.
+            unclaimed = len(self._fds) - self._claims
+            if unclaimed > MAX_FDS:
+                self._refuse(f"{unclaimed} file descriptors sent without register requests to use them")
+                return
             now, budget = self.server.now_types, NOW_PER_READ
             for msg in msgs:
                 # A request that never waits is answered here, in the read, when nothing is ahead
@@ -101,7 +107,7 @@ class EngineConn:
                         return
                 else:
                     self._queue.put_nowait(msg)
-            if self._queue.qsize() >= MAX_QUEUED and self._reading:
+            if (self._queue.qsize() >= MAX_QUEUED or self._claims >= MAX_PENDING_REGISTERS) and self._reading:
                 self.loop.remove_reader(self.sock.fileno())
                 self._reading = False
             self._rearm(restart=bool(msgs))
@@ -119,8 +125,17 @@ class EngineConn:
             finally:
                 self._busy = False
 
+    def _refuse(self, why: str) -> None:
+        """A file descriptor rule broken: tell the engine (``err {id 0, BAD_REQUEST}``), then close."""
+        self.server.on_error(ErrorCode.BAD_REQUEST)
+        self.send(p.Err(code=int(ErrorCode.BAD_REQUEST), message=why))
+        self.close(why)
+
     async def _answer(self, msg: p.Msg) -> None:
-        if not self._reading and self._queue.qsize() < MAX_QUEUED // 2 and not self.closed:
+        if isinstance(msg, p.Register):
+            self._claims -= 1
+        if (not self._reading and self._queue.qsize() < MAX_QUEUED // 2
+                and self._claims < MAX_PENDING_REGISTERS // 2 and not self.closed):
             self.loop.add_reader(self.sock.fileno(), self._readable)
             self._reading = True
             self._rearm(restart=True)
@@ -306,7 +321,8 @@ class EngineServer:
                             "engine refused: limits.max_engines_per_uid reached", uid=uid,
                             limit=self.max_engines if full else self.max_per_uid)
                 msg = p.encode(p.Err(code=int(ErrorCode.LIMIT_EXCEEDED),
-                                     message=f"agent already serves {self.max_engines} engines" if full else
+                                     message=f"agent already serves {self.max_engines} engines (limits.max_engines)"
+                                     if full else
                                      f"agent already serves {mine} engines of uid {uid} "
                                      f"(limits.max_engines_per_uid)"))
                 try:

@@ -20,6 +20,8 @@ async def test_choice_uses_live_link_figures_and_is_counted(tmp_sock_dir, engine
         # No transfer has finished yet: bandwidth unknown, so RLD must mask the WAN.
         d = await ea.choose_pipeline("r0", to="B", **figures)
         assert d["pipeline"] == "P-RLD-MD" and d["link"]["bandwidth_Bps"] == 0 and d["link"]["peer"] == "B/b1"
+        est = await ea.estimate("B", 8 * MiB)
+        assert est["seconds"] is None and est["bandwidth_Bps"] == 0 and est["bandwidth_source"] is None, est
         # One real 32 MiB transfer gives the session a goodput estimate.
         src, dst = engines.memory(32 * MiB), engines.memory(32 * MiB)
         await fill_random(src)
@@ -30,6 +32,10 @@ async def test_choice_uses_live_link_figures_and_is_counted(tmp_sock_dir, engine
         d = await ea.choose_pipeline("r1", to="B", **figures)
         bw = d["link"]["bandwidth_Bps"]
         assert bw > 0 and d["link"]["rtt_s"] > 0
+        # estimate reports the bandwidth its seconds come from (here the transfer's goodput: no probe ran).
+        est = await ea.estimate("B", 8 * MiB)
+        assert est["bandwidth_source"] == "transfers" and est["bandwidth_Bps"] == round(bw), est
+        assert est["seconds"] == pytest.approx((est["rtt_s"] or 0) + (est["queue_bytes"] + 8 * MiB) / bw), est
         # 536 missing tokens x 50 kB = 26.8 MB: within the 0.2 s budget at >= 134 MB/s.
         want = "P-MD" if 536 * 50_000 / bw + d["link"]["rtt_s"] <= 0.2 else "P-RLD-MD"
         assert d["pipeline"] == want and abs(d["predicted_wan_s"] - (536 * 50_000 / bw + d["link"]["rtt_s"])) < 1e-9

@@ -464,6 +464,12 @@ async def _holder_then_garbage(eng: RawEngine, ag) -> None:
     assert metric(ag["A"], "pddwire_regions_registered") == before
 
 
+def _refused_for_fds(msgs: list, what: str) -> None:
+    """The agent's answer to a broken fd rule: one err {id 0, BAD_REQUEST} naming it, then the close."""
+    assert len(msgs) == 1 and isinstance(msgs[0], p.Err), msgs
+    assert msgs[0].id == 0 and msgs[0].code == ErrorCode.BAD_REQUEST and what in msgs[0].message, msgs
+
+
 async def _too_many_fds(eng: RawEngine, ag) -> None:
     """More fds than one recvmsg takes: the connection is closed, and no fd stays behind."""
     with SharedMemory(64 * KiB) as mem:
@@ -472,8 +478,7 @@ async def _too_many_fds(eng: RawEngine, ag) -> None:
         try:
             eng.sock.sendmsg([p.encode(p.Status(id=1))],
                              [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", mine))])
-            msgs = await eng.until_closed()
-            assert not any(isinstance(x, p.Ok) for x in msgs), msgs
+            _refused_for_fds(await eng.until_closed(), "more than 4 file descriptors in one message")
             # Every fd that arrived is closed, and so is the agent's end of this connection.
             await until(lambda: _open_fds() == fds - 1, what="the agent closed every fd it received")
         finally:
@@ -481,7 +486,60 @@ async def _too_many_fds(eng: RawEngine, ag) -> None:
                 os.close(fd)
 
 
+async def _unclaimed_fds(eng: RawEngine, ag) -> None:
+    """fds on messages that are not registers: up to 4 are held for later registers; past that the
+    engine is told and closed, and every fd it sent is closed."""
+    with SharedMemory(64 * KiB) as mem:
+        mine = [os.dup(mem.fd) for _ in range(6)]
+        fds = _open_fds()
+        try:
+            for i, group in enumerate((mine[:3], mine[3:])):
+                eng.sock.sendmsg([p.encode(p.Status(id=i + 1))],
+                                 [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", group))])
+                if i == 0:  # 3 unclaimed: within the limit, served
+                    assert isinstance(await eng.reply(), p.Ok)
+            _refused_for_fds(await eng.until_closed(), "6 file descriptors sent without register requests")
+            await until(lambda: _open_fds() == fds - 1, what="the agent closed every fd it received")
+        finally:
+            for fd in mine:
+                os.close(fd)
+
+
+async def _pipelined_registers(eng: RawEngine, ag) -> None:
+    """Registers sent one after another without waiting, each with its fd on its first byte (as
+    proto/engine.md §4 allows): every one is served, in order, more than 4 of them in flight."""
+    n = 12
+    before = len(ag["A"].regions)
+    mems = [SharedMemory(256 * KiB) for _ in range(n)]
+    try:
+        for i, mem in enumerate(mems):
+            await eng.send(p.encode(p.Register(id=i + 1, size=256 * KiB, block_bytes=64 * KiB)), fd=mem.fd)
+        replies = [await eng.reply() for _ in range(n)]
+        assert [type(r) for r in replies] == [p.Ok] * n, replies
+        assert [r.id for r in replies] == list(range(1, n + 1))
+        assert len(ag["A"].regions) == before + n
+    finally:
+        eng.close()
+        for mem in mems:
+            mem.close()
+    await until(lambda: len(ag["A"].regions) == before)
+
+
+async def _request_without_id(eng: RawEngine, ag) -> None:
+    """id 0 belongs to events and connection errors: a request carrying it is refused as malformed."""
+    await eng.send(p.encode(p.Status(id=1)))
+    assert isinstance(await eng.reply(), p.Ok)
+    body = encode_body({"op": "status"})
+    await eng.send(struct.pack(">I", len(body)) + body)
+    msgs = await eng.until_closed()
+    assert len(msgs) == 1 and isinstance(msgs[0], p.Err), msgs
+    assert msgs[0].id == 0 and msgs[0].code == ErrorCode.MALFORMED_BODY and "without an id" in msgs[0].message
+
+
 ENGINE_CASES = {
+    "fds_no_register_claims": _unclaimed_fds,
+    "registers_pipelined": _pipelined_registers,
+    "request_without_id": _request_without_id,
     "too_many_fds_in_one_message": _too_many_fds,
     "garbage_body": _garbage_body,
     "random_garbage": _random_garbage,

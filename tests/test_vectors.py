@@ -229,3 +229,12 @@ def test_generator_reproduces_the_files(tmp_path):
     for n in names:
         assert (tmp_path / n).read_bytes() == (VECTORS / n).read_bytes(), \
             f"{n} differs from what the code produces: rerun proto/vectors/generate.py"
+
+
+def test_engine_request_fields_with_defaults_may_be_left_out():
+    """proto/engine.md gives `prefix_hit_tokens` of choose_pipeline a default of 0: a request
+    without it is served, not refused as malformed."""
+    body = msgspec.msgpack.encode({"op": "choose_pipeline", "id": 3, "request_id": "r", "to": "B",
+                                   "input_tokens": 100, "expected_output_tokens": 10, "kv_bytes_per_token": 64})
+    (msg,) = p.Decoder(to_agent=True).feed(struct.pack(">I", len(body)) + body)
+    assert isinstance(msg, p.ChoosePipeline) and msg.prefix_hit_tokens == 0 and msg.block_hashes is None

@@ -17,6 +17,7 @@ import msgspec
 from ..errors import ErrorCode, ProtocolError
 
 Epoch = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # sent to the peer in HANDOFF_* (proto/messages.md)
+U64 = Annotated[int, msgspec.Meta(ge=0)]  # a block hash (proto/engine.md: [uint64]; msgpack ints end at 2^64-1)
 
 LENGTH = struct.Struct(">I")
 MAX_MESSAGE = 16 << 20
@@ -68,7 +69,7 @@ class SendKv(Msg, tag="send_kv"):
     deadline_s: float | None = None
     # Chained hashes of the blocks, in order (pdd_wire.engine.hashes.chain_hashes): a destination
     # whose node holds a leading run of them gets only the rest.
-    block_hashes: list[int] | None = None
+    block_hashes: list[U64] | None = None
     # The lease: how long each destination holds the transfer for its receive to be posted
     # (KV_BEGIN.post_wait_ms; the receiver caps it at its transfer.post_ttl_s). The blocks stay
     # pinned meanwhile. None = the receiver's transfer.unposted_wait_s.
@@ -94,7 +95,7 @@ class KvStored(Msg, tag="kv_stored"):
     block of ``blocks`` (the prefix inventory)."""
 
     blocks: list[tuple[int, int, int]]
-    hashes: list[int]
+    hashes: list[U64]
 
 
 class KvEvict(Msg, tag="kv_evict"):
@@ -102,7 +103,7 @@ class KvEvict(Msg, tag="kv_evict"):
     (``evicted``) and which are leased to a request in flight (``kept``). ``force``: they are
     gone anyway (leases on them break; those transfers fall back to shipping the blocks)."""
 
-    hashes: list[int]
+    hashes: list[U64]
     force: bool = False
 
 
@@ -129,11 +130,11 @@ class ChoosePipeline(Msg, tag="choose_pipeline"):
     request_id: str
     to: str  # the main decoder's site (or site/node)
     input_tokens: int
-    prefix_hit_tokens: int
     expected_output_tokens: int
     kv_bytes_per_token: int
+    prefix_hit_tokens: int = 0
     # With these, the matched prefix comes from MD's inventory (one round trip), not from the engine.
-    block_hashes: list[int] | None = None
+    block_hashes: list[U64] | None = None
     block_tokens: int = 0
 
 
@@ -322,6 +323,7 @@ class Decoder:
 
     def __init__(self, *, to_agent: bool, max_message: int = MAX_MESSAGE) -> None:
         self._dec = _dec_request if to_agent else _dec_to_engine
+        self._requests = to_agent  # a request's id must be non-zero (0 is the id of events and connection errors)
         self._buf = bytearray()
         self.max_message = max_message
 
@@ -343,7 +345,12 @@ class Decoder:
             body = bytes(self._buf[4:4 + n])
             del self._buf[:4 + n]
             try:
-                out.append(self._dec.decode(body))
+                msg = self._dec.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
                 raise ProtocolError(f"malformed engine message: {exc}", ErrorCode.MALFORMED_BODY) from exc
+            if self._requests and msg.id == 0:
+                raise ProtocolError(f"malformed engine message: {type(msg).__name__} request without an id "
+                                    "(id 0 is only for events and connection errors; proto/engine.md §2)",
+                                    ErrorCode.MALFORMED_BODY)
+            out.append(msg)
         return out

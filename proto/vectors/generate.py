@@ -370,6 +370,16 @@ def build(v: Vectors) -> None:
     v.engine_bad("engine_unknown_op", "an op the agent does not know: MALFORMED_BODY (and the agent closes)",
                  struct.pack(">I", len(unknown)) + unknown, ErrorCode.MALFORMED_BODY, to_agent=True,
                  after=4 + len(unknown))
+    no_id = msgspec.msgpack.encode({"op": "status"})
+    v.engine_bad("engine_request_id_0", "a request without an id (id 0 is for events and connection errors): "
+                 "MALFORMED_BODY (and the agent closes)",
+                 struct.pack(">I", len(no_id)) + no_id, ErrorCode.MALFORMED_BODY, to_agent=True,
+                 after=4 + len(no_id))
+    neg = msgspec.msgpack.encode({"op": "send_kv", "id": 4, "request_id": "r-1", "blocks": [[1, 0, 1]],
+                                  "to": ["B"], "block_hashes": [-1]})
+    v.engine_bad("engine_range_block_hash_negative", "send_kv with a block hash outside uint64 (-1): "
+                 "MALFORMED_BODY (and the agent closes)",
+                 struct.pack(">I", len(neg)) + neg, ErrorCode.MALFORMED_BODY, to_agent=True, after=4 + len(neg))
 
 
 def generate(out: Path) -> list[str]:
