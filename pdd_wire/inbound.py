@@ -212,6 +212,7 @@ class Inbound:
                         conn.on_frame = lambda c, f: first.done() or first.set_result(f)
                         conn.on_lost = lambda c, e: first.done() or first.set_exception(
                             TransportError(f"closed before HELLO: {e}"))
+                        conn.on_framing_error = self.metrics.error
                         await adopt(h.sock, conn, ssl_ctx=self.ssl_server, timeout=to.handshake_s)
                         if self.ssl_server is not None:  # plaintext: a HELLO proves nothing yet
                             h.stage = VERIFIED
@@ -246,7 +247,11 @@ class Inbound:
             self.metrics.error(exc.code)
             self.log.warning("inbound connection refused", remote=str(h.addr), error=str(exc), code=exc.code.name)
             h.close()
-        except (PddWireError, TimeoutError, OSError) as exc:  # transport, protocol; a config error of a session
+        except ProtocolError as exc:  # the preamble (BAD_MAGIC, UNSUPPORTED_FRAME_VERSION): no reply, no TLS yet
+            self.metrics.error(exc.code)
+            self.log.info("inbound connection failed", remote=str(h.addr), error=str(exc), code=exc.code.name)
+            h.close()
+        except (PddWireError, TimeoutError, OSError) as exc:  # transport; a config error of a session
             self.log.info("inbound connection failed", remote=str(h.addr), error=str(exc) or repr(exc))
             h.close()
         finally:
@@ -348,7 +353,7 @@ class Inbound:
             main.call_soon_threadsafe(h.session.adopt_bulk, h.stream, bulk, h.conn)
             main.call_soon_threadsafe(settle, None)
 
-        handler = BulkHandler(None, -1, main, resolve=resolve, on_attach=on_attach)
+        handler = BulkHandler(None, -1, main, resolve=resolve, on_attach=on_attach, count_error=self.metrics.error)
         timeout = self.config.timeouts.handshake_s
         try:
             await adopt(sock, handler.conn, ssl_ctx=self.ssl_server if self.bulk_tls else None, timeout=timeout)

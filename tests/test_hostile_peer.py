@@ -4,12 +4,13 @@ closes that connection only; the agent goes on serving."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 
-from conftest import metric
+from conftest import metric, until
 from pdd_wire.errors import ErrorCode
 from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL
-from pdd_wire.wire import FrameType, Lane, encode_bytes
+from pdd_wire.wire import FrameType, Lane, encode_body, encode_bytes
 from pdd_wire.wire import messages as m
 from support.agents import run_agents, two_site_toml
 from support.raw_peer import RawPeer, hello
@@ -65,3 +66,64 @@ async def test_a_chunk_without_its_checksum_closes_the_bulk_connection_only(tmp_
         assert await peer.pong(3)
         bulk.close()
         peer.close()
+
+
+def _errors(b, code: ErrorCode) -> float:
+    return metric(b, "pddwire_errors_total", code=code.name)
+
+
+async def test_framing_errors_and_bad_preambles_are_counted_by_their_code(tmp_sock_dir):
+    """Every framing error found in a peer's bytes is named and counted (proto/frames.md §1),
+    the preamble's too (no reply there: no TLS yet); the agent keeps serving."""
+    async with agent_b(tmp_sock_dir) as b:
+        port = b.wan_address[1]
+        # Reserved preamble bytes not 0: a bad preamble, closed without a reply.
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b"PDDWC\x01\x01\x00")
+        assert await r.read() == b""
+        w.close()
+        await until(lambda: _errors(b, ErrorCode.BAD_MAGIC) == 1, what="the bad preamble counted")
+        # A control frame whose header check fails.
+        peer, _ = await hello_as_a(b)
+        bad = bytearray(encode_bytes(FrameType.PING, encode_body(m.Ping(nonce=1, sent_ns=1))))
+        bad[40] ^= 0xFF
+        peer.writer.write(bytes(bad))
+        got = await peer.until_closed()
+        assert (FrameType.ERROR, ErrorCode.HEADER_CHECKSUM) in [(t, getattr(x, "code", None)) for t, x in got], got
+        await until(lambda: _errors(b, ErrorCode.HEADER_CHECKSUM) == 1, what="the header check counted")
+        peer.close()
+        # A bulk connection that sends a PING after its BULK_HELLO.
+        peer, welcome = await hello_as_a(b)
+        bulk = await RawPeer.dial(port, KIND_BULK)
+        bulk.send(FrameType.BULK_HELLO, m.BulkHello(session=welcome.session, stream=0, site="A", node="a1"))
+        assert (await bulk.next())[0] == FrameType.BULK_WELCOME
+        before = _errors(b, ErrorCode.UNEXPECTED_FRAME)
+        bulk.send(FrameType.PING, m.Ping(nonce=2, sent_ns=1))
+        await bulk.until_closed()
+        await until(lambda: _errors(b, ErrorCode.UNEXPECTED_FRAME) == before + 1, what="the bulk error counted")
+        assert await peer.pong(4)  # the control connection is untouched
+        bulk.close()
+        peer.close()
+
+
+async def test_a_kv_begin_with_transfer_id_0_is_out_of_range(tmp_sock_dir):
+    async with agent_b(tmp_sock_dir) as b:
+        peer, _ = await hello_as_a(b)
+        peer.send(FrameType.KV_BEGIN, m.KvBegin("r-0", 4096, 4096, 1, 4096, 1, 1000), transfer_id=0)
+        got = await peer.until_closed()
+        assert [(t, x.code) for t, x in got if t != FrameType.PING] == [(FrameType.ERROR, ErrorCode.OUT_OF_RANGE)], got
+        assert "transfer_id 0" in next(x.message for t, x in got if t == FrameType.ERROR)
+        peer.close()
+
+
+async def test_bulk_hello_while_the_control_connection_is_down_is_named(tmp_sock_dir):
+    async with agent_b(tmp_sock_dir) as b:
+        peer, welcome = await hello_as_a(b)
+        peer.close()
+        await until(lambda: not b.sessions["A/a1"].is_up, what="the session down")
+        bulk = await RawPeer.dial(b.wan_address[1], KIND_BULK)
+        bulk.send(FrameType.BULK_HELLO, m.BulkHello(session=welcome.session, stream=0, site="A", node="a1"))
+        got = await bulk.until_closed()
+        assert got and all(t == FrameType.ERROR and x.code == ErrorCode.UNEXPECTED_FRAME
+                           and "control connection is down" in x.message for t, x in got), got
+        bulk.close()

@@ -203,6 +203,7 @@ class PeerSession:
         conn = control_protocol(max_body=self.cfg.limits.max_body, max_unsent=self.cfg.limits.control_buffer_bytes)
         conn.on_frame = self._on_control_frame
         conn.on_lost = self._on_control_lost
+        conn.on_framing_error = self.metrics.error
         return conn
 
     # ------------------------------------------------------------------ accepting
@@ -216,7 +217,7 @@ class PeerSession:
             old.abort()
             self._connection_down("replaced")
         conn.on_frame = self._on_control_frame
-        conn.on_lost = self._on_control_lost
+        conn.on_lost = self._on_control_lost  # (its on_framing_error counts already: inbound set it)
         welcome = m.Welcome(version=version, site=self.cfg.site, node=self.cfg.node,
                             incarnation=self.host.incarnation, session=self.token,
                             capabilities=self._capabilities(), max_body=self.cfg.limits.max_body,
@@ -443,7 +444,7 @@ class PeerSession:
 
     def count_failure(self, direction: str, code: int) -> None:
         self.metrics.child(self.metrics.transfers, self.key, direction, code_name(code).lower()).inc()
-        self.metrics.error(code_name(code))
+        self.count_error(code)
 
     # ------------------------------------------------------------------ PING
     def _ping(self) -> int:
@@ -596,5 +597,4 @@ class PeerSession:
                 "role": "dialer" if self.dialer else "listener", "up": self.is_up,
                 "bulk_streams_up": len(self.links), "bulk_streams": self.streams,
                 "credit_window_bytes": self.flow.window, "bytes_in_flight": self.flow.in_flight_bytes,
-                "chunk_bytes": self.chunk_bytes,
-                "transfers_out": len(self.out), "transfers_in": len(self.inn)}
+                "chunk_bytes": self.chunk_bytes, "transfers_out": len(self.out), "transfers_in": len(self.inn)}

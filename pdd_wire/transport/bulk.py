@@ -84,8 +84,9 @@ class BulkHandler:
     ``welcomed``: on a dialed connection, resolved by the peer's BULK_WELCOME."""
 
     def __init__(self, session: "BulkOwner | None", stream: int, main: asyncio.AbstractEventLoop, *,
-                 resolve=None, max_body: int = 64 << 10, on_attach=None) -> None:
+                 resolve=None, max_body: int = 64 << 10, on_attach=None, count_error=None) -> None:
         self.session = session
+        self.count_error = count_error  # count_error(code), on the main loop: the protocol errors found here
         self.welcomed: asyncio.Future | None = None
         self.stream = stream
         self.main = main
@@ -101,6 +102,7 @@ class BulkHandler:
         self.conn = FrameProtocol(max_body=max_body, max_payload=MAX_CHUNK, sink=self._sink, bulk=True)
         self.conn.on_frame = self._on_frame
         self.conn.on_lost = self._on_lost
+        self.conn.on_framing_error = self._counted
 
     def _sink(self, header, body):
         if self.session is None:
@@ -182,12 +184,20 @@ class BulkHandler:
             return False
         return payload_checksum(views) == frame.header.payload_xxh3
 
+    def _counted(self, code: ErrorCode) -> None:
+        if self.count_error is not None:
+            self.main.call_soon_threadsafe(self.count_error, code)
+
+    def _fail(self, conn: FrameProtocol, exc: ProtocolError) -> None:
+        self._counted(exc.code)
+        conn.fail(exc)
+
     def _on_frame(self, conn: FrameProtocol, frame: Frame) -> None:
         h = frame.header
         if h.type == FrameType.KV_CHUNK:
             s = self.session
             if s is None:
-                conn.fail(ProtocolError("KV_CHUNK before BULK_HELLO", ErrorCode.UNEXPECTED_FRAME))
+                self._fail(conn, ProtocolError("KV_CHUNK before BULK_HELLO", ErrorCode.UNEXPECTED_FRAME))
                 return
             claim, self._claim = self._claim, None
             ok, nbytes = frame.payload_ok, h.payload_len
@@ -203,17 +213,22 @@ class BulkHandler:
         try:
             msg = decode_body(h.type, frame.body)
         except ProtocolError as exc:
-            conn.fail(exc)
+            self._fail(conn, exc)
             return
         match msg:
             case m.BulkHello() if self.resolve is not None and self.session is None:
                 session = self.resolve(msg)
                 if session is None:
-                    conn.fail(ProtocolError("unknown session token or peer on a bulk connection",
-                                            ErrorCode.UNKNOWN_SESSION))
+                    self._fail(conn, ProtocolError("unknown session token or peer on a bulk connection",
+                                                   ErrorCode.UNKNOWN_SESSION))
                     return
-                if not session.is_up or not 0 <= msg.stream < session.streams:
-                    conn.fail(ProtocolError(f"bulk stream {msg.stream} out of range", ErrorCode.UNEXPECTED_FRAME))
+                if not session.is_up:
+                    self._fail(conn, ProtocolError("the session's control connection is down: bulk connections "
+                                                   "attach to an established session", ErrorCode.UNEXPECTED_FRAME))
+                    return
+                if not 0 <= msg.stream < session.streams:
+                    self._fail(conn, ProtocolError(f"bulk stream {msg.stream} out of range: the session has "
+                                                   f"{session.streams}", ErrorCode.UNEXPECTED_FRAME))
                     return
                 self.session = session
                 self.stream = msg.stream
@@ -225,8 +240,8 @@ class BulkHandler:
             case m.Error():
                 log.warning("peer reported an error on a bulk connection", code=msg.code, message=msg.message)
             case _:
-                conn.fail(ProtocolError(f"unexpected {FrameType(h.type).name} on a bulk connection",
-                                        ErrorCode.UNEXPECTED_FRAME))
+                self._fail(conn, ProtocolError(f"unexpected {FrameType(h.type).name} on a bulk connection",
+                                               ErrorCode.UNEXPECTED_FRAME))
 
     def _on_lost(self, conn: FrameProtocol, exc) -> None:
         self._lz = None

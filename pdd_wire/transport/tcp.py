@@ -257,6 +257,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.on_frame: Callable[["FrameProtocol", Frame], None] = lambda c, f: None
         self.on_lost: Callable[["FrameProtocol", BaseException | None], None] = lambda c, e: None
+        #: Told the code of a framing error (bad magic, header check, size, type, lane, ...) found
+        #: in what the peer sent, before the connection fails with it: the owner counts it.
+        self.on_framing_error: Callable[[ErrorCode], None] | None = None
         self.closed = False
         self.error: BaseException | None = None
         self._gulp = bytearray(64 * 1024)
@@ -323,6 +326,11 @@ class FrameProtocol(asyncio.BufferedProtocol):
                         break
                     self.on_frame(self, frame)
         except ProtocolError as exc:
+            if self.on_framing_error is not None:
+                try:
+                    self.on_framing_error(exc.code)
+                except Exception:  # counting must not keep the connection from failing
+                    _log.exception("framing error callback failed")
             self.fail(exc)
 
     def eof_received(self) -> bool:

@@ -116,7 +116,7 @@ class TcpDataPath(DataPath):
 
     def make_bulk_protocol(self, stream: int, main: asyncio.AbstractEventLoop) -> BulkHandler:
         """A bulk connection's frame handler for this session (created on its bulk loop)."""
-        return BulkHandler(self.owner, stream, main)
+        return BulkHandler(self.owner, stream, main, count_error=getattr(self.owner, "count_error", None))
 
     def _start_stream(self, stream: int, delay: float = 0.0) -> None:
         old = self._stream_tasks.get(stream)

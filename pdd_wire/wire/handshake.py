@@ -90,7 +90,8 @@ def check_welcome(welcome: Welcome, site: str, node: str, address: str) -> None:
 
 def refusal(code: int, message: str) -> HandshakeError:
     """A peer's ERROR frame during the handshake as the error the dialer raises: codes of the
-    handshake group (2xx) are fatal (not retried), the rest are retried."""
+    handshake group (2xx) are fatal (retried only after the longest backoff, proto/handshake.md §4),
+    the rest are retried with the short one."""
     try:
         known = ErrorCode(code)
     except ValueError:
