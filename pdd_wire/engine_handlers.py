@@ -197,12 +197,13 @@ class EngineRequests:
         if msg.bytes < 0:
             raise EngineRequestError(f"bytes must be >= 0, got {msg.bytes}", ErrorCode.BAD_REQUEST)
         s = self.peers.session_for(msg.to)
-        # The figures `seconds` was computed from: the probes' bandwidth, or before their first
-        # sample the goodput of finished transfers (bandwidth_source says which; 0 and None: neither).
-        probed = s.est.bandwidth_Bps
-        source = "probes" if probed else "transfers" if s.goodput_Bps else None
+        # The bandwidth `seconds` was computed from: the link's live estimate (delivery rates of
+        # acknowledged KV and of probes), or before its first sample the goodput of finished
+        # transfers (bandwidth_source says which; 0 and None: neither yet).
+        live = s.est.bandwidth_Bps
+        source = "link_estimate" if live else "goodput" if s.goodput_Bps else None
         return ({"peer": s.key, "up": s.is_up, "seconds": s.predict(msg.bytes)} | s.est.describe(s.queue_bytes())
-                | {"bandwidth_Bps": round(probed or s.goodput_Bps), "bandwidth_source": source})
+                | {"bandwidth_Bps": round(live or s.goodput_Bps), "bandwidth_source": source})
 
     async def _choose_pipeline(self, msg: p.ChoosePipeline) -> dict:
         session = self.peers.session_for(msg.to)

@@ -35,6 +35,19 @@ MAX_PENDING_REGISTERS = 16  # registers read and waiting their turn (each holds 
 MAX_QUEUED = 1024  # requests of one engine decoded and waiting; more stay in the socket
 NOW_PER_READ = 32  # requests answered within one read (EngineServer.now_types); the rest are queued
 
+class _FdRead:
+    """A read that brought fds: stream bytes [r0, r1). The kernel ends a read with the write
+    (skb) that carries fds, so they belong to the registers that *begin* in it, the last ones
+    of the read: decided once every message begun in it is complete (``decided``)."""
+
+    __slots__ = ("r0", "r1", "fds", "regs", "decided")
+
+    def __init__(self, r0: int, r1: int, fds: list[int], loop: asyncio.AbstractEventLoop) -> None:
+        self.r0, self.r1, self.fds = r0, r1, fds
+        self.regs: list[p.Register] = []
+        self.decided: asyncio.Future[None] = loop.create_future()
+
+
 class EngineConn:
     """One connected engine."""
 
@@ -48,8 +61,12 @@ class EngineConn:
         self.log = log.bind(engine=self.name, pid=pid)
         self.loop = asyncio.get_running_loop()
         self._decoder = p.Decoder(to_agent=True, max_message=server.max_message)
-        self._fds: list[int] = []
-        self._claims = 0  # register requests read whose turn (and fd) has not come yet
+        self._rx = 0  # stream bytes read so far
+        self._fd_reads: list[_FdRead] = []  # reads with fds whose registers are not all read yet
+        self._stray: list[int] = []  # fds no register took (held until the end, at most MAX_FDS)
+        # id(register message) -> its fd (None: it came without one), or the read still deciding
+        self._reg_fd: dict[int, int | None | _FdRead] = {}
+        self._claims = 0  # register requests read whose turn has not come yet
         self._out = bytearray()
         self._writing = False
         self.closed = False
@@ -75,11 +92,16 @@ class EngineConn:
         except OSError as exc:
             self.close(f"read failed: {exc}")
             return
+        r0 = self._rx
+        self._rx += len(data)
+        got: list[int] = []
         for level, typ, cdata in anc:
             if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
                 fds = array.array("i")
                 fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
-                self._fds.extend(fds)
+                got += fds
+        if got:
+            self._fd_reads.append(_FdRead(r0, self._rx, got, self.loop))
         if flags & socket.MSG_CTRUNC:
             self._refuse(f"more than {MAX_FDS} file descriptors in one message")
             return
@@ -88,12 +110,21 @@ class EngineConn:
             return
         try:
             msgs = self._decoder.feed(data)
-            self._claims += sum(1 for msg in msgs if type(msg) is p.Register)
-            # An fd rides with the first byte of its register (proto/engine.md §4), so by now every
-            # register read has its fd here; what no register claims is limited.
-            unclaimed = len(self._fds) - self._claims
-            if unclaimed > MAX_FDS:
-                self._refuse(f"{unclaimed} file descriptors sent without register requests to use them")
+            for msg, start in zip(msgs, self._decoder.last_starts, strict=True):
+                if type(msg) is p.Register:
+                    # Its fd came with its first byte (proto/engine.md §4), so in the read that
+                    # brought that byte; a register begun in a read without fds has none, and
+                    # takes no other register's.
+                    self._claims += 1
+                    rd = next((r for r in self._fd_reads if r.r0 <= start < r.r1), None)
+                    self._reg_fd[id(msg)] = rd
+                    if rd is not None:
+                        rd.regs.append(msg)
+            self._decide_fds()
+            undecided = sum(len(r.fds) for r in self._fd_reads)  # their registers are not all read yet
+            if len(self._stray) > MAX_FDS or undecided > 2 * MAX_FDS:
+                self._refuse(f"{len(self._stray) + undecided} file descriptors sent without register requests "
+                             "to use them")
                 return
             now, budget = self.server.now_types, NOW_PER_READ
             for msg in msgs:
@@ -112,6 +143,7 @@ class EngineConn:
                 self._reading = False
             self._rearm(restart=bool(msgs))
         except ProtocolError as exc:
+            self.server.on_error(exc.code)
             self.send(p.Err(code=int(exc.code), message=str(exc)))
             self.close(f"protocol error: {exc}")
 
@@ -124,6 +156,24 @@ class EngineConn:
                 await self._answer(msg)
             finally:
                 self._busy = False
+
+    def _decide_fds(self) -> None:
+        """Give the fds of each read whose messages are all complete to the registers begun in it:
+        the last registers of the read take them in order (the write that carried them ends the
+        read); earlier ones came without. Fds left over are strays."""
+        while self._fd_reads and self._fd_reads[0].r1 <= self._decoder.consumed:
+            rd = self._fd_reads.pop(0)
+            k = min(len(rd.fds), len(rd.regs))
+            for i, msg in enumerate(rd.regs):
+                j = i - (len(rd.regs) - k)
+                self._reg_fd[id(msg)] = rd.fds[j] if j >= 0 else None
+            self._stray += rd.fds[k:]
+            rd.decided.set_result(None)
+
+    @property
+    def pending_registers(self) -> int:
+        """Register requests read and waiting for their turn (the read-ahead MAX_PENDING_REGISTERS bounds)."""
+        return self._claims
 
     def _refuse(self, why: str) -> None:
         """A file descriptor rule broken: tell the engine (``err {id 0, BAD_REQUEST}``), then close."""
@@ -141,11 +191,15 @@ class EngineConn:
             self._rearm(restart=True)
         fd = None
         if isinstance(msg, p.Register):
-            if not self._fds:
+            slot = self._reg_fd.get(id(msg))
+            if isinstance(slot, _FdRead):  # a message begun in its read is not complete yet (read deadline)
+                await slot.decided
+            got = self._reg_fd.pop(id(msg), None)
+            fd = got if isinstance(got, int) else None
+            if fd is None:
                 self.send(p.Err(id=msg.id, code=int(ErrorCode.BAD_REQUEST),
-                                message="register needs one file descriptor sent with it (SCM_RIGHTS)"))
+                                message="register needs one file descriptor sent with its first byte (SCM_RIGHTS)"))
                 return
-            fd = self._fds.pop(0)
         try:
             result = await self.server.handler(self, msg, fd)
         except Exception as exc:
@@ -233,9 +287,12 @@ class EngineConn:
         except Exception:
             pass
         self._worker.cancel()
-        for fd in self._fds:
+        held = self._stray + [fd for r in self._fd_reads for fd in r.fds]
+        for fd in held + [fd for fd in self._reg_fd.values() if isinstance(fd, int)]:
             os.close(fd)
-        self._fds.clear()
+        self._stray.clear()
+        self._fd_reads.clear()
+        self._reg_fd.clear()
         self.sock.close()
         self.server.gone(self)
 
@@ -258,6 +315,7 @@ class EngineServer:
         self.handler = handler
         self.now_handler = now_handler
         self.now_types = now_types if now_handler is not None else frozenset()
+        assert p.Register not in self.now_types  # a register waits for its turn (and holds its fd until then)
         self.on_gone = on_gone
         self.on_error = on_error
         self.max_engines = max_engines

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
+import msgspec
 import pytest
 
 from conftest import fill_random, metric, same_bytes, until
@@ -376,6 +377,10 @@ class RawEngine:
         self.sock.close()
 
 
+def msgspec_replace(msg, **kw):
+    return msgspec.structs.replace(msg, **kw)
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -507,22 +512,49 @@ async def _unclaimed_fds(eng: RawEngine, ag) -> None:
 
 async def _pipelined_registers(eng: RawEngine, ag) -> None:
     """Registers sent one after another without waiting, each with its fd on its first byte (as
-    proto/engine.md §4 allows): every one is served, in order, more than 4 of them in flight."""
-    n = 12
+    proto/engine.md §4 allows): every one is served, in order, with its own memory, far more than
+    4 in flight; the agent reads only about 16 of them ahead (the rest wait in the socket)."""
+    from pdd_wire.engine_server import MAX_PENDING_REGISTERS
+
+    n = 40
     before = len(ag["A"].regions)
-    mems = [SharedMemory(256 * KiB) for _ in range(n)]
+    mems = [SharedMemory(64 * KiB) for _ in range(n)]
     try:
         for i, mem in enumerate(mems):
-            await eng.send(p.encode(p.Register(id=i + 1, size=256 * KiB, block_bytes=64 * KiB)), fd=mem.fd)
-        replies = [await eng.reply() for _ in range(n)]
+            mem.buf[:8] = i.to_bytes(8, "little")  # which pool a region maps, to check it got its own fd
+            await eng.send(p.encode(p.Register(id=i + 1, size=64 * KiB, block_bytes=64 * KiB)), fd=mem.fd)
+        conn = max(ag["A"].engine_server.engines.values(), key=lambda c: c.number)  # this one: the newest
+        most = 0
+        replies = []
+        while len(replies) < n:
+            most = max(most, conn.pending_registers)
+            replies.append(await eng.reply())
         assert [type(r) for r in replies] == [p.Ok] * n, replies
         assert [r.id for r in replies] == list(range(1, n + 1))
-        assert len(ag["A"].regions) == before + n
+        assert most <= MAX_PENDING_REGISTERS + 4, most  # checked after each read (of at most 4 fds)
+        regions = [ag["A"].regions[r.result["region"]] for r in replies]
+        assert [int.from_bytes(reg.view()[:8], "little") for reg in regions] == list(range(n))
     finally:
         eng.close()
         for mem in mems:
             mem.close()
     await until(lambda: len(ag["A"].regions) == before)
+
+
+async def _register_without_fd_takes_no_other(eng: RawEngine, ag) -> None:
+    """A register sent without its fd, between two with theirs, pipelined: it alone is refused
+    (BAD_REQUEST, the connection stays), and the next one still gets its own memory."""
+    with SharedMemory(64 * KiB) as m1, SharedMemory(64 * KiB) as m3:
+        m1.buf[:2], m3.buf[:2] = b"m1", b"m3"
+        reg = p.Register(size=64 * KiB, block_bytes=64 * KiB)
+        await eng.send(p.encode(msgspec_replace(reg, id=1)), fd=m1.fd)
+        await eng.send(p.encode(msgspec_replace(reg, id=2)))
+        await eng.send(p.encode(msgspec_replace(reg, id=3)), fd=m3.fd)
+        r1, r2, r3 = [await eng.reply() for _ in range(3)]
+        assert isinstance(r1, p.Ok) and isinstance(r3, p.Ok), (r1, r3)
+        assert isinstance(r2, p.Err) and r2.id == 2 and r2.code == ErrorCode.BAD_REQUEST, r2
+        assert bytes(ag["A"].regions[r1.result["region"]].view()[:2]) == b"m1"
+        assert bytes(ag["A"].regions[r3.result["region"]].view()[:2]) == b"m3"
 
 
 async def _request_without_id(eng: RawEngine, ag) -> None:
@@ -539,6 +571,7 @@ async def _request_without_id(eng: RawEngine, ag) -> None:
 ENGINE_CASES = {
     "fds_no_register_claims": _unclaimed_fds,
     "registers_pipelined": _pipelined_registers,
+    "register_without_fd_takes_no_other": _register_without_fd_takes_no_other,
     "request_without_id": _request_without_id,
     "too_many_fds_in_one_message": _too_many_fds,
     "garbage_body": _garbage_body,

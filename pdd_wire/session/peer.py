@@ -355,7 +355,7 @@ class PeerSession:
             case m.Pong():
                 self._on_pong(msg)
             case m.KvBegin():
-                self.receiver.on_begin(tid, msg)
+                self.receiver.on_begin(tid, msg, conn)
             case m.KvAccept():
                 self.sender.on_accept(tid)
             case m.KvReject():

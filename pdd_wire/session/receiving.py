@@ -223,11 +223,13 @@ class Receiver:
             self._send_offer(rid, now)
 
     # -- transfers
-    def on_begin(self, tid: int, begin: m.KvBegin) -> None:
-        if tid == 0 and self.s.control is not None:  # proto/messages.md, Ranges: transfer ids start at 1
+    def on_begin(self, tid: int, begin: m.KvBegin, conn=None) -> None:
+        """``conn``: the control connection it came on (failed if the frame is refused)."""
+        if tid == 0:  # proto/transfer.md §1: transfer ids start at 1
             self.s.count_error(ErrorCode.OUT_OF_RANGE)
-            self.s.control.fail(ProtocolError("KV_BEGIN with transfer_id 0 (transfer ids start at 1)",
-                                              ErrorCode.OUT_OF_RANGE))
+            if (conn := conn or self.s.control) is not None:
+                conn.fail(ProtocolError("KV_BEGIN with transfer_id 0 (transfer ids start at 1)",
+                                        ErrorCode.OUT_OF_RANGE))
             return
         self._on_begin(tid, begin)
         self.gate.begun(tid)  # chunks that came before it go on now (into the route, if it matched)
