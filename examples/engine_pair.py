@@ -22,6 +22,7 @@ import sys
 from pdd_wire import EngineClient, SharedMemory
 from pdd_wire.config import default_engine_socket
 from pdd_wire.engine import protocol as p
+from pdd_wire.engine.client import OUTCOMES
 
 BLOCK = 1 << 20  # bytes per KV block
 BLOCKS = 16  # blocks of KV the request has
@@ -52,7 +53,7 @@ async def decode(socket: str, request_id: str, from_site: str, posted: asyncio.E
             kv = await eng.register(pool, block_bytes=BLOCK)
             await eng.post_recv(request_id, [kv.blocks(32, BLOCKS)], from_site=from_site)
             posted.set()
-            ev = await eng.wait(request_id, timeout=60)
+            ev = await eng.wait(request_id, kinds=OUTCOMES, timeout=60)  # a peer's abort ends a post too
             if not isinstance(ev, p.KvReceived):
                 raise SystemExit(f"decode: the receive failed: {ev}")
             toks = await eng.wait_tokens(request_id, timeout=60)

@@ -244,6 +244,7 @@ class Agent:
         if self.engine_server is not None:
             await self.engine_server.stop_accepting()
             self.engine_server.broadcast(p.Shutdown(grace_s=grace))
+        self.kv.refuse_unposted()
         # 2. let transfers finish
         try:
             async with asyncio.timeout(grace):

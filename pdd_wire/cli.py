@@ -33,7 +33,7 @@ def _load_config(args) -> cfgmod.Config:
         cfg = cfgmod.load(args.config, overrides={"node": node})
         if args.site and args.site != cfg.site:
             raise ConfigError("site", f"--site {args.site} contradicts site = {cfg.site!r} in {args.config}; "
-                                      f"drop --site, or give the config file of site {args.site}")
+                                      f"give --site {cfg.site}, or the config file of site {args.site}")
         return cfg
     return cfgmod.default_config(args.site, **({"node": node} if node else {}))
 
@@ -48,6 +48,10 @@ def daemon_main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         cfg = _load_config(args)
+        if cfg.tls.mode == "files":  # what TLS would refuse at start, named by its key (exit 2, no restart)
+            from .pki import check_files
+
+            check_files(cfg.tls.cert, cfg.tls.key, cfg.tls.ca)
         if args.check:  # on the node it will run on: the CPUs it names are there (the agent checks at start too)
             placement.check_allowed(cfg.cpus.main_set, "cpus.main")
             placement.check_allowed(cfg.cpus.bulk_set, "cpus.bulk")
@@ -107,6 +111,7 @@ class Unreachable(OSError):
 def _admin_target(args, site: str | None) -> tuple[str, str]:
     """(admin HOST:PORT, where that address came from) for ``--admin``/``--config``/``site``."""
     if args.admin:
+        cfgmod.parse_hostport(args.admin, "--admin")  # HOST:PORT, named if not
         return args.admin, "--admin"
     if not args.config and not site:
         raise ConfigError("--site", "name the agent: --site S (embedded default), --config FILE or --admin HOST:PORT")
@@ -226,7 +231,11 @@ def _status(args) -> int:
 def _probe(args) -> int:
     site = args.local
     if not (args.admin or args.config or site):
-        others = [s for s in cfgmod.DEFAULT_SITES if s != args.site.split("/")[0]]
+        target = args.site.split("/")[0]
+        if target not in cfgmod.DEFAULT_SITES:
+            raise ConfigError("--site", f"the embedded default has sites {sorted(cfgmod.DEFAULT_SITES)}, not "
+                                        f"{target!r}: name the local agent with --from, --config or --admin")
+        others = [s for s in cfgmod.DEFAULT_SITES if s != target]
         if len(others) != 1:
             raise ConfigError("--from", "name the local agent's site (or give --config / --admin)")
         site = others[0]

@@ -251,8 +251,16 @@ def validate(cfg: Config) -> Config:
         parse_hostport(cfg.listen.admin, "listen.admin")
     if not cfg.listen.engine_socket:
         raise ConfigError("listen.engine_socket", "must be a path")
-    if not 0 <= cfg.listen.engine_socket_mode <= 0o777:
+    mode = cfg.listen.engine_socket_mode
+    if not 0 <= mode <= 0o777:
         raise ConfigError("listen.engine_socket_mode", "must be a file mode such as 0o600 (384)")
+    if mode & 0o600 != 0o600:
+        raise ConfigError("listen.engine_socket_mode", f"{mode:#o}: the owner needs read and write (0o600; "
+                                                       "0o660 with listen.engine_gid admits a group)")
+    for key in ("engine_uid", "engine_gid"):
+        ident = getattr(cfg.listen, key)
+        if ident is not None and not 0 <= ident < 2**32 - 1:
+            raise ConfigError(f"listen.{key}", f"must be a uid/gid 0..4294967294, got {ident}")
     seen = set()
     for i, p in enumerate(cfg.peers):
         for key, name in (("site", p.site), ("node", p.node)):
@@ -299,7 +307,11 @@ def validate(cfg: Config) -> Config:
     if cfg.limits.control_buffer_bytes < 4 * cfg.limits.max_body:
         raise ConfigError("limits.control_buffer_bytes", "must be at least 4 x limits.max_body")
     for f in msgspec.structs.fields(Timeouts):
-        _positive(f"timeouts.{f.name}", getattr(cfg.timeouts, f.name))
+        if f.name != "loop_stall_warn_s":  # 0: not watched
+            _positive(f"timeouts.{f.name}", getattr(cfg.timeouts, f.name))
+    if cfg.timeouts.loop_stall_warn_s < 0:
+        raise ConfigError("timeouts.loop_stall_warn_s",
+                          f"must be >= 0 (0: not watched), got {cfg.timeouts.loop_stall_warn_s}")
     if cfg.timeouts.dead_after_s <= cfg.timeouts.heartbeat_s:
         raise ConfigError("timeouts.dead_after_s", "must be longer than timeouts.heartbeat_s")
     _validate_fleet(cfg)
@@ -360,7 +372,7 @@ def _validate_fleet(cfg: Config) -> None:
     validate_etcd(f.etcd, f.tls, f.cluster, f.request_s)
     for key in ("lease_ttl_s", "refresh_min_s", "idle_close_s", "dial_wait_s"):
         _positive(f"fleet.{key}", getattr(f, key))
-    if f.lease_ttl_s < 2 or f.lease_ttl_s > 3600:
+    if f.lease_ttl_s < 2 or f.lease_ttl_s > 3600 or f.lease_ttl_s != int(f.lease_ttl_s):
         raise ConfigError("fleet.lease_ttl_s", f"must be 2..3600 s (whole seconds in etcd), got {f.lease_ttl_s}")
     # A keep-alive goes out every third of the TTL and may try every endpoint but the one that
     # answers before it lands: that must fit in the two thirds left, or one dead endpoint costs the lease.

@@ -7,7 +7,9 @@ watch thread beside the loop sees a beat the loop stamps every ``period_s``; whe
 older than ``warn_s`` it logs ``event loop blocked`` once, with the loop thread's stack at that
 moment (the code that blocks it, or the selector's wait when the process was not scheduled),
 and ``event loop turning again`` (a warning too) with the whole stall's length once the loop
-runs. Stalls are counted in ``pddwire_loop_stalls_total`` and ``pddwire_loop_stall_seconds``.
+runs. When the whole process did not run (SIGSTOP, a starved cgroup), the watch thread stood
+still too: the loop's next turn logs ``event loop blocked`` itself, with a ``cause`` instead of
+a stack. Stalls are counted in ``pddwire_loop_stalls_total`` and ``pddwire_loop_stall_seconds``.
 
 Several agents (and a router) may share one loop (the tests run them in-process): one watch per
 loop, shared, reference-counted, with the first owner's ``warn_s``; each owner's metrics count
@@ -36,6 +38,7 @@ class LoopWatch:
         self._beat = time.monotonic()
         self._reported = 0.0  # the beat of the stall already reported (0: none)
         self._stop = threading.Event()
+        self._decide = threading.Lock()  # the beat's age is judged by one thread at a time
         self._handle: asyncio.TimerHandle | None = None
         self._thread = threading.Thread(target=self._watch, name="pdd-loopwatch", daemon=True)
 
@@ -51,22 +54,28 @@ class LoopWatch:
 
     def _tick(self) -> None:  # on the loop
         now = time.monotonic()
-        stalled_s = now - self._beat - self.period_s  # beyond the tick's own wait
-        if self._reported and self._reported == self._beat:
+        with self._decide:  # one report per stall: the watch thread's, or else this one
+            stalled_s = now - self._beat - self.period_s  # beyond the tick's own wait
+            seen = bool(self._reported) and self._reported == self._beat
+            self._beat, self._reported = now, 0.0
+        if seen:
             self._log("warning", "event loop turning again", blocked_s=round(stalled_s, 3))
+        elif stalled_s >= self.warn_s:  # the watch thread stood still too: the whole process did not run
+            self._log("warning", "event loop blocked", blocked_s=round(stalled_s, 3),
+                      cause="the process did not run (stopped, or starved of CPU): no stack to show")
         if stalled_s >= self.warn_s:
             for _, count in list(self.owners):
                 count(stalled_s)
-        self._beat, self._reported = now, 0.0
         self._handle = self.loop.call_later(self.period_s, self._tick)
 
     def _watch(self) -> None:  # on the watch thread
         while not self._stop.wait(self.period_s / 2):
-            beat = self._beat
-            age = time.monotonic() - beat - self.period_s
-            if age < self.warn_s or self._reported == beat:
-                continue
-            self._reported = beat
+            with self._decide:
+                beat = self._beat
+                age = time.monotonic() - beat - self.period_s
+                if age < self.warn_s or self._reported == beat:
+                    continue
+                self._reported = beat
             frame = sys._current_frames().get(self._tid)
             stack = traceback.format_stack(frame)[-_STACK_FRAMES:] if frame is not None else []
             self._log("warning", "event loop blocked", blocked_s=round(age, 3),

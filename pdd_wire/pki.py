@@ -188,6 +188,63 @@ def ensure(dirpath: str, site: str, node: str) -> Pki:
     return Pki(cert=str(d / f"{stem}.pem"), key=str(d / f"{stem}.key"), ca=str(d / "ca.pem"), created=tuple(created))
 
 
+def _pem_certs(key: str, path: str) -> list[x509.Certificate]:
+    try:
+        certs = x509.load_pem_x509_certificates(Path(path).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, f"{path!r} is not a PEM certificate file ({exc})") from None
+    if not certs:
+        raise ConfigError(key, f"{path!r} holds no certificate")
+    return certs
+
+
+def _is_ca(cert: x509.Certificate) -> bool:
+    try:
+        return cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca
+    except x509.ExtensionNotFound:
+        return False
+
+
+def check_files(cert: str, key: str, ca: str) -> None:
+    """What TLS would find wrong with configured files, found before the agent starts (and by
+    ``--check``), each a ConfigError naming its key: a file that is not PEM, a key that is not
+    the certificate's, a ``tls.ca`` that is no CA, a certificate that ``tls.ca`` did not sign
+    (through the chain the file holds), or one outside its validity."""
+    cas = _pem_certs("tls.ca", ca)
+    if not any(_is_ca(c) for c in cas):
+        raise ConfigError("tls.ca", f"{ca!r} holds no CA certificate (basicConstraints CA:TRUE): it must be "
+                                    "the CA that signed the nodes' certificates, not a node's own")
+    chain = _pem_certs("tls.cert", cert)
+    try:
+        private = serialization.load_pem_private_key(Path(key).read_bytes(), None)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ConfigError("tls.key", f"{key!r} is not an unencrypted PEM private key ({exc})") from None
+    if chain[0].public_key() != private.public_key():
+        raise ConfigError("tls.key", f"{key!r} is not the key of the certificate in tls.cert ({cert!r})")
+    now = _now()
+    if not chain[0].not_valid_before_utc <= now <= chain[0].not_valid_after_utc:
+        raise ConfigError("tls.cert", f"{cert!r} is valid from {chain[0].not_valid_before_utc:%Y-%m-%d %H:%M} to "
+                                      f"{chain[0].not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now")
+    for child, parent in zip(chain, chain[1:], strict=False):
+        try:
+            child.verify_directly_issued_by(parent)
+        except (ValueError, TypeError, InvalidSignature):
+            raise ConfigError("tls.cert", f"the chain in {cert!r} is broken: {child.subject.rfc4514_string()} "
+                                          f"was not issued by {parent.subject.rfc4514_string()}") from None
+    top = chain[-1]
+    for c in cas:
+        try:
+            top.verify_directly_issued_by(c)
+            return
+        except (ValueError, TypeError, InvalidSignature):
+            continue
+    if any(top == c for c in cas):
+        return
+    raise ConfigError("tls.cert", f"{cert!r} ({top.subject.rfc4514_string()}, issued by "
+                                  f"{top.issuer.rfc4514_string()}) is not signed by tls.ca ({ca!r}): peers "
+                                  "that trust tls.ca would refuse it")
+
+
 def der_fingerprint(der: bytes) -> str:
     """``sha256:<hex>`` of a certificate's DER bytes: what a fleet member registers and its
     peers require in the handshake (proto/handshake.md §4)."""

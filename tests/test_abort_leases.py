@@ -145,6 +145,23 @@ async def test_memory_pinned_for_a_dead_peer_is_handed_back_and_nothing_is_stran
         assert metric(agents["A"], "pddwire_stranded_blocks") == 0
 
 
+async def test_a_receiver_that_stops_refuses_the_kv_waiting_for_its_post_at_once(tmp_sock_dir, engines):
+    """A KV_BEGIN waiting for a post on an agent that begins to stop can get no post any more (its
+    engines are told to stop; post_recv is refused): its sender hears SHUTTING_DOWN at once, not
+    after peer_give_up_s (30 s) as PEER_UNREACHABLE."""
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir)
+        await a.send_kv("w1", [ra.blocks(0, 4)], to=["B"], deadline_s=60)
+        await until(lambda: agents["B"].kv.unposted_count() == 1, what="the KV_BEGIN waiting on B")
+        t0 = asyncio.get_running_loop().time()
+        stopping = asyncio.create_task(agents["B"].shutdown())
+        ev = await a.wait("w1", timeout=10)
+        assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.SHUTTING_DOWN, ev
+        assert asyncio.get_running_loop().time() - t0 < 5
+        await stopping
+        assert agents["A"].audit() == ({"post": 0, "send": 0, "recv": 0}, 0)
+
+
 def _connect_as(path: str, uid: int, gid: int) -> bool:
     """Connect to the engine socket from a child process with other credentials; True if the
     agent kept the connection (it answers a hello), False if it closed it."""

@@ -270,6 +270,63 @@ def test_tls_cert_without_key_exits_2_naming_tls_key(short_dir):
     assert r.returncode == 2 and "'tls.key'" in r.stderr, r.stderr
 
 
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    from support.certs import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"), ["a1", "b1"])
+
+
+@pytest.mark.parametrize("case, key, words", [
+    ("key-of-another-node", "tls.key", ["is not the key of the certificate"]),
+    ("cert-not-pem", "tls.cert", ["is not a PEM certificate"]),
+    ("cert-of-another-ca", "tls.cert", ["is not signed by tls.ca"]),
+    ("ca-is-a-leaf", "tls.ca", ["no CA certificate"]),
+], ids=["key-of-another-node", "cert-not-pem", "cert-of-another-ca", "ca-is-a-leaf"])
+def test_tls_files_tls_would_refuse_exit_2_naming_the_key_check_and_start(short_dir, certs, case, key, words):
+    """What TLS would refuse at start (or peers in every handshake) is a configuration error named
+    by its key, found by --check and at start alike: exit 2, which the systemd unit does not restart."""
+    cert, keyfile, ca = certs["a1"][0], certs["a1"][1], certs["ca"]
+    if case == "key-of-another-node":
+        keyfile = certs["b1"][1]
+    elif case == "cert-not-pem":
+        cert = write(short_dir, "c.pem", "not a certificate\n")
+    elif case == "cert-of-another-ca":
+        cert, keyfile = certs["rogue"]
+    else:
+        ca = certs["b1"][0]
+    text = _good(short_dir) + f'[tls]\ncert = "{cert}"\nkey = "{keyfile}"\nca = "{ca}"\n'
+    path = str(write(short_dir, "a.toml", text))
+    for extra in (["--check"], []):
+        r = cli("--site", "A", "--config", path, *extra)
+        assert r.returncode == 2, (extra, r.returncode, r.stderr)
+        assert f"'{key}'" in r.stderr and all(w in r.stderr for w in words), r.stderr
+    good = _good(short_dir) + f'[tls]\ncert = "{certs["a1"][0]}"\nkey = "{certs["a1"][1]}"\nca = "{certs["ca"]}"\n'
+    r = cli("--site", "A", "--config", str(write(short_dir, "b.toml", good)), "--check")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("change, key", [
+    ('[listen]\nengine_socket_mode = 0\n', "listen.engine_socket_mode"),
+    ('[listen]\nengine_uid = -1\n', "listen.engine_uid"),
+    ('[timeouts]\nloop_stall_warn_s = -1\n', "timeouts.loop_stall_warn_s"),
+], ids=["socket-mode-0", "uid-negative", "stall-negative"])
+def test_values_that_cannot_work_exit_2(short_dir, change, key):
+    text = _good(short_dir)
+    if change.startswith("[listen]"):  # the file has a [listen] table already: add to it
+        text = text.replace("[listen]\n", change, 1)
+    else:
+        text += change
+    r = cli("--site", "A", "--config", str(write(short_dir, "a.toml", text)), "--check")
+    assert r.returncode == 2 and f"'{key}'" in r.stderr, r.stderr
+
+
+def test_loop_stall_warn_0_turns_the_watch_off(short_dir):
+    text = _good(short_dir) + "[timeouts]\nloop_stall_warn_s = 0\n"
+    r = cli("--site", "A", "--config", str(write(short_dir, "a.toml", text)), "--check")
+    assert r.returncode == 0, r.stderr
+
+
 def test_invalid_toml_exits_2(short_dir):
     r = cli("--site", "A", "--config", str(write(short_dir, "a.toml", 'site = "A\nnode = [\n')), "--check")
     assert r.returncode == 2 and "not valid TOML" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -69,3 +69,41 @@ async def test_a_process_that_did_not_run_keeps_its_sessions_up(tmp_sock_dir):
             reconnects = re.findall(r"^pddwire_reconnects_total\{.*\} (\S+)$", a.metrics.render().decode(), re.M)
             assert all(float(v) == 0 for v in reconnects), reconnects
 
+
+
+CHILD = """
+import asyncio, sys, structlog
+from pdd_wire import loopwatch
+structlog.configure(processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
+                    logger_factory=structlog.PrintLoggerFactory(sys.stdout))
+async def main():
+    unwatch = loopwatch.watch(structlog.get_logger("t"), lambda s: print(f"STALL {s:.3f}", flush=True),
+                              warn_s=0.3, period_s=0.05)
+    print("READY", flush=True)
+    await asyncio.sleep(4)
+    unwatch()
+asyncio.run(main())
+"""
+
+
+async def test_a_stall_of_the_whole_process_is_logged_when_it_runs_again():
+    """SIGSTOP stops the watch thread with the loop, so nothing reports the stall while it lasts:
+    the loop's next turn logs it (and counts it), saying there is no stack to show."""
+    import json
+    import os
+    import signal
+    import sys
+
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", CHILD, stdout=asyncio.subprocess.PIPE)
+    assert proc.stdout is not None
+    assert (await asyncio.wait_for(proc.stdout.readline(), 20)).strip() == b"READY"
+    await asyncio.sleep(0.3)
+    os.kill(proc.pid, signal.SIGSTOP)
+    await asyncio.sleep(1.5)
+    os.kill(proc.pid, signal.SIGCONT)
+    out = (await asyncio.wait_for(proc.stdout.read(), 20)).decode()
+    await proc.wait()
+    events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    blocked = [e for e in events if e["event"] == "event loop blocked"]
+    assert len(blocked) == 1 and blocked[0]["blocked_s"] >= 1.2 and "did not run" in blocked[0]["cause"], out
+    assert [float(line.split()[1]) >= 1.2 for line in out.splitlines() if line.startswith("STALL")] == [True], out

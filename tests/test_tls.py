@@ -31,8 +31,14 @@ def pki(tmp_path_factory):
 
 
 def tls_for(pki, *, a1=None, b1=None) -> dict:
-    """two_site_toml's ``tls``: node -> (cert, key), and the (good) CA."""
-    return {"a1": a1 or pki["a1"], "b1": b1 or pki["b1"], "ca": pki["ca"]}
+    """two_site_toml's ``tls``: node -> (cert, key), and the (good) CA. A node given the rogue
+    certificate trusts the rogue CA, as a rogue agent would (the agent refuses to start with a
+    certificate its own tls.ca did not sign); the other node does not."""
+    tls = {"a1": a1 or pki["a1"], "b1": b1 or pki["b1"], "ca": pki["ca"]}
+    for node in ("a1", "b1"):
+        if tls[node] == pki["rogue"]:
+            tls[f"ca_{node}"] = pki["rogue_ca"]
+    return tls
 
 
 def errors_by_code(agent) -> dict[str, float]:

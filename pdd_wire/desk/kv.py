@@ -124,6 +124,9 @@ class KvDesk:
                               f"another transfer for request {begin.request_id!r} from {session.key} is already "
                               f"waiting")
             return
+        if self.gate.closed:  # stopping: no engine posts any more (post_recv is refused SHUTTING_DOWN)
+            session.reject_in(tid, begin, ErrorCode.SHUTTING_DOWN, "receiver is shutting down")
+            return
         if self.unposted_per_peer[session.key] >= self.config.transfer.max_transfers:
             session.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS,
                               f"{session.key} has transfer.max_transfers KV_BEGINs waiting unposted")
@@ -532,6 +535,16 @@ class KvDesk:
             del self.owners[rid]
         self.prefix_broken(self.inventory.forget_owner(ec))
         self.metrics.inventory_blocks.set(len(self.inventory.blocks))
+
+    def refuse_unposted(self) -> None:
+        """Shutdown begins: KV_BEGINs waiting for a post can get none now; their senders hear it
+        (KV_REJECT SHUTTING_DOWN) at once, not after their lease or the session's give-up."""
+        for request_id, waits in list(self.unposted.items()):
+            for peer in list(waits):
+                waiting = self._unwait(request_id, peer)
+                if waiting is not None:
+                    waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.SHUTTING_DOWN,
+                                              "receiver is shutting down")
 
     def shutdown(self) -> None:
         for waits in self.unposted.values():

@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from ..errors import EngineRequestError, ErrorCode, TransportError
 from ..memory import SharedMemory
 from . import protocol as p
-from .events import HANDOFF_EVENTS, TRANSFER_OUTCOMES, EventBox, EventOverflow
+from .events import HANDOFF_EVENTS, OUTCOMES, TRANSFER_OUTCOMES, EventBox, EventOverflow
 
-__all__ = ["EngineClient", "RegionHandle", "EventOverflow", "HANDOFF_EVENTS", "TRANSFER_OUTCOMES"]
+__all__ = ["EngineClient", "RegionHandle", "EventOverflow", "HANDOFF_EVENTS", "OUTCOMES", "TRANSFER_OUTCOMES"]
 
 
 @dataclass(frozen=True)
@@ -270,6 +270,10 @@ class EngineClient:
     async def wait(self, request_id: str, *, kinds: tuple[type, ...] = TRANSFER_OUTCOMES,
                    timeout: float | None = None) -> p.Msg:
         """The next event of one of ``kinds`` for ``request_id`` (removed from its mailbox).
+        The default, ``TRANSFER_OUTCOMES``, is a transfer's end: ``KvSent``, ``KvReceived`` or
+        ``TransferFailed``. A receive that no transfer claimed yet can also end with
+        ``RequestAborted`` (a peer aborted the request): wait for ``OUTCOMES`` on a posted
+        receive (``kinds=OUTCOMES``), or a peer's abort is only seen at the timeout.
 
         Raises :class:`EventOverflow` if events for the request (or the client) were lost and
         none of ``kinds`` is kept, the connection's error if it ended, ``TimeoutError``."""

@@ -164,4 +164,6 @@ class Dialer:
 
     def conn_lost(self, conn: FrameProtocol, exc: BaseException | None) -> None:
         if self.pending is not None and conn is self.pending.conn:
-            self.pending.fail(TransportError(f"connection closed during the handshake: {exc}"))
+            why = str(exc) if exc is not None and str(exc) else "closed by the peer"
+            self.pending.fail(TransportError(f"connection closed during the handshake ({why}), before WELCOME: the "
+                                             "peer may refuse this agent's certificate or name (its log says why)"))

@@ -532,5 +532,7 @@ async def adopt(sock: socket.socket, protocol: FrameProtocol, *, ssl_ctx: ssl.SS
         raise tls_error(exc, "TLS with an inbound peer") from exc
     except OSError as exc:
         sock.close()
-        raise TransportError(f"accepted connection failed: {exc}") from exc
+        why = str(exc) or type(exc).__name__
+        hint = " during TLS: the peer may refuse this agent's certificate (its log says why)" if ssl_ctx else ""
+        raise TransportError(f"accepted connection failed ({why}){hint}") from exc
     return protocol

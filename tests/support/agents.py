@@ -27,7 +27,8 @@ def two_site_toml(tmp: Path, *, streams: int = 4, chunk: int = 4 << 20, extra: s
         tls_txt = "[tls]\nallow_plaintext = true\n" if plaintext else ""
         if tls:
             cert, key = tls[node]
-            tls_txt = f'[tls]\ncert = "{cert}"\nkey = "{key}"\nca = "{tls["ca"]}"\n'
+            ca = tls.get(f"ca_{node}", tls["ca"])  # a node of its own CA (a rogue peer trusts its own)
+            tls_txt = f'[tls]\ncert = "{cert}"\nkey = "{key}"\nca = "{ca}"\n'
         out[site] = f"""
 site = "{site}"
 node = "{node}"
