@@ -237,7 +237,7 @@ def is_loopback(host: str) -> bool:
 
 
 def _positive(key: str, value: float) -> None:
-    if value <= 0:
+    if not value > 0:  # nan too
         raise ConfigError(key, f"must be > 0, got {value}")
 
 
@@ -309,7 +309,7 @@ def validate(cfg: Config) -> Config:
     for f in msgspec.structs.fields(Timeouts):
         if f.name != "loop_stall_warn_s":  # 0: not watched
             _positive(f"timeouts.{f.name}", getattr(cfg.timeouts, f.name))
-    if cfg.timeouts.loop_stall_warn_s < 0:
+    if not cfg.timeouts.loop_stall_warn_s >= 0:  # nan too
         raise ConfigError("timeouts.loop_stall_warn_s",
                           f"must be >= 0 (0: not watched), got {cfg.timeouts.loop_stall_warn_s}")
     if cfg.timeouts.dead_after_s <= cfg.timeouts.heartbeat_s:
@@ -372,7 +372,7 @@ def _validate_fleet(cfg: Config) -> None:
     validate_etcd(f.etcd, f.tls, f.cluster, f.request_s)
     for key in ("lease_ttl_s", "refresh_min_s", "idle_close_s", "dial_wait_s"):
         _positive(f"fleet.{key}", getattr(f, key))
-    if f.lease_ttl_s < 2 or f.lease_ttl_s > 3600 or f.lease_ttl_s != int(f.lease_ttl_s):
+    if not 2 <= f.lease_ttl_s <= 3600 or not float(f.lease_ttl_s).is_integer():
         raise ConfigError("fleet.lease_ttl_s", f"must be 2..3600 s (whole seconds in etcd), got {f.lease_ttl_s}")
     # A keep-alive goes out every third of the TTL and may try every endpoint but the one that
     # answers before it lands: that must fit in the two thirds left, or one dead endpoint costs the lease.

@@ -35,19 +35,6 @@ MAX_PENDING_REGISTERS = 16  # registers read and waiting their turn (each holds 
 MAX_QUEUED = 1024  # requests of one engine decoded and waiting; more stay in the socket
 NOW_PER_READ = 32  # requests answered within one read (EngineServer.now_types); the rest are queued
 
-class _FdRead:
-    """A read that brought fds: stream bytes [r0, r1). The kernel ends a read with the write
-    (skb) that carries fds, so they belong to the registers that *begin* in it, the last ones
-    of the read: decided once every message begun in it is complete (``decided``)."""
-
-    __slots__ = ("r0", "r1", "fds", "regs", "decided")
-
-    def __init__(self, r0: int, r1: int, fds: list[int], loop: asyncio.AbstractEventLoop) -> None:
-        self.r0, self.r1, self.fds = r0, r1, fds
-        self.regs: list[p.Register] = []
-        self.decided: asyncio.Future[None] = loop.create_future()
-
-
 class EngineConn:
     """One connected engine."""
 
@@ -61,12 +48,8 @@ class EngineConn:
         self.log = log.bind(engine=self.name, pid=pid)
         self.loop = asyncio.get_running_loop()
         self._decoder = p.Decoder(to_agent=True, max_message=server.max_message)
-        self._rx = 0  # stream bytes read so far
-        self._fd_reads: list[_FdRead] = []  # reads with fds whose registers are not all read yet
-        self._stray: list[int] = []  # fds no register took (held until the end, at most MAX_FDS)
-        # id(register message) -> its fd (None: it came without one), or the read still deciding
-        self._reg_fd: dict[int, int | None | _FdRead] = {}
-        self._claims = 0  # register requests read whose turn has not come yet
+        self._fds: list[int] = []
+        self._claims = 0  # register requests read whose turn (and fd) has not come yet
         self._out = bytearray()
         self._writing = False
         self.closed = False
@@ -92,16 +75,11 @@ class EngineConn:
         except OSError as exc:
             self.close(f"read failed: {exc}")
             return
-        r0 = self._rx
-        self._rx += len(data)
-        got: list[int] = []
         for level, typ, cdata in anc:
             if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
                 fds = array.array("i")
                 fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
-                got += fds
-        if got:
-            self._fd_reads.append(_FdRead(r0, self._rx, got, self.loop))
+                self._fds.extend(fds)
         if flags & socket.MSG_CTRUNC:
             self._refuse(f"more than {MAX_FDS} file descriptors in one message")
             return
@@ -110,21 +88,14 @@ class EngineConn:
             return
         try:
             msgs = self._decoder.feed(data)
-            for msg, start in zip(msgs, self._decoder.last_starts, strict=True):
-                if type(msg) is p.Register:
-                    # Its fd came with its first byte (proto/engine.md §4), so in the read that
-                    # brought that byte; a register begun in a read without fds has none, and
-                    # takes no other register's.
-                    self._claims += 1
-                    rd = next((r for r in self._fd_reads if r.r0 <= start < r.r1), None)
-                    self._reg_fd[id(msg)] = rd
-                    if rd is not None:
-                        rd.regs.append(msg)
-            self._decide_fds()
-            undecided = sum(len(r.fds) for r in self._fd_reads)  # their registers are not all read yet
-            if len(self._stray) > MAX_FDS or undecided > 2 * MAX_FDS:
-                self._refuse(f"{len(self._stray) + undecided} file descriptors sent without register requests "
-                             "to use them")
+            self._claims += sum(1 for msg in msgs if type(msg) is p.Register)
+            # An fd rides with the first byte of its register (proto/engine.md §4), so by now every
+            # register read has its fd here; what no register claims is limited. Each register
+            # takes the oldest fd at its turn: a register sent without its fd (a broken engine)
+            # takes the next one's, which the spec warns of.
+            unclaimed = len(self._fds) - self._claims
+            if unclaimed > MAX_FDS:
+                self._refuse(f"{unclaimed} file descriptors sent without register requests to use them")
                 return
             now, budget = self.server.now_types, NOW_PER_READ
             for msg in msgs:
@@ -157,19 +128,6 @@ class EngineConn:
             finally:
                 self._busy = False
 
-    def _decide_fds(self) -> None:
-        """Give the fds of each read whose messages are all complete to the registers begun in it:
-        the last registers of the read take them in order (the write that carried them ends the
-        read); earlier ones came without. Fds left over are strays."""
-        while self._fd_reads and self._fd_reads[0].r1 <= self._decoder.consumed:
-            rd = self._fd_reads.pop(0)
-            k = min(len(rd.fds), len(rd.regs))
-            for i, msg in enumerate(rd.regs):
-                j = i - (len(rd.regs) - k)
-                self._reg_fd[id(msg)] = rd.fds[j] if j >= 0 else None
-            self._stray += rd.fds[k:]
-            rd.decided.set_result(None)
-
     @property
     def pending_registers(self) -> int:
         """Register requests read and waiting for their turn (the read-ahead MAX_PENDING_REGISTERS bounds)."""
@@ -191,15 +149,11 @@ class EngineConn:
             self._rearm(restart=True)
         fd = None
         if isinstance(msg, p.Register):
-            slot = self._reg_fd.get(id(msg))
-            if isinstance(slot, _FdRead):  # a message begun in its read is not complete yet (read deadline)
-                await slot.decided
-            got = self._reg_fd.pop(id(msg), None)
-            fd = got if isinstance(got, int) else None
-            if fd is None:
+            if not self._fds:
                 self.send(p.Err(id=msg.id, code=int(ErrorCode.BAD_REQUEST),
                                 message="register needs one file descriptor sent with its first byte (SCM_RIGHTS)"))
                 return
+            fd = self._fds.pop(0)
         try:
             result = await self.server.handler(self, msg, fd)
         except Exception as exc:
@@ -287,12 +241,9 @@ class EngineConn:
         except Exception:
             pass
         self._worker.cancel()
-        held = self._stray + [fd for r in self._fd_reads for fd in r.fds]
-        for fd in held + [fd for fd in self._reg_fd.values() if isinstance(fd, int)]:
+        for fd in self._fds:
             os.close(fd)
-        self._stray.clear()
-        self._fd_reads.clear()
-        self._reg_fd.clear()
+        self._fds.clear()
         self.sock.close()
         self.server.gone(self)
 

@@ -39,6 +39,7 @@ class LoopWatch:
         self._reported = 0.0  # the beat of the stall already reported (0: none)
         self._stop = threading.Event()
         self._decide = threading.Lock()  # the beat's age is judged by one thread at a time
+        self._looked = time.monotonic()  # when the watch thread last looked at the beat
         self._handle: asyncio.TimerHandle | None = None
         self._thread = threading.Thread(target=self._watch, name="pdd-loopwatch", daemon=True)
 
@@ -57,12 +58,14 @@ class LoopWatch:
         with self._decide:  # one report per stall: the watch thread's, or else this one
             stalled_s = now - self._beat - self.period_s  # beyond the tick's own wait
             seen = bool(self._reported) and self._reported == self._beat
+            watch_stood = now - self._looked > 2 * self.period_s  # the watch thread did not run either
             self._beat, self._reported = now, 0.0
         if seen:
             self._log("warning", "event loop turning again", blocked_s=round(stalled_s, 3))
-        elif stalled_s >= self.warn_s:  # the watch thread stood still too: the whole process did not run
+        elif stalled_s >= self.warn_s:  # ended before the watch thread looked: reported here, no stack
             self._log("warning", "event loop blocked", blocked_s=round(stalled_s, 3),
-                      cause="the process did not run (stopped, or starved of CPU): no stack to show")
+                      cause="the process did not run (stopped, or starved of CPU)" if watch_stood else
+                      "it ended before the watch looked (no stack taken)")
         if stalled_s >= self.warn_s:
             for _, count in list(self.owners):
                 count(stalled_s)
@@ -71,6 +74,7 @@ class LoopWatch:
     def _watch(self) -> None:  # on the watch thread
         while not self._stop.wait(self.period_s / 2):
             with self._decide:
+                self._looked = time.monotonic()
                 beat = self._beat
                 age = time.monotonic() - beat - self.period_s
                 if age < self.warn_s or self._reported == beat:
@@ -82,8 +86,9 @@ class LoopWatch:
                       stack="".join(stack).rstrip())
 
     def _log(self, level: str, event: str, **kw) -> None:
-        if self.owners:
-            getattr(self.owners[0][0], level)(event, **kw)
+        owners = list(self.owners)  # the watch thread logs too, while an owner may leave
+        if owners:
+            getattr(owners[0][0], level)(event, **kw)
 
 
 class LateTicks:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -205,44 +205,51 @@ def _is_ca(cert: x509.Certificate) -> bool:
         return False
 
 
+def _issued(child: x509.Certificate, parent: x509.Certificate) -> bool:
+    try:
+        child.verify_directly_issued_by(parent)
+        return True
+    except (ValueError, TypeError, InvalidSignature, UnsupportedAlgorithm):
+        return False
+
+
 def check_files(cert: str, key: str, ca: str) -> None:
     """What TLS would find wrong with configured files, found before the agent starts (and by
     ``--check``), each a ConfigError naming its key: a file that is not PEM, a key that is not
-    the certificate's, a ``tls.ca`` that is no CA, a certificate that ``tls.ca`` did not sign
-    (through the chain the file holds), or one outside its validity."""
+    the certificate's, a ``tls.ca`` without a root CA (Python's TLS needs the self-signed one), a
+    certificate that ``tls.ca`` did not sign (through the intermediates ``tls.cert`` holds, in
+    any order) or one outside its validity."""
     cas = _pem_certs("tls.ca", ca)
-    if not any(_is_ca(c) for c in cas):
-        raise ConfigError("tls.ca", f"{ca!r} holds no CA certificate (basicConstraints CA:TRUE): it must be "
-                                    "the CA that signed the nodes' certificates, not a node's own")
+    if not any(_is_ca(c) and c.issuer == c.subject for c in cas):
+        raise ConfigError("tls.ca", f"{ca!r} holds no root CA certificate (self-signed, basicConstraints CA:TRUE): "
+                                    "it must hold the CA that signed the nodes' certificates (with its "
+                                    "intermediates, if any), not a node's own")
     chain = _pem_certs("tls.cert", cert)
     try:
         private = serialization.load_pem_private_key(Path(key).read_bytes(), None)
-    except (OSError, ValueError, TypeError) as exc:
+        mine = chain[0].public_key() == private.public_key()
+    except (OSError, ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise ConfigError("tls.key", f"{key!r} is not an unencrypted PEM private key ({exc})") from None
-    if chain[0].public_key() != private.public_key():
+    if not mine:
         raise ConfigError("tls.key", f"{key!r} is not the key of the certificate in tls.cert ({cert!r})")
-    now = _now()
-    if not chain[0].not_valid_before_utc <= now <= chain[0].not_valid_after_utc:
-        raise ConfigError("tls.cert", f"{cert!r} is valid from {chain[0].not_valid_before_utc:%Y-%m-%d %H:%M} to "
-                                      f"{chain[0].not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now")
-    for child, parent in zip(chain, chain[1:], strict=False):
-        try:
-            child.verify_directly_issued_by(parent)
-        except (ValueError, TypeError, InvalidSignature):
-            raise ConfigError("tls.cert", f"the chain in {cert!r} is broken: {child.subject.rfc4514_string()} "
-                                          f"was not issued by {parent.subject.rfc4514_string()}") from None
-    top = chain[-1]
-    for c in cas:
-        try:
-            top.verify_directly_issued_by(c)
+    leaf, now = chain[0], _now()
+    if not leaf.not_valid_before_utc <= now <= leaf.not_valid_after_utc:
+        raise ConfigError("tls.cert", f"{cert!r} is valid from {leaf.not_valid_before_utc:%Y-%m-%d %H:%M} to "
+                                      f"{leaf.not_valid_after_utc:%Y-%m-%d %H:%M} UTC, not now")
+    # From the leaf up: through the file's intermediates (any order), to a certificate of tls.ca.
+    at, rest = leaf, list(chain[1:])
+    for _ in range(len(chain)):
+        if any(_issued(at, c) for c in cas):
             return
-        except (ValueError, TypeError, InvalidSignature):
-            continue
-    if any(top == c for c in cas):
-        return
-    raise ConfigError("tls.cert", f"{cert!r} ({top.subject.rfc4514_string()}, issued by "
-                                  f"{top.issuer.rfc4514_string()}) is not signed by tls.ca ({ca!r}): peers "
-                                  "that trust tls.ca would refuse it")
+        up = next((c for c in rest if _issued(at, c)), None)
+        if up is None:
+            break
+        rest.remove(up)
+        at = up
+    raise ConfigError("tls.cert", f"{cert!r} ({leaf.subject.rfc4514_string()}) does not chain to tls.ca ({ca!r}) "
+                                  f"through the certificates the file holds (stopped at one issued by "
+                                  f"{at.issuer.rfc4514_string()}): peers that trust tls.ca would refuse it; "
+                                  "it is not signed by tls.ca")
 
 
 def der_fingerprint(der: bytes) -> str:

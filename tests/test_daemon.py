@@ -281,7 +281,7 @@ def certs(tmp_path_factory):
     ("key-of-another-node", "tls.key", ["is not the key of the certificate"]),
     ("cert-not-pem", "tls.cert", ["is not a PEM certificate"]),
     ("cert-of-another-ca", "tls.cert", ["is not signed by tls.ca"]),
-    ("ca-is-a-leaf", "tls.ca", ["no CA certificate"]),
+    ("ca-is-a-leaf", "tls.ca", ["no root CA certificate"]),
 ], ids=["key-of-another-node", "cert-not-pem", "cert-of-another-ca", "ca-is-a-leaf"])
 def test_tls_files_tls_would_refuse_exit_2_naming_the_key_check_and_start(short_dir, certs, case, key, words):
     """What TLS would refuse at start (or peers in every handshake) is a configuration error named

@@ -88,7 +88,7 @@ asyncio.run(main())
 
 async def test_a_stall_of_the_whole_process_is_logged_when_it_runs_again():
     """SIGSTOP stops the watch thread with the loop, so nothing reports the stall while it lasts:
-    the loop's next turn logs it (and counts it), saying there is no stack to show."""
+    it is logged once when the process runs again (and counted)."""
     import json
     import os
     import signal
@@ -105,5 +105,8 @@ async def test_a_stall_of_the_whole_process_is_logged_when_it_runs_again():
     await proc.wait()
     events = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     blocked = [e for e in events if e["event"] == "event loop blocked"]
-    assert len(blocked) == 1 and blocked[0]["blocked_s"] >= 1.2 and "did not run" in blocked[0]["cause"], out
+    # One report, whichever thread ran first after SIGCONT: the loop's (it says why there is no
+    # stack) or the watch thread's (the stack of the loop's wait). Before, the loop's first left none.
+    assert len(blocked) == 1 and blocked[0]["blocked_s"] >= 1.2, out
+    assert "did not run" in blocked[0].get("cause", "") or "stack" in blocked[0], out
     assert [float(line.split()[1]) >= 1.2 for line in out.splitlines() if line.startswith("STALL")] == [True], out

@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import msgspec
 import pytest
 
 from conftest import fill_random, metric, same_bytes, until
@@ -377,10 +376,6 @@ class RawEngine:
         self.sock.close()
 
 
-def msgspec_replace(msg, **kw):
-    return msgspec.structs.replace(msg, **kw)
-
-
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
@@ -541,22 +536,6 @@ async def _pipelined_registers(eng: RawEngine, ag) -> None:
     await until(lambda: len(ag["A"].regions) == before)
 
 
-async def _register_without_fd_takes_no_other(eng: RawEngine, ag) -> None:
-    """A register sent without its fd, between two with theirs, pipelined: it alone is refused
-    (BAD_REQUEST, the connection stays), and the next one still gets its own memory."""
-    with SharedMemory(64 * KiB) as m1, SharedMemory(64 * KiB) as m3:
-        m1.buf[:2], m3.buf[:2] = b"m1", b"m3"
-        reg = p.Register(size=64 * KiB, block_bytes=64 * KiB)
-        await eng.send(p.encode(msgspec_replace(reg, id=1)), fd=m1.fd)
-        await eng.send(p.encode(msgspec_replace(reg, id=2)))
-        await eng.send(p.encode(msgspec_replace(reg, id=3)), fd=m3.fd)
-        r1, r2, r3 = [await eng.reply() for _ in range(3)]
-        assert isinstance(r1, p.Ok) and isinstance(r3, p.Ok), (r1, r3)
-        assert isinstance(r2, p.Err) and r2.id == 2 and r2.code == ErrorCode.BAD_REQUEST, r2
-        assert bytes(ag["A"].regions[r1.result["region"]].view()[:2]) == b"m1"
-        assert bytes(ag["A"].regions[r3.result["region"]].view()[:2]) == b"m3"
-
-
 async def _request_without_id(eng: RawEngine, ag) -> None:
     """id 0 belongs to events and connection errors: a request carrying it is refused as malformed."""
     await eng.send(p.encode(p.Status(id=1)))
@@ -571,7 +550,6 @@ async def _request_without_id(eng: RawEngine, ag) -> None:
 ENGINE_CASES = {
     "fds_no_register_claims": _unclaimed_fds,
     "registers_pipelined": _pipelined_registers,
-    "register_without_fd_takes_no_other": _register_without_fd_takes_no_other,
     "request_without_id": _request_without_id,
     "too_many_fds_in_one_message": _too_many_fds,
     "garbage_body": _garbage_body,

@@ -327,10 +327,6 @@ class Decoder:
         self._requests = to_agent  # a request's id must be non-zero (0 is the id of events and connection errors)
         self._buf = bytearray()
         self.max_message = max_message
-        self.consumed = 0  # stream bytes of the messages decoded so far
-        #: Where each message the last :meth:`feed` returned began in the stream (its length prefix's
-        #: offset): the agent gives a register the fd that came with that byte.
-        self.last_starts: list[int] = []
 
     @property
     def pending(self) -> int:
@@ -340,7 +336,6 @@ class Decoder:
     def feed(self, data: bytes) -> list[Msg]:
         self._buf += data
         out: list[Msg] = []
-        self.last_starts = starts = []
         while len(self._buf) >= 4:
             (n,) = LENGTH.unpack_from(self._buf)
             if n > self.max_message:
@@ -350,7 +345,6 @@ class Decoder:
                 break
             body = bytes(self._buf[4:4 + n])
             del self._buf[:4 + n]
-            start, self.consumed = self.consumed, self.consumed + 4 + n
             try:
                 msg = self._dec.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -360,5 +354,4 @@ class Decoder:
                                     "(id 0 is only for events and connection errors; proto/engine.md §2)",
                                     ErrorCode.MALFORMED_BODY)
             out.append(msg)
-            starts.append(start)
         return out
