@@ -89,12 +89,12 @@ async def test_a_chunk_that_outruns_its_kv_begin_is_held_until_it_is_handled(tmp
         on_begin = rx.on_begin
         held = asyncio.Event()
 
-        def late_begin(tid, begin):
+        def late_begin(tid, begin, conn=None):
             async def later():
                 await until(lambda: rx.gate.holding, what="a chunk held for its KV_BEGIN")
                 assert not any(dst.buf[:]), "written before its KV_BEGIN was handled"
                 held.set()
-                on_begin(tid, begin)
+                on_begin(tid, begin, conn)
             asyncio.get_running_loop().create_task(later())
 
         rx.on_begin = late_begin
