@@ -127,3 +127,41 @@ async def test_bulk_hello_while_the_control_connection_is_down_is_named(tmp_sock
         assert got and all(t == FrameType.ERROR and x.code == ErrorCode.UNEXPECTED_FRAME
                            and "control connection is down" in x.message for t, x in got), got
         bulk.close()
+
+
+async def test_a_listener_that_speaks_before_welcome_is_refused_by_the_dialer(tmp_sock_dir):
+    """proto/handshake.md §2: the listener sends nothing before WELCOME but ERROR. A listener
+    (written here) that answers HELLO with a KV_BEGIN instead: agent A, its dialer, refuses it
+    (ERROR UNEXPECTED_FRAME, counted) and opens nothing for it."""
+    from pdd_wire.wire import FrameReader, decode_body
+
+    got: asyncio.Queue = asyncio.Queue()
+
+    async def listener(reader, writer):
+        await reader.readexactly(8)  # the preamble
+        frames = FrameReader(max_body=1 << 20)
+        seen = []
+        while not seen:
+            seen += frames.feed(await reader.read(65536))
+        assert seen[0].header.type == FrameType.HELLO
+        writer.write(encode_bytes(FrameType.KV_BEGIN, encode_body(m.KvBegin("r-early", 4096, 4096, 1, 4096, 1, 1000)),
+                                  transfer_id=5))
+        answer = []
+        while data := await reader.read(65536):
+            answer += [(f.header.type, decode_body(f.header.type, f.body)) for f in frames.feed(data)]
+        await got.put(answer)
+        writer.close()
+
+    server = await asyncio.start_server(listener, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        tomls = two_site_toml(tmp_sock_dir, plaintext=True, wan_override={"B": f"127.0.0.1:{port}"})
+        async with run_agents(tomls, sites=("A",), wait_up=False) as ag:
+            answer = await asyncio.wait_for(got.get(), 10)
+            assert [(t, x.code) for t, x in answer] == [(FrameType.ERROR, ErrorCode.UNEXPECTED_FRAME)], answer
+            assert "KV_BEGIN before WELCOME" in answer[0][1].message
+            assert _errors(ag["A"], ErrorCode.UNEXPECTED_FRAME) >= 1
+            assert not ag["A"].sessions["B/b1"].inn and not ag["A"].kv.unposted_count()
+    finally:
+        server.close()
+        await server.wait_closed()

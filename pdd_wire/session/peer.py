@@ -131,10 +131,6 @@ class PeerSession:
         return self.data.active == "ucx"
 
     @property
-    def window(self) -> int:
-        return self.flow.window
-
-    @property
     def goodput_Bps(self) -> float:
         return self.link.goodput_Bps
 
@@ -335,6 +331,8 @@ class PeerSession:
     def _on_control_frame(self, conn: FrameProtocol, frame: Frame) -> None:
         self._last_rx = time.monotonic()
         h = frame.header
+        if conn is not self.control and h.type not in (FrameType.WELCOME, FrameType.ERROR):  # handshake.md §2
+            return self._unexpected(conn, f"{FrameType(h.type).name} before WELCOME")
         if h.type == FrameType.KV_CHUNK:  # inline.v1: a small chunk on the control connection
             return self.receiver.inline_chunk(conn, frame)
         try:
@@ -400,10 +398,11 @@ class PeerSession:
                 self.peer_goodbye = msg.reason
                 self.host.peer_goodbye(self, msg.reason)
             case _:
-                err = ProtocolError(f"unexpected {FrameType(h.type).name} on the control connection",
-                                    ErrorCode.UNEXPECTED_FRAME)
-                self.metrics.error(err.code)
-                conn.fail(err)
+                self._unexpected(conn, f"unexpected {FrameType(h.type).name} on the control connection")
+
+    def _unexpected(self, conn: FrameProtocol, what: str) -> None:
+        self.metrics.error(ErrorCode.UNEXPECTED_FRAME)
+        conn.fail(ProtocolError(what, ErrorCode.UNEXPECTED_FRAME))
 
     def send_frame(self, ftype: int, body, *, tid: int = 0, lane: int = Lane.CONTROL, now: bool = False) -> bool:
         """A control-connection frame on ``lane`` CONTROL or TOKEN (counted apart); False if down.
