@@ -186,7 +186,10 @@ class BulkHandler:
 
     def _counted(self, code: ErrorCode) -> None:
         if self.count_error is not None:
-            self.main.call_soon_threadsafe(self.count_error, code)
+            try:
+                self.main.call_soon_threadsafe(self.count_error, code)
+            except RuntimeError:  # the main loop is closed (the agent stopped): nothing to count into
+                pass
 
     def _fail(self, conn: FrameProtocol, exc: ProtocolError) -> None:
         self._counted(exc.code)
