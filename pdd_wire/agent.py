@@ -244,7 +244,7 @@ class Agent:
         if self.engine_server is not None:
             await self.engine_server.stop_accepting()
             self.engine_server.broadcast(p.Shutdown(grace_s=grace))
-        self.kv.refuse_unposted()
+        self.kv.shutdown()  # the KV waiting for posts nobody will make is refused now
         # 2. let transfers finish
         try:
             async with asyncio.timeout(grace):
@@ -257,7 +257,6 @@ class Agent:
         if left:
             self.log.warning("grace period over; cancelling transfers", cancelled=left)
         # 3. cancel the rest, telling peers and engines
-        self.kv.shutdown()
         self.handoffs.shutdown()
         await asyncio.gather(*(s.close() for s in self.peers), return_exceptions=True)
         await self.inbound.close()

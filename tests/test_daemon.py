@@ -321,7 +321,7 @@ def test_values_that_cannot_work_exit_2(short_dir, change, key):
     assert r.returncode == 2 and f"'{key}'" in r.stderr, r.stderr
 
 
-def test_loop_stall_warn_0_turns_the_watch_off(short_dir):
+def test_loop_stall_warn_0_is_a_valid_config(short_dir):
     text = _good(short_dir) + "[timeouts]\nloop_stall_warn_s = 0\n"
     r = cli("--site", "A", "--config", str(write(short_dir, "a.toml", text)), "--check")
     assert r.returncode == 0, r.stderr

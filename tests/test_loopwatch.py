@@ -110,3 +110,16 @@ async def test_a_stall_of_the_whole_process_is_logged_when_it_runs_again():
     assert len(blocked) == 1 and blocked[0]["blocked_s"] >= 1.2, out
     assert "did not run" in blocked[0].get("cause", "") or "stack" in blocked[0], out
     assert [float(line.split()[1]) >= 1.2 for line in out.splitlines() if line.startswith("STALL")] == [True], out
+
+
+async def test_warn_s_0_watches_nothing():
+    """``timeouts.loop_stall_warn_s = 0`` (documented as "not watched"): no watch thread, no report."""
+    before = [t for t in threading.enumerate() if t.name == "pdd-loopwatch"]
+    stalls: list[float] = []
+    with capture_logs() as logs:
+        unwatch = loopwatch.watch(structlog.get_logger("t"), stalls.append, warn_s=0, period_s=0.05)
+        assert [t for t in threading.enumerate() if t.name == "pdd-loopwatch"] == before
+        a_blocking_call_on_the_loop(0.3)
+        await asyncio.sleep(0.1)
+        unwatch()
+    assert not stalls and not [e for e in logs if "event loop" in e["event"]]

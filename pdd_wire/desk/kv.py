@@ -536,20 +536,16 @@ class KvDesk:
         self.prefix_broken(self.inventory.forget_owner(ec))
         self.metrics.inventory_blocks.set(len(self.inventory.blocks))
 
-    def refuse_unposted(self) -> None:
-        """Shutdown begins: KV_BEGINs waiting for a post can get none now; their senders hear it
-        (KV_REJECT SHUTTING_DOWN) at once, not after their lease or the session's give-up."""
+    def shutdown(self) -> None:
+        """Shutdown begins: KV_BEGINs waiting for a post can get none now (and, with the gate
+        closed, none starts waiting); their senders hear it (KV_REJECT SHUTTING_DOWN) at once, not
+        after their lease or the session's give-up."""
         for request_id, waits in list(self.unposted.items()):
             for peer in list(waits):
                 waiting = self._unwait(request_id, peer)
                 if waiting is not None:
                     waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.SHUTTING_DOWN,
                                               "receiver is shutting down")
-
-    def shutdown(self) -> None:
-        for waits in self.unposted.values():
-            for waiting in waits.values():
-                waiting.timer.cancel()
 
     # ------------------------------------------------------------------ leases
     def audit(self) -> tuple[dict[str, int], int]:
