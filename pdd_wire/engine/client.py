@@ -19,7 +19,8 @@ Decode side, site B::
 
         kv = await eng.register(mem, block_bytes=2 << 20)
         await eng.post_recv("req-42", [kv.blocks(32, 16)], from_site="A")
-        ev = await eng.wait("req-42")              # KvReceived: blocks 32..47 hold the KV
+        ev = await eng.wait("req-42", kinds=OUTCOMES)  # KvReceived: blocks 32..47 hold the KV
+                                                          # (or TransferFailed, RequestAborted)
         tokens = await eng.wait_tokens("req-42")   # TokensReceived
 """
 
@@ -280,8 +281,8 @@ class EngineClient:
         return await self._events.wait(request_id, kinds, timeout)
 
     async def wait_tokens(self, request_id: str, *, timeout: float | None = None) -> p.TokensReceived:
-        """The next relayed token frame of ``request_id``. The first wait on a request this client
-        never posted, sent or expected calls :meth:`expect_tokens` (from any site) first."""
+        """The next relayed token frame of ``request_id``. The first wait on a request for which
+        this client never called :meth:`expect_tokens` calls it first (from any site)."""
         if request_id not in self._expected:
             await self.expect_tokens(request_id)
         ev = await self.wait(request_id, kinds=(p.TokensReceived,), timeout=timeout)
