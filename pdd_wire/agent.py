@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ipaddress
 import os
 import random
 import ssl
@@ -194,7 +195,7 @@ class Agent:
                                  "reach listen.wan can pose as any member (tls.allow_plaintext)")
             self.membership.me = self._member_record()
             try:
-                record.encode(self.membership.me)
+                record.check_size(self.membership.me)
             except ValueError as exc:
                 raise ConfigError("fleet.engines", str(exc)) from None
             await self.membership.start()  # etcd away at start is a state, not a failure: it is retried
@@ -359,17 +360,10 @@ class Agent:
         return busy | {k for k, n in self.kv.unposted_per_peer.items() if n}
 
     def _member_record(self) -> MemberRecord:
-        cfg, f = self.config, self.config.fleet
         assert self.wan_address is not None
-        host = parse_hostport(cfg.listen.wan, "listen.wan")[0]
-        wan = f.advertise or f"{host}:{self.wan_address[1]}"  # the bound port (listen.wan may say 0)
-        admin = self.admin.address if self.admin else ""
-        return MemberRecord(site=cfg.site, node=cfg.node, incarnation=self.incarnation, wan=wan,
-                            transport=f.transport, fingerprint=cert_fingerprint(self.pki.cert) if self.pki else "",
-                            versions=tuple(m.SUPPORTED_VERSIONS), capabilities=CAPABILITIES, admin=admin or "",
-                            engines=tuple(EngineRec(role=e.role, url=e.url, admin=admin or "",
-                                                    engine_socket=e.engine_socket or cfg.listen.engine_socket)
-                                          for e in f.engines))
+        return member_record(self.config, incarnation=self.incarnation, wan_port=self.wan_address[1],
+                             admin=(self.admin.address or "") if self.admin else "",
+                             fingerprint=cert_fingerprint(self.pki.cert) if self.pki else "")
 
     def _live(self) -> Live:
         ups = [s for s in self.peers if s.is_up]
@@ -470,3 +464,36 @@ class Agent:
             "fleet": (self.membership.describe() | self.fleet.describe()
                       if self.membership is not None and self.fleet is not None else None),
         }
+
+
+def member_record(cfg: Config, *, incarnation: int, wan_port: int, admin: str, fingerprint: str) -> MemberRecord:
+    """This node's fleet record: the agent's, and ``--check``'s (:func:`check_member_record`)."""
+    f = cfg.fleet
+    host = parse_hostport(cfg.listen.wan, "listen.wan")[0]
+    wan = f.advertise or f"{host}:{wan_port}"  # the bound port (listen.wan may say 0)
+    return MemberRecord(site=cfg.site, node=cfg.node, incarnation=incarnation, wan=wan, transport=f.transport,
+                        fingerprint=fingerprint, versions=tuple(m.SUPPORTED_VERSIONS), capabilities=CAPABILITIES,
+                        admin=admin, engines=tuple(EngineRec(role=e.role, url=e.url, admin=admin,
+                                                             engine_socket=e.engine_socket or cfg.listen.engine_socket)
+                                                   for e in f.engines))
+
+
+def check_member_record(cfg: Config) -> None:
+    """ConfigError naming ``fleet.engines`` when this node's record could be over
+    :data:`.record.MAX_RECORD_BYTES` (the agent would refuse to start, exit 1): built at its
+    largest, as ``--check`` knows it before anything is bound (a certificate's fingerprint, the
+    largest incarnation, port 65535 for a port 0, the longest address a name may be bound as)."""
+    admin = ""
+    if cfg.listen.admin:
+        host, port = parse_hostport(cfg.listen.admin, "listen.admin")
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:  # a name: the admin server gives the address it bound, IPv6 at most 39 characters
+            host = host.ljust(39)
+        admin = f"{host}:{port or 65535}"
+    me = member_record(cfg, incarnation=(1 << 63) - 1, wan_port=parse_hostport(cfg.listen.wan, "listen.wan")[1]
+                       or 65535, admin=admin, fingerprint="sha256:" + "0" * 64)
+    try:
+        record.check_size(me)
+    except ValueError as exc:
+        raise ConfigError("fleet.engines", str(exc)) from None

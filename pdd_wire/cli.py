@@ -55,6 +55,10 @@ def daemon_main(argv: list[str] | None = None) -> int:
         if args.check:  # on the node it will run on: the CPUs it names are there (the agent checks at start too)
             placement.check_allowed(cfg.cpus.main_set, "cpus.main")
             placement.check_allowed(cfg.cpus.bulk_set, "cpus.bulk")
+            if cfg.fleet.enabled:  # what the agent would refuse at start (exit 1), named now (exit 2)
+                from .agent import check_member_record
+
+                check_member_record(cfg)
     except ConfigError as exc:
         print(f"pdd-wired: {exc}", file=sys.stderr)
         return 2

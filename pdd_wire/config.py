@@ -236,6 +236,34 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def is_wildcard(host: str) -> bool:
+    """A host to listen on, not to dial: 0.0.0.0 or :: (however written), or none."""
+    try:
+        return not host or ipaddress.ip_address(host).is_unspecified
+    except ValueError:
+        return False
+
+
+def dial_address(value: str, key: str) -> tuple[str, int]:
+    """``value`` as an address peers can dial (``fleet.advertise``, a member record's ``wan``):
+    host:port with neither a wildcard host nor port 0."""
+    host, port = parse_hostport(value, key)
+    if is_wildcard(host) or port == 0:
+        raise ConfigError(key, f"{value!r} is no address peers can dial (a wildcard host, or port 0)")
+    return host, port
+
+
+def engine_url(url: str) -> bool:
+    """An engine's serving URL every reader can use: http(s)://host[:port]. One rule for the
+    config and the member records read from etcd, so a member is never registered invisible."""
+    try:
+        u = urlsplit(url)
+        u.port  # noqa: B018 -- raises ValueError when out of range
+    except ValueError:
+        return False
+    return u.scheme in ("http", "https") and bool(u.hostname) and not any(c.isspace() for c in url)
+
+
 def _positive(key: str, value: float) -> None:
     if not value > 0:  # nan too
         raise ConfigError(key, f"must be > 0, got {value}")
@@ -370,8 +398,10 @@ def validate_etcd(etcd: list[str], tls: EtcdTls, cluster: str, request_s: float,
 def _validate_fleet(cfg: Config) -> None:
     f = cfg.fleet
     validate_etcd(f.etcd, f.tls, f.cluster, f.request_s)
-    for key in ("lease_ttl_s", "refresh_min_s", "idle_close_s", "dial_wait_s"):
-        _positive(f"fleet.{key}", getattr(f, key))
+    _positive("fleet.lease_ttl_s", f.lease_ttl_s)
+    for key in ("refresh_min_s", "idle_close_s", "dial_wait_s"):
+        if not 0 < getattr(f, key) <= MAX_DURATION_S:  # inf and nan too: a session never dropped
+            raise ConfigError(f"fleet.{key}", f"must be in (0, {MAX_DURATION_S}] s, got {getattr(f, key)}")
     if not 2 <= f.lease_ttl_s <= 3600 or not float(f.lease_ttl_s).is_integer():
         raise ConfigError("fleet.lease_ttl_s", f"must be 2..3600 s (whole seconds in etcd), got {f.lease_ttl_s}")
     # A keep-alive goes out every third of the TTL and may try every endpoint but the one that
@@ -385,11 +415,11 @@ def _validate_fleet(cfg: Config) -> None:
     if not 1 <= f.max_members <= 1 << 20:
         raise ConfigError("fleet.max_members", f"must be 1..1048576, got {f.max_members}")
     if f.advertise:
-        parse_hostport(f.advertise, "fleet.advertise")
-    elif f.enabled and parse_hostport(cfg.listen.wan, "listen.wan")[0] in ("0.0.0.0", "::", ""):
+        dial_address(f.advertise, "fleet.advertise")
+    elif f.enabled and is_wildcard(parse_hostport(cfg.listen.wan, "listen.wan")[0]):  # its port: the one bound
         raise ConfigError("fleet.advertise", f"required: listen.wan {cfg.listen.wan!r} is no address peers can dial")
     for i, e in enumerate(f.engines):
-        if not re.match(r"^https?://[^/\s]+", e.url):
+        if not engine_url(e.url):
             raise ConfigError(f"fleet.engines[{i}].url", f"{e.url!r} is not an http(s)://host:port URL")
 
 

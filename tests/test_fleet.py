@@ -182,14 +182,17 @@ async def test_idle_close_then_reopen(tmp_sock_dir, etcd, cluster_name):
 
 async def test_certificate_not_the_registered_one_is_refused(tmp_sock_dir, etcd, cluster_name):
     """b1's record names another certificate than the one b1 presents (a valid one of the same
-    CA, naming b1): a1 refuses the handshake, and the send fails after fleet.dial_wait_s."""
+    CA, naming b1; put under another lease, so b1 waits for it as for a duplicate): a1 refuses the
+    handshake, and the send fails after fleet.dial_wait_s."""
     async with agents(tmp_sock_dir, etcd, cluster_name, [("A", "a1"), ("B", "b1"), ("B", "b2")],
-                      fleet="dial_wait_s = 1.5") as ag:
+                      fleet="dial_wait_s = 1.5") as ag, etcd_client(etcd) as client:
         a, b1, b2 = ag["a1"], ag["b1"], ag["b2"]
-        forged = msgspec.structs.replace(b1.membership.me, fingerprint=cert_fingerprint(b2.pki.cert))
-        async with etcd_client(etcd) as client:
-            await client.put(member_key(cluster_name, "B", "b1"), encode(forged), lease=b1.membership.lease)
+        forged = msgspec.structs.replace(b1.membership.me, fingerprint=cert_fingerprint(b2.pki.cert),
+                                         incarnation=b1.incarnation % 1000 + 1)  # another process's
+        lease = await client.grant(30)
+        await client.put(member_key(cluster_name, "B", "b1"), encode(forged), lease=lease)
         await until(lambda: a.membership.members["B/b1"].fingerprint == forged.fingerprint, 5, "the forged record")
+        await until(lambda: metric(b1, "pddwire_fleet_duplicates_total") == 1, 5, "b1 waits for that lease")
         ea = await ag.engine("a1", "p")
         kv = await ea.register(ag.engines.memory(2 * MiB), block_bytes=MiB)
         t0 = time.monotonic()
@@ -200,6 +203,7 @@ async def test_certificate_not_the_registered_one_is_refused(tmp_sock_dir, etcd,
         assert metric(a, "pddwire_errors_total", code="IDENTITY_MISMATCH") >= 1
         assert metric(a, "pddwire_fleet_sessions_closed_total", reason="dial_timeout") == 1
         assert metric(b1, "pddwire_peer_up", peer="A/a1") == 0  # never adopted
+        await client.revoke(lease)
 
 
 async def test_lease_expiry_after_kill9_fails_transfers_at_once(tmp_sock_dir, etcd, cluster_name):

@@ -9,7 +9,10 @@ are not etcd can answer: it never freezes and never dies silently.
 * a watch on a member that stopped answering (SIGSTOP) moves to another, for an agent (its
   keep-alives find it) and for a watcher without a lease (its check does);
 * this member's record deleted behind its back is written again; a second process with the same
-  site/node waits (counted) instead of overwriting the first;
+  site/node waits (counted) instead of overwriting the first; a record put over it with no lease
+  (no process's) is taken back, at once and at start; one put over it under its own lease is
+  written again, also when the watch shows it before the registration's answer is back;
+* an update of a member's record that is not valid is that member leaving;
 * a record read at once (a HELLO's lookup) is not overwritten by the watch's older events;
 * etcd with TLS client certificates (``--client-cert-auth``): members register and watch; a
   client without a certificate, or without etcd's CA, is refused.
@@ -24,6 +27,7 @@ import math
 import os
 import signal
 
+import msgspec
 import pytest
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -244,6 +248,107 @@ async def test_own_record_deleted_is_written_again_and_a_duplicate_waits(etcd, c
             await asyncio.wait_for(second.registered.wait(), 10)
             await until(lambda: "B/b1" in watcher.members and watcher.members["B/b1"].incarnation == 2, 10,
                         "the second registered")
+
+
+async def test_a_record_put_with_no_lease_is_taken_back(etcd, cluster_name):
+    """``etcdctl put`` over a member's key (lease 0, which never ends): the member takes its key
+    back under its lease, warned and counted; a key left so before the member starts is too."""
+    registry = CollectorRegistry()
+    key = member_key(cluster_name, "B", "b1")
+    async with etcd_client(etcd.endpoints) as client:
+        await client.put(key, encode(record("b1", incarnation=9)))  # a leftover, before the member starts
+        member = Membership(fleet(etcd, cluster_name), FleetMetrics(registry), me=record("b1", incarnation=1))
+        watcher = Membership(fleet(etcd, cluster_name), FleetMetrics(CollectorRegistry()))
+        async with memberships(member, watcher):
+            await asyncio.wait_for(member.registered.wait(), 10)
+            assert (await client.get(key)).lease == member.lease
+            assert sample(registry, "pddwire_fleet_own_record_rewritten_total", cause="no_lease") == 1
+            await until(lambda: "B/b1" in watcher.members and watcher.members["B/b1"].incarnation == 1, 10,
+                        "the watcher sees the member's own record")
+            await client.put(key, encode(record("b1", incarnation=9)))  # a plain put, the lease alive
+            await until(lambda: sample(registry, "pddwire_fleet_own_record_rewritten_total", cause="no_lease") == 2,
+                        10, "taken back again")
+            kv = await client.get(key)
+            assert kv.lease == member.lease and b'"incarnation":1,' in kv.value
+            await until(lambda: watcher.members["B/b1"].incarnation == 1, 10, "the watcher has it back")
+            assert sample(registry, "pddwire_fleet_duplicates_total") == 0 and member.displaced_by is None
+            assert sample(registry, "pddwire_fleet_registrations_total", kind="again") == 1
+
+
+async def test_a_record_put_over_under_its_own_lease_is_written_again(etcd, cluster_name):
+    """An etcd writer puts another address and fingerprint with the member's own lease ID: the
+    member notices (a revision it did not write) and writes its record again."""
+    registry = CollectorRegistry()
+    key = member_key(cluster_name, "B", "b1")
+    mine = record("b1")
+    member = Membership(fleet(etcd, cluster_name), FleetMetrics(registry), me=mine)
+    watcher = Membership(fleet(etcd, cluster_name), FleetMetrics(CollectorRegistry()))
+    async with memberships(member, watcher), etcd_client(etcd.endpoints) as client:
+        await asyncio.wait_for(member.registered.wait(), 10)
+        forged = msgspec.structs.replace(mine, wan="10.9.9.9:7601", fingerprint="sha256:" + "cd" * 32)
+        await client.put(key, encode(forged), lease=member.lease)
+        await until(lambda: sample(registry, "pddwire_fleet_own_record_rewritten_total", cause="own_lease") == 1, 10,
+                    "noticed")
+        await until(lambda: sample(registry, "pddwire_fleet_registrations_total", kind="again") == 1, 10,
+                    "written again")
+        kv = await client.get(key)
+        assert kv.lease == member.lease and b"10.9.9.9" not in kv.value and mine.fingerprint.encode() in kv.value
+        await until(lambda: "B/b1" in watcher.members and watcher.members["B/b1"].wan == mine.wan, 10,
+                    "the watcher has the member's own record")
+
+
+class OverwrittenAtOnce(EtcdClient):
+    """Fault injection: right after the member's registration applies, and before its answer is
+    back, another writer puts ``forged`` over it under the member's lease, and the watch shows it."""
+
+    forged = b""
+    membership: Membership
+
+    async def put_all_if(self, items, lease, **kw):
+        answer = await super().put_all_if(items, lease, **kw)
+        if answer[0] and self.forged:
+            forged, self.forged = self.forged, b""
+            rev = await self.put(items[0][0], forged, lease=lease)
+            await until(lambda: self.membership.revision >= rev, 10, "the watch shows the put first")
+        return answer
+
+
+async def test_a_put_over_seen_before_the_registrations_answer_is_not_lost(etcd, cluster_name):
+    registry = CollectorRegistry()
+    mine = record("b1")
+    client = await OverwrittenAtOnce(etcd.endpoints, request_s=0.5).open()
+    client.forged = encode(msgspec.structs.replace(mine, wan="10.9.9.9:7601"))
+    member = client.membership = Membership(fleet(etcd, cluster_name), FleetMetrics(registry), me=mine,
+                                            client=client)
+    try:
+        async with memberships(member), etcd_client(etcd.endpoints) as reader:
+            await until(lambda: sample(registry, "pddwire_fleet_registrations_total", kind="again") == 1, 10,
+                        "written again")
+            assert sample(registry, "pddwire_fleet_own_record_rewritten_total", cause="own_lease") == 1
+            kv = await reader.get(member_key(cluster_name, "B", "b1"))
+            assert kv.lease == member.lease and b"10.9.9.9" not in kv.value
+    finally:
+        await client.close()
+
+
+async def test_an_invalid_update_of_a_member_is_its_leave(etcd, cluster_name):
+    """A member's record put over with one no reader may use: the watch drops it (a leave, as a
+    full listing would), counts it invalid, and takes it back when a valid record follows."""
+    registry, seen = CollectorRegistry(), Events()
+    key = member_key(cluster_name, "B", "b2")
+    watcher = Membership(fleet(etcd, cluster_name), FleetMetrics(registry), on_event=seen)
+    async with memberships(watcher), etcd_client(etcd.endpoints) as client:
+        await asyncio.wait_for(watcher.listed.wait(), 10)
+        await client.put(key, encode(record("b2")))
+        await until(lambda: "B/b2" in watcher.members, 10, "joined")
+        await client.put(key, encode(msgspec.structs.replace(record("b2"), wan="0.0.0.0:7601")))
+        await until(lambda: "B/b2" not in watcher.members, 10, "the invalid record is not kept")
+        assert seen == [("join", "B/b2", 1), ("leave", "B/b2", 1)]
+        assert sample(registry, "pddwire_fleet_records_ignored_total", reason="invalid") == 1
+        await client.put(key, encode(record("b2", incarnation=2)))
+        await until(lambda: "B/b2" in watcher.members, 10, "a valid record joins again")
+        assert seen[-1] == ("join", "B/b2", 2)
+        await client.delete(key)
 
 
 async def test_a_watch_moves_off_a_member_that_stopped_answering(etcd, cluster_name):

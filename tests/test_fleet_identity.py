@@ -170,22 +170,26 @@ async def test_listener_checks_the_registered_fingerprint(tmp_sock_dir, pki, etc
     async with running(toml(tmp_sock_dir, pki, "B", "b1", etcd=etcd, cluster=cluster_name),
                        toml(tmp_sock_dir, pki, "B", "b3", etcd=etcd, cluster=cluster_name)) as (b1, b3):
         await until(lambda: "B/b1" in b3.membership.members and "B/b3" in b1.membership.members, 5, "listed")
-        forged = msgspec.structs.replace(b1.membership.me, fingerprint=cert_fingerprint(str(pki["b2"][0])))
-        async with etcd_client(etcd) as client:  # under b1's own lease: b1 does not put it back
-            await client.put(member_key(cluster_name, "B", "b1"), encode(forged), lease=b1.membership.lease)
-        await until(lambda: b3.membership.members["B/b1"].fingerprint == forged.fingerprint, 5, "the forged record")
-        engines = Engines()
-        try:
-            e1 = await engines.connect(b1.config.listen.engine_socket, "p")
-            kv = await e1.register(engines.memory(MiB), block_bytes=MiB)
-            await e1.send_kv("r1", [kv.blocks(0, 1)], to=["B/b3"], deadline_s=20)
-            failed = await e1.wait("r1", timeout=10)
-            assert isinstance(failed, ev.TransferFailed) and failed.code == ErrorCode.PEER_UNREACHABLE
-        finally:
-            await engines.close()
-        assert metric(b3, "pddwire_fleet_admissions_total", outcome="identity_mismatch") >= 1
-        assert metric(b3, "pddwire_errors_total", code="IDENTITY_MISMATCH") >= 1
-        assert b3.peers.get("B/b1") is None and metric(b3, "pddwire_fleet_lazy_sessions_total", how="dial") == 0
+        forged = msgspec.structs.replace(b1.membership.me, fingerprint=cert_fingerprint(str(pki["b2"][0])),
+                                         incarnation=b1.incarnation % 1000 + 1)  # another process's
+        async with etcd_client(etcd) as client:
+            lease = await client.grant(30)  # another lease: b1 waits for it (its own or none: b1 writes it back)
+            await client.put(member_key(cluster_name, "B", "b1"), encode(forged), lease=lease)
+            await until(lambda: b3.membership.members["B/b1"].fingerprint == forged.fingerprint, 5,
+                        "the forged record")
+            engines = Engines()
+            try:
+                e1 = await engines.connect(b1.config.listen.engine_socket, "p")
+                kv = await e1.register(engines.memory(MiB), block_bytes=MiB)
+                await e1.send_kv("r1", [kv.blocks(0, 1)], to=["B/b3"], deadline_s=20)
+                failed = await e1.wait("r1", timeout=10)
+                assert isinstance(failed, ev.TransferFailed) and failed.code == ErrorCode.PEER_UNREACHABLE
+            finally:
+                await engines.close()
+            assert metric(b3, "pddwire_fleet_admissions_total", outcome="identity_mismatch") >= 1
+            assert metric(b3, "pddwire_errors_total", code="IDENTITY_MISMATCH") >= 1
+            assert b3.peers.get("B/b1") is None and metric(b3, "pddwire_fleet_lazy_sessions_total", how="dial") == 0
+            await client.revoke(lease)
 
 
 async def test_hellos_naming_listed_members_open_nothing(tmp_sock_dir, pki, etcd, cluster_name):

@@ -264,12 +264,15 @@ class EtcdClient:
         with self._parsing("kv/txn"):
             return _revision(answer)
 
-    async def put_all_if(self, items: list[tuple[str, bytes]], lease: int, *, guard: str,
-                         guard_lease: int = 0) -> tuple[bool, int, KeyValue | None]:
-        """The puts of :meth:`put_all` in one transaction, only if ``guard`` is absent
-        (``guard_lease`` 0) or bound to ``guard_lease``. (done, revision, the guard key as it is
-        when not done: None if it is absent)."""
-        compare = ({"key": _b64(guard), "target": "LEASE", "result": "EQUAL", "lease": str(guard_lease)}
+    async def put_all_if(self, items: list[tuple[str, bytes]], lease: int, *, guard: str, guard_lease: int = 0,
+                         guard_mod: int = 0) -> tuple[bool, int, KeyValue | None]:
+        """The puts of :meth:`put_all` in one transaction, only if ``guard`` is absent (neither
+        given), bound to ``guard_lease``, or last written at revision ``guard_mod`` (unchanged
+        since it was read). (done, revision, the guard key as it is when not done: None if it is
+        absent)."""
+        compare = ({"key": _b64(guard), "target": "MOD", "result": "EQUAL", "mod_revision": str(guard_mod)}
+                   if guard_mod else
+                   {"key": _b64(guard), "target": "LEASE", "result": "EQUAL", "lease": str(guard_lease)}
                    if guard_lease else
                    {"key": _b64(guard), "target": "CREATE", "result": "EQUAL", "create_revision": "0"})
         answer = await self.call("kv/txn", {"compare": [compare], "success": self._puts(items, lease),

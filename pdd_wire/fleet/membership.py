@@ -5,12 +5,14 @@
 and this member's records under it: the member record and the live record, put in one
 transaction that succeeds only while the member key is free or already bound to this lease (so
 two agents that share a site/node never overwrite each other: the second waits, logged and
-counted as a duplicate, until the first one's lease ends). The live record is written again when
-its figures moved enough (:func:`.record.should_refresh`). A record of ours that disappears
-(deleted behind our back) or is taken under another lease is written again. The **watch** task
-lists the members once, then watches the prefix from that revision; a watch that ends is resumed
-from the last revision seen, and one etcd has compacted past (or a store that was replaced
-under it) is replaced by a full listing, diffed against what was known. With ``watch_live`` a
+counted as a duplicate, until the first one's lease ends). A member key under no lease (a plain
+``etcdctl put``) is no process's, and would never end: it is taken back. The live record is
+written again when its figures moved enough (:func:`.record.should_refresh`). Any change to our
+record we did not write (a delete, a put at a revision not ours, whatever its lease) is someone
+else's: our record is written again (under another lease: we wait, as for a duplicate). The
+**watch** task lists the members once, then watches the prefix from that revision; a watch
+that ends is resumed from the last revision seen, and one etcd has compacted past (or a store
+that was replaced under it) is replaced by a full listing, diffed against what was known. With ``watch_live`` a
 third task does the same for the live records (``live``). A member that only watches (no
 record: the router) checks etcd every third of the TTL, so a watch on a member that stopped
 answering is moved like an agent's (:mod:`.etcd`).
@@ -97,6 +99,9 @@ class Membership:
         self.lease = 0  # granted and kept alive; the records are put under it when ``written``
         self.written = False  # this member's records are in etcd under ``lease``
         self._written_rev = 0  # the revision of that write
+        # The watch's last change to our key, (revision, its lease; None: deleted), kept while a
+        # registration is in flight: one after our write that arrived before its answer is not lost.
+        self._own_last: tuple[int, int | None] = (0, None)
         self.displaced_by: KeyValue | None = None  # another process's record under our key (a duplicate)
         self.up = False
         self.away_since: float | None = None
@@ -123,7 +128,7 @@ class Membership:
         """Start the tasks; returns at once (etcd away at start is a state, not an error)."""
         await self.client.open()
         if self.me is not None:
-            rec.encode(self.me)  # ValueError now, naming the bound, rather than a task failing later
+            rec.check_size(self.me)  # ValueError now, naming the bound, rather than a task failing later
             self._spawn(self._lease_forever(), "fleet-lease")
         elif self.views:
             self._spawn(self._check_forever(), "fleet-check")
@@ -244,24 +249,41 @@ class Membership:
                  (f"{self.live_prefix}{self.me.key}", self._live_record(live))]
         done, revision, holder = await self.client.put_all_if(items, self.lease, guard=self._my_path)
         self.metrics.writes.labels(kind="put").inc()
+        unleased = not done and holder is not None and holder.lease == 0
         if not done and holder is not None and holder.lease == self.lease:  # ours already (an answer lost)
             done, revision, holder = await self.client.put_all_if(items, self.lease, guard=self._my_path,
                                                                   guard_lease=self.lease)
-        if not done and holder is not None and self._mine(holder):
+            self.metrics.writes.labels(kind="put").inc()
+        elif unleased:  # a plain put: no process's lease, nor one that will end; taken back as it was read
+            assert holder is not None
+            done, revision, holder = await self.client.put_all_if(items, self.lease, guard=self._my_path,
+                                                                  guard_mod=holder.mod_revision)
+            self.metrics.writes.labels(kind="put").inc()
+            if done:
+                self.metrics.rewritten.labels(cause="no_lease").inc()
+                self.log.warning("this member's key was put with no lease (not by an agent): taken back",
+                                 key=self._my_path)
+        if not done and holder is not None and holder.lease not in (0, self.lease) and self._mine(holder):
             # This process's own record under a lease it no longer keeps (a put whose answer was lost
             # before that lease was replaced): end that lease, then register again at once.
             await self.client.revoke(holder.lease)
             self.metrics.writes.labels(kind="revoke").inc()
             raise EtcdError("our own record was under a lease of ours we had lost; revoked it")
         if not done:
-            if holder is not None:
+            if holder is not None and holder.lease not in (0, self.lease):
                 if self.displaced_by is None or self.displaced_by.lease != holder.lease:
                     self.metrics.duplicates.inc()
                 self.displaced_by = holder
                 raise Displaced(f"{self.me.key} is registered under another lease ({holder.lease:x}): another "
                                 "agent with this site and node? waiting for its lease to end")
-            raise EtcdError("the member key changed during registration")  # gone meanwhile: at once again
+            raise EtcdError("the member key changed during registration")  # gone or put again meanwhile: again
         self.written, self._written_rev, self.displaced_by = True, revision, None
+        seen, lease = self._own_last
+        if seen > revision:  # changed after our write, and the watch showed it before this answer came
+            if lease is None:
+                self._own_gone(seen)
+            else:
+                self._own_put(KeyValue(key=self._my_path, value=b"", mod_revision=seen, lease=lease))
         self._written_live, self._written_at = live, time.monotonic()
         self.metrics.registrations.labels(kind="again" if again else "first").inc()
         self.log.info("registered" if not again else "registered again", key=self._my_path, lease=f"{self.lease:x}")
@@ -445,15 +467,27 @@ class Membership:
 
     # ------------------------------------------------------------------ our own key, seen by the watch
     def _own_put(self, kv: KeyValue) -> None:
-        if kv.mod_revision > self._written_rev and kv.lease != self.lease and self.written:
-            self.written = False  # the lease task tries again; Displaced says who holds it
+        """A put on our key at a revision after our write is not ours, whatever its lease (an
+        etcd writer can use our lease ID): our record is written again. Under no lease it is
+        taken back; under another lease :class:`Displaced` says who holds it."""
+        self._own_last = max(self._own_last, (kv.mod_revision, kv.lease), key=lambda e: e[0])
+        if not self.written or kv.mod_revision <= self._written_rev:
+            return
+        self.written = False
+        if kv.lease == self.lease:
+            self.metrics.rewritten.labels(cause="own_lease").inc()
+            self.log.warning("this member's record was put over under its own lease: writing it again",
+                             revision=kv.mod_revision)
+        elif kv.lease:
             self.log.error("this member's key was written under another lease: registering again",
                            lease=f"{kv.lease:x}")
-            self._wake.set()
+        self._wake.set()
 
     def _own_gone(self, revision: int) -> None:
+        self._own_last = max(self._own_last, (revision, None), key=lambda e: e[0])
         if self.written and revision > self._written_rev:
             self.written = False
+            self.metrics.rewritten.labels(cause="deleted").inc()
             self.log.warning("this member's record was deleted while its lease lives: registering again")
             self._wake.set()
 
@@ -463,7 +497,8 @@ class Membership:
             self._own_put(kv)
             return
         r = self._decode(kv)
-        if r is None:
+        if r is None:  # a member's record replaced by one no reader may use: it left (as a full listing has it)
+            self._delete(kv)
             return
         if kv.mod_revision and kv.mod_revision <= self._revs.get(r.key, 0):
             return  # older than what a lookup already read
@@ -495,6 +530,11 @@ class Membership:
         no longer does (``reset``: a new store, whose revisions say nothing of the old one's)."""
         if reset:
             self._revs = {k: 0 for k in self._revs}
+            self._own_last = (0, None)
+            if self.written:  # our write's revision was the old store's: no put can be told ours
+                self.written = False
+                self.log.info("etcd's store was replaced: writing this member's record again")
+                self._wake.set()
         seen = set()
         mine = False
         for kv in kvs:
@@ -509,7 +549,7 @@ class Membership:
             if self.members.get(r.key) != r:
                 self._put(kv)
         if not mine and self.me is not None:
-            self._own_gone(revision if not reset else self._written_rev + 1)
+            self._own_gone(revision)
         for key in [k for k in self.members if k not in seen and self._revs.get(k, 0) <= revision]:
             self._delete(KeyValue(key=f"{self.prefix}{key}", value=b"", mod_revision=0, lease=0))
 

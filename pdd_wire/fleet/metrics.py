@@ -32,6 +32,9 @@ class FleetMetrics:
         self.duplicates = Counter(p + "duplicates", "Times this member found its key held under another lease "
                                   "(another agent with the same site and node): it waits for that lease to end",
                                   registry=r)
+        self.rewritten = Counter(p + "own_record_rewritten", "This member's record written again because another "
+                                 "writer changed it, by cause: deleted, own_lease (put over under this member's "
+                                 "lease), no_lease (put over with no lease: taken back)", ["cause"], registry=r)
         self.ignored = Counter(p + "records_ignored", "Records under the prefix that were not used, by reason",
                                ["reason"], registry=r)
         self.admissions = Counter(p + "admissions", "Inbound HELLOs from members without a session, by outcome",

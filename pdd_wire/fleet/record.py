@@ -22,11 +22,10 @@ leader answers without a raft write), and a busy one at most N / refresh_min_s p
 from __future__ import annotations
 
 from typing import Any
-from urllib.parse import urlsplit
 
 import msgspec
 
-from ..config import FINGERPRINT, NAME, parse_hostport
+from ..config import FINGERPRINT, NAME, dial_address, engine_url, parse_hostport
 from ..errors import ConfigError
 
 KEY_ROOT = "/pdd-wire/"
@@ -141,6 +140,17 @@ def encode(rec: MemberRecord | LiveRecord) -> bytes:
     return raw
 
 
+#: A wall-clock ``at`` as long as JSON writes one (18 characters, until 2286): what a record's
+#: size is checked with before it is written.
+LONGEST_AT = 4102444800.0000005
+
+
+def check_size(me: MemberRecord) -> None:
+    """ValueError naming the bound when ``me`` would not fit once registered (with the ``at``
+    of a registration, which varies, at its longest)."""
+    encode(msgspec.structs.replace(me, at=LONGEST_AT))
+
+
 _decoders: dict[type, Any] = {MemberRecord: msgspec.json.Decoder(MemberRecord),
                               LiveRecord: msgspec.json.Decoder(LiveRecord)}
 
@@ -173,9 +183,9 @@ def _check_member(key: str, rec: MemberRecord) -> None:
     if not 1 <= rec.incarnation < 1 << 63:
         raise RecordError(f"{key}: incarnation {rec.incarnation} is not 1..2^63-1")
     try:
-        parse_hostport(rec.wan, "wan")
+        dial_address(rec.wan, "wan")  # fleet.advertise's rule: a wildcard or port 0 reaches no one
     except ConfigError as exc:
-        raise RecordError(f"{key}: wan {rec.wan!r} is not host:port") from exc
+        raise RecordError(f"{key}: wan {rec.wan!r} is not a host:port peers can dial") from exc
     if rec.transport not in ("tcp", "ucx"):
         raise RecordError(f"{key}: transport {rec.transport!r} is not tcp or ucx")
     if rec.fingerprint and not FINGERPRINT.match(rec.fingerprint):
@@ -186,8 +196,7 @@ def _check_member(key: str, rec: MemberRecord) -> None:
         except ConfigError as exc:
             raise RecordError(f"{key}: admin {rec.admin!r} is not host:port") from exc
     for i, e in enumerate(rec.engines):
-        u = urlsplit(e.url)
-        if e.role not in _ROLES or u.scheme not in ("http", "https") or not u.hostname:
+        if e.role not in _ROLES or not engine_url(e.url):  # fleet.engines[].url's rule
             raise RecordError(f"{key}: engines[{i}] ({e.role!r}, {e.url!r}) is not a role of {_ROLES} "
                               "with an http(s)://host:port URL")
 
