@@ -69,6 +69,7 @@ def test_the_embedded_default_is_valid_and_fronts_sites_a_and_b():
     ('[[pools.P]]\nurl = "http://a:1"\n', "pools.MD", "needs at least one member"),
     (GOOD.replace('url = "http://10.1.0.2:8200"\nsite = "B"', 'url = "http://10.1.0.2:8200"'),
      "pools.MD[1].site", "required when choice.ask_agent"),
+    (GOOD.replace('site = "A"\nnode = "a2"', 'node = "a2"'), "pools.RLD[0].site", "required when choice.ask_agent"),
     (GOOD.replace("timeout_s = 0.5", "timeout_s = 0"), "choice.timeout_s", "must be > 0"),
     (GOOD + "[handoff]\nmin_rld_tokens = 8\nmax_rld_tokens = 4\n", "handoff.max_rld_tokens",
      "at least handoff.min_rld_tokens"),
@@ -87,6 +88,15 @@ def test_a_bad_config_names_its_key(text, key, words):
     with pytest.raises(ConfigError) as ei:
         rcfg.loads(text)
     assert ei.value.key == key and words in ei.value.problem, ei.value
+
+
+def test_rld_needs_a_site_only_for_the_agents_choice():
+    """Only the agent's choice sends requests to RLD (P-RLD, P-RLD-MD): P's connector then sends
+    the KV to RLD's ``site`` (without one, to its own ``send_to``: RLD would wait for it)."""
+    no_site = GOOD.replace('site = "A"\nnode = "a2"', 'node = "a2"')
+    with pytest.raises(ConfigError, match="sends RLD's KV there"):
+        rcfg.loads(no_site)
+    assert rcfg.loads(no_site + "ask_agent = false\n").pools.RLD[0].site == ""
 
 
 def test_the_command_line_checks_a_config_and_prints_the_default(tmp_path):

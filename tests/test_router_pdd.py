@@ -45,6 +45,7 @@ from pdd_tools.vllm.serve import (
     vllm_session,
 )
 from pdd_wire.router import Router, loads
+from pdd_wire.router.config import Member
 from support.agents import BESIDE_VLLM_DEAD_AFTER_S, cluster_toml, free_port, run_agents
 from test_router_vllm import counted_by_label, prompt_for, sample
 from test_vllm_serve import NICE, Cluster, settles_after_each_test
@@ -77,9 +78,9 @@ class Pdd:
                md2: bool = False, rld_seqs: int = 64, policy: dict | None = None, lease_s: float = 30.0,
                **handoff) -> Router:
         """A router over P, RLD and MD (``md``: that server, or a URL, instead, at B/b2; ``md2``:
-        MD2 as a second MD member); ``rld``: another RLD URL, named without site or node (P then
-        sends the KV to MD only)."""
-        rld_member = f'url = "{rld}"' if rld else f'url = "{self.RLD.url}"\nsite = "A"\nnode = "a2"'
+        MD2 as a second MD member); ``rld``: another RLD URL instead, without site or node (P then
+        sends the KV to MD only): put in the pool at run time, as the config requires a site."""
+        rld_member = f'url = "{self.RLD.url}"\nsite = "A"\nnode = "a2"'
         mds = [(self.MD.url, "b1")] if md is None else [(md if isinstance(md, str) else md.url, "b2")]
         if md2:
             mds.append((self.MD2.url, "b2"))
@@ -89,7 +90,7 @@ class Pdd:
             h |= {"min_rld_tokens": pos, "max_rld_tokens": pos}
         lines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in h.items())
         plines = "".join(f"{k} = {json.dumps(v)}\n" for k, v in (policy or {}).items())
-        return Router(loads(f"""
+        r = Router(loads(f"""
 [listen]
 address = "127.0.0.1:0"
 [request]
@@ -117,6 +118,10 @@ timeout_s = 30  # a correctness check: a scrape of vLLM's /metrics may take seco
 {lines}
 [handoff.policy]
 {plines}"""))
+        if rld:
+            r.pools.remove("RLD", self.RLD.url)
+            r.pools.add("RLD", Member(url=rld, max_num_seqs=rld_seqs))
+        return r
 
 
 def alive(s: VllmServer) -> bool:

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Gauge
 
 from pdd_wire.router.config import Member
 from pdd_wire.router.load import parse_load
-from pdd_wire.router.pools import Pools
+from pdd_wire.router.pools import NoMember, Pools
 
 
 def test_members_come_and_go_while_requests_keep_theirs():
@@ -34,7 +34,7 @@ def test_members_come_and_go_while_requests_keep_theirs():
     with pytest.raises(ValueError, match="no pool 'D'"):
         pools.members("D")
     pools.remove("MD", a.url), pools.remove("MD", b.url)
-    with pytest.raises(LookupError, match="pool MD has no member"):
+    with pytest.raises(NoMember, match="pool MD has no member"):
         pools.pick("MD")
 
 

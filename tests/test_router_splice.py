@@ -21,6 +21,7 @@ import json
 import shutil
 import socket
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -30,8 +31,15 @@ import pytest_asyncio
 from aiohttp import web
 
 from conftest import until
+from pdd_wire.engine.client import EngineClient
 from pdd_wire.router import Router, loads
+from pdd_wire.router import handoff as handoff_mod
+from pdd_wire.router import server as server_mod
+from pdd_wire.router.core import Req
+from pdd_wire.router.handoff import Handoff
+from pdd_wire.router.output import CollectSink, Output
 from pdd_wire.router.server import UPSTREAM_KEEPALIVE_S
+from pdd_wire.router.upstream import Trace, lax_bool, lax_int
 from support.agents import run_agents, two_site_toml
 from support.fake_vllm import EOS, FINGERPRINT, FakeVllm, Model, Script, fakes
 
@@ -305,10 +313,14 @@ async def test_rld_refusing_the_request_is_the_clients_answer(agents, http):
         assert sample(r, "pddwire_router_requests_total", outcome="http_400") == 1
 
 
-async def test_max_tokens_null_runs_to_the_end_of_the_context(agents, http):
+async def test_max_tokens_null_is_16(agents, http):
+    """vLLM 0.32 reads ``max_tokens: null`` on /v1/completions as absent, 16
+    (``normalize_null_max_tokens``): after a switch at 3, MD is asked the 13 left."""
     async with fakes(MODEL) as (P, RLD, MD), router(agents, P, RLD, MD, pos=3) as r:
         got = await stream(http, r.url, body(max_tokens=None))
-    assert flat(got)["ids"] == OUT and MD.streams()[0].body["max_tokens"] is None
+        assert outcomes(r) == {"switched": 1}
+    assert flat(got)["ids"] == OUT[:16] and MD.streams()[0].body["max_tokens"] == 13
+    same_stream(got, await single(body(max_tokens=None)))
 
 
 # ---------------------------------------------------------------------------------- MD failing
@@ -493,3 +505,231 @@ async def test_an_idle_upstream_connection_is_closed_before_vllm_closes_it(tmp_p
     finally:
         await r0.stop()
         await runner.cleanup()
+
+
+# ---------------------------------------------------------------------------------- fields as vLLM reads them
+# pydantic's lax mode, as vLLM 0.32's request models read a field (checked with pydantic 2 in .venv-vllm).
+INTS = [(16, 16), (16.0, 16), (-16.0, -16), (True, 1), (False, 0), ("16", 16), (" 16 ", 16), ("\t16\n", 16),
+        ("\xa016", 16), ("16.0", 16), ("16.00", 16), ("+16", 16), ("-16", -16), ("1_6", 16), ("1_6.0", 16),
+        ("0016", 16), (2**70, 2**70), (9.2e18, 9200000000000000000)]
+NOT_INTS = [16.5, "1e1", "0x10", "abc", [1], None, {}, "16.", ".5", "", " ", "1__6", "_16", "16_", "16.0_0", "+-1",
+            "- 16", "16 0", "\u0661\u0666", "\x1c16", "inf", float("inf"), float("nan"), 1e20, 2.0**63, -(2.0**63)]
+BOOLS = [(True, True), (False, False), (0, False), (1, True), (0.0, False), (1.0, True), ("true", True),
+         ("TRUE", True), ("yes", True), ("oN", True), ("t", True), ("1", True), ("false", False), ("no", False),
+         ("off", False), ("f", False), ("n", False), ("0", False)]
+NOT_BOOLS = [2, 1.5, " true ", "True ", "", "2", None, [], {}]
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+
+async def test_ints_and_bools_are_read_as_vllm_reads_them():
+    for v, want in INTS:
+        assert (lax_int(v), type(lax_int(v))) == (want, int), v
+    for v, want in BOOLS:
+        assert lax_bool(v) is want, v
+    for bad, read in [(v, lax_int) for v in NOT_INTS] + [(v, lax_bool) for v in NOT_BOOLS]:
+        with pytest.raises(ValueError):
+            read(bad)
+
+
+@pytest.mark.parametrize(("extra", "n"), [
+    ({"max_tokens": "16"}, 16), ({"max_tokens": " 16 "}, 16), ({"max_tokens": "16.0"}, 16), ({"max_tokens": 16.0}, 16),
+    ({"max_tokens": "+16"}, 16), ({"max_tokens": "1_6"}, 16), ({"max_tokens": True}, 1),
+    ({"max_tokens": "20", "min_tokens": "12", "n": "1", "stream": "true", "return_token_ids": "yes",
+      "stream_options": {"include_usage": "0"}}, 20)])
+async def test_the_router_computes_with_what_vllm_reads(agents, http, extra, n):
+    """P-RLD-MD, the switch at 8, on values vLLM reads as ints and bools: the router reads them
+    the same (not a 500 mid-stream): n tokens, MD asked for the rest (``min_tokens`` less 8)."""
+    async with fakes(MODEL) as (P, RLD, MD), router(agents, P, RLD, MD, pos=8) as r:
+        got = await stream(http, r.url, body(**extra))
+        assert outcomes(r) == ({"switched": 1} if n > 8 else {"rld_finished": 1})
+    assert flat(got)["ids"] == OUT[:n] and flat(got)["usage"] == []
+    assert [(q.body["max_tokens"], q.body.get("min_tokens")) for q in MD.streams()] == \
+        ([(n - 8, 4 if "min_tokens" in extra else None)] if n > 8 else [])
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/completions", {"max_tokens": 16.5}, "max_tokens"), ("/v1/completions", {"max_tokens": "1e1"}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": "0x10"}, "max_tokens"), ("/v1/completions", {"max_tokens": "abc"}, "max_tokens"),
+    ("/v1/completions", {"max_tokens": [1]}, "max_tokens"), ("/v1/completions", {"min_tokens": None}, "min_tokens"),
+    ("/v1/completions", {"n": None}, "n"), ("/v1/completions", {"stream": "maybe"}, "stream"),
+    ("/v1/completions", {"stream_options": "yes"}, "stream_options"),
+    ("/v1/completions", {"stream_options": [1]}, "stream_options"),
+    ("/v1/completions", {"stream_options": {"include_usage": "sure"}}, "stream_options.include_usage"),
+    ("/v1/completions", {"stream": False, "stream_options": {"include_usage": True}}, "stream_options"),
+    ("/v1/chat/completions", {"max_completion_tokens": "1e1"}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"stream_options": 3}, "stream_options")])
+async def test_a_value_vllm_refuses_is_the_routers_400(agents, http, path, extra, param):
+    """What vLLM refuses with a 400, the router refuses before any upstream request (no
+    pipeline; not counted), naming the field."""
+    b = body(**extra) if path == "/v1/completions" else {**CHAT, "stream": True, **extra}
+    async with fakes(MODEL) as (P, RLD, MD), router(agents, P, RLD, MD) as r:
+        async with http.post(f"{r.url}{path}", json=b) as resp:
+            assert resp.status == 400
+            err = (await resp.json())["error"]
+        assert sample(r, "pddwire_router_requests_total") == 0
+    assert (err["type"], err["param"], err["code"]) == ("BadRequestError", param, 400) and param in err["message"]
+    assert P.requests == RLD.requests == MD.requests == []
+
+
+async def test_logprob_token_ids_go_where_logprobs_go(agents, http):
+    """vLLM refuses ``logprob_token_ids`` without ``logprobs``: P's prefill and MD's warm request,
+    which drop logprobs, drop it too; RLD's stream and MD's continuation keep both."""
+    b = body(logprobs=1, logprob_token_ids=[15, 16])
+    async with fakes(MODEL) as (P, RLD, MD), router(agents, P, RLD, MD, pos=8) as r:
+        got = await stream(http, r.url, b)
+        assert outcomes(r) == {"switched": 1}
+    assert flat(got)["ids"] == OUT
+    (pre,) = P.requests
+    (warm,) = [q for q in MD.requests if q.kind == "warm"]
+    assert all(not {"logprobs", "top_logprobs", "logprob_token_ids"} & set(q.body) for q in (pre, warm))
+    assert [(q.body["logprobs"], q.body["logprob_token_ids"]) for q in (*RLD.streams(), *MD.streams())] == \
+        [(1, [15, 16])] * 2
+
+
+async def test_chat_with_top_logprobs(agents, http):
+    """Chat's ``top_logprobs`` needs ``logprobs: true`` (vLLM's 400 otherwise): P's prefill drops
+    both, MD gets both, the client MD's logprobs."""
+    b = {**CHAT, "max_tokens": 5, "logprobs": True, "top_logprobs": 2}
+    async with fakes(MODEL) as (P, RLD, MD), router(agents, P, RLD, MD, ask_agent=False) as r:
+        async with http.post(f"{r.url}/v1/chat/completions", json=b) as resp:
+            assert resp.status == 200, await resp.text()
+            got = (await resp.json())["choices"][0]
+        assert sample(r, "pddwire_router_requests_total", outcome="ok") == 1
+    ((pre,), (dec,)) = P.requests, MD.requests
+    assert pre.kind == "prefill" and not {"logprobs", "top_logprobs"} & set(pre.body)
+    assert (dec.body["logprobs"], dec.body["top_logprobs"]) == (True, 2) and dec.body["kv_transfer_params"]
+    assert got["message"]["content"] == "f g\u00e9" and len(got["logprobs"]["content"]) == 5
+
+
+# ---------------------------------------------------------------------------------- bounded (2)
+async def test_v1_models_passes_over_a_member_that_never_answers(agents, http):
+    """P accepts the connection and never answers: after ``request.connect_s`` the router asks
+    MD, whose answer is the client's; with MD gone, 503 naming the silent member."""
+    async def hold(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # until the router closes the connection
+        writer.close()
+
+    silent = await asyncio.start_server(hold, "127.0.0.1", 0)
+    mute = SimpleNamespace(url=f"http://127.0.0.1:{silent.sockets[0].getsockname()[1]}")
+    try:
+        async with FakeVllm("MD", MODEL) as MD, router(agents, mute, mute, MD, connect_s=0.3) as r:
+            t0 = time.monotonic()
+            async with http.get(f"{r.url}/v1/models") as resp:
+                assert resp.status == 200 and (await resp.json())["data"][0]["id"] == "tiny"
+            assert 0.3 <= time.monotonic() - t0 < 5
+            r.pools.remove("MD", MD.url)
+            async with http.get(f"{r.url}/v1/models") as resp:
+                assert resp.status == 503
+                message = (await resp.json())["error"]["message"]
+            assert message == f"{mute.url}: no answer within 0.3 s (request.connect_s)"
+    finally:
+        silent.close()
+
+
+async def test_an_error_for_a_client_that_stopped_reading_is_bounded(agents, monkeypatch):
+    """P-MD: MD's first event carries a long prompt's ids (200 KB), then MD stalls; the client
+    reads nothing but keeps its connection open (small socket buffers at both ends, so that the
+    event fills them). The deadline passes, and the error event cannot be written either: after
+    ``FAIL_WRITE_S`` the router aborts the connection (what it had not sent is dropped, the
+    socket closed), and the request ends (``deadline``)."""
+    monkeypatch.setattr(server_mod, "FAIL_WRITE_S", 0.3)
+    long = Model([10] * 50_000, OUT)
+    loop = asyncio.get_running_loop()
+    async with fakes(long, MD=Script(stall_at=1)) as (P, RLD, MD), \
+            router(agents, P, RLD, MD, ask_agent=False, deadline_s=2) as r:
+        prepare = web.StreamResponse.prepare
+
+        async def small_buffer(self: web.StreamResponse, request: web.BaseRequest):
+            sock = request.transport.get_extra_info("socket") if request.transport else None
+            if sock is not None and sock.getsockname()[1] == r.port:  # the router's end, not a fake's
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            return await prepare(self, request)
+
+        monkeypatch.setattr(web.StreamResponse, "prepare", small_buffer)
+        with socket.socket() as c:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            c.setblocking(False)
+            await loop.sock_connect(c, ("127.0.0.1", r.port))
+            payload = json.dumps(body(prompt=long.prompt)).encode()
+            await loop.sock_sendall(c, b"POST /v1/completions HTTP/1.1\r\nHost: router\r\nContent-Type: "
+                                       b"application/json\r\nContent-Length: %d\r\n\r\n" % len(payload) + payload)
+            assert await asyncio.wait_for(loop.sock_recv(c, 12), 10) == b"HTTP/1.1 200"  # the stream started
+            await until(lambda: sample(r, "pddwire_router_requests_total", outcome="deadline") == 1, 10)
+            got = b""  # what the kernel held for it, then the end: the rest was dropped, not kept for it
+            while chunk := await asyncio.wait_for(loop.sock_recv(c, 1 << 16), 5):
+                got += chunk
+            assert len(got) < 100_000 and b"[DONE]" not in got
+        assert MD.streams()[0].closed_by_client
+
+
+async def test_a_handoff_that_ended_is_counted_once_if_cancelled_while_closing(agents, monkeypatch):
+    """The output ended (``switched``); while the handoff waits for the MD requests it closed,
+    the request is cancelled (a client that hangs up at its ``[DONE]``): the handoff is counted
+    once, as it ended."""
+    closing, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_to_close() -> bool:
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            closing.set()
+            await release.wait()
+            raise
+        return False
+
+    async def warm_ok(*_args) -> bool:
+        return True
+
+    async def switched(self: Handoff) -> str:
+        self.outcome, self.absorb = "switched", asyncio.ensure_future(slow_to_close())
+        await asyncio.sleep(0)  # the absorb request is under way
+        return "the response"
+
+    monkeypatch.setattr(handoff_mod, "warm_ok", warm_ok)
+    monkeypatch.setattr(Handoff, "_run", switched)
+    async with fakes(MODEL) as (P, RLD, MD), router(agents, P, RLD, MD, mode="one-shot") as r:
+        core = r._core
+        assert core is not None
+        req = Req(None, "/v1/completions", body(), "rtr-closing", Trace("P-RLD-MD"))  # type: ignore[arg-type]
+        h = Handoff(core, req, Output(core, req, CollectSink()), r.pools.pick("RLD"), r.pools.pick("MD"), {})
+        task = asyncio.ensure_future(h.run())
+        await asyncio.wait_for(closing.wait(), 5)
+        task.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert outcomes(r) == {"switched": 1}
+
+
+# ---------------------------------------------------------------------------------- the router's own faults
+@pytest.mark.parametrize("answer", [{"reason": "wan_over_budget"}, {"pipeline": "P-XX", "reason": "x"},
+                                    {"pipeline": "P-RLD-MD", "reason": "x", "prefix_hit_tokens": "many"}, ["P-MD"]])
+async def test_a_malformed_agent_answer_is_a_failed_choice(agents, http, monkeypatch, answer):
+    """P's agent answers what the router cannot act on: fallback ``choice_failed``, P-MD."""
+    async def choose_pipeline(self, request_id: str, **_kw):
+        return answer
+
+    monkeypatch.setattr(EngineClient, "choose_pipeline", choose_pipeline)
+    async with fakes(MODEL) as (P, RLD, MD), router(agents, P, RLD, MD) as r:
+        got = await stream(http, r.url, body())
+        assert sample(r, "pddwire_router_fallbacks_total", kind="choice_failed") == 1
+        assert sample(r, "pddwire_router_pipeline_choices_total", pipeline="P-MD", reason="choice_failed") == 1
+    assert flat(got)["ids"] == OUT and RLD.requests == []
+
+
+async def test_a_lookup_error_of_the_routers_own_is_not_an_upstream_failure(agents, http, monkeypatch):
+    """A KeyError in the router's code is its own fault (500, ``router_internal_error``, outcome
+    ``error``), not a 502; a pool without a member is the 502 that names it."""
+    def broken(self, req, params) -> None:
+        raise KeyError("pipeline")
+
+    async with fakes(MODEL) as (P, RLD, MD), router(agents, P, RLD, MD, ask_agent=False) as r:
+        with monkeypatch.context() as m:
+            m.setattr(Router, "_wan", broken)
+            async with http.post(f"{r.url}/v1/completions", json=body(stream=False)) as resp:
+                assert resp.status == 500 and "KeyError" in (await resp.json())["error"]["message"]
+        r.pools.remove("MD", MD.url)
+        async with http.post(f"{r.url}/v1/completions", json=body(stream=False)) as resp:
+            assert resp.status == 502
+            assert (await resp.json())["error"]["message"] == "upstream failed: pool MD has no member"
+        assert [sample(r, "pddwire_router_requests_total", outcome=o) for o in ("error", "upstream_failed")] == [1, 1]

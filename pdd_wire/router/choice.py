@@ -29,13 +29,21 @@ from ..engine.client import EngineClient
 from ..engine.hashes import chain_hashes, layer_hashes
 from ..errors import PddWireError
 from .core import Core, Req
-from .pools import Upstream
+from .pools import NoMember, Upstream
 from .upstream import UpstreamError, batched, dest, expected_output, tokenize_request
 
 log = structlog.get_logger("pdd_wire.router")
 
 _FAILURES = (PddWireError, aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError,
-             UpstreamError, LookupError)
+             UpstreamError, NoMember)
+PIPELINES = ("P-MD", "P-RLD", "P-RLD-MD")
+
+
+def well_formed(d: object) -> bool:
+    """An answer of ``choose_pipeline`` the router can act on (another agent version's, or a
+    broken one's, is not)."""
+    return (isinstance(d, dict) and d.get("pipeline") in PIPELINES and isinstance(d.get("reason"), str)
+            and type(d.get("prefix_hit_tokens") or 0) is int)
 
 
 class Chooser:
@@ -111,10 +119,11 @@ class Chooser:
                         input_tokens: int, expected: int, hashes: list[int],
                         left_s: float) -> list[tuple[Upstream, dict]]:
         """P's agent's answer for each MD candidate that answered within ``left_s`` (in the
-        candidates' order); TimeoutError: none did."""
+        candidates' order), a malformed one left out; TimeoutError: none did; ValueError: none
+        was well formed."""
         ch = self.core.cfg.choice
         if not candidates:
-            raise LookupError("pool MD has no member")
+            raise NoMember("pool MD has no member")
         tasks = [asyncio.ensure_future(eng.choose_pipeline(
             rid, to=dest(M.member), input_tokens=input_tokens, expected_output_tokens=expected,
             kv_bytes_per_token=ch.kv_bytes_per_token, block_hashes=hashes or None,
@@ -134,7 +143,10 @@ class Chooser:
                 if isinstance(exc, OSError):  # the agent went away: connect again next time
                     await self.forget(P)
                 continue
-            answers.append((M, t.result()))
+            if not well_formed(d := t.result()):
+                errors.append(ValueError(f"a malformed answer from P's agent: {d!r:.300}"))
+                continue
+            answers.append((M, d))
         if not answers:
             if errors:
                 raise errors[0]

@@ -52,9 +52,9 @@ class Member(msgspec.Struct, **_cfg):
     admin: str = ""
     """That agent's admin ``host:port`` (metrics, status), for operators and tests; "" = none."""
     site: str = ""
-    """The agent's site (MD: where P's KV is sent, ``send_to``); "" = not named."""
+    """The agent's site (RLD, MD: where P's KV is sent, ``send_to``); "" = not named."""
     node: str = ""
-    """The agent's node (RLD: ``send_to`` names ``site/node``); "" = not named."""
+    """The agent's node (``send_to`` then names ``site/node``); "" = not named."""
     max_num_seqs: int = 0
     """RLD: the server's ``--max-num-seqs``. Its live load is (running + waiting requests) over
     this, or its KV cache use when higher (``rld_load``). 0 = not known: the KV cache use alone,
@@ -79,7 +79,8 @@ class Request(msgspec.Struct, **_cfg):
     deadline_s: float = 600.0
     """A request ends by then, whatever it is waiting for (upstream requests are closed)."""
     connect_s: float = 5.0
-    """Connecting to a vLLM server."""
+    """Connecting to a vLLM server; also each member's whole answer to ``/healthz``'s probe and
+    to ``/v1/models``."""
     prefill_lease_s: float | None = None
     """``lease_s`` asked of prefill (how long its KV waits for decode); None = the connector's."""
 
@@ -232,6 +233,11 @@ def validate(cfg: RouterConfig) -> RouterConfig:
             if not m.site:
                 raise ConfigError(f"pools.MD[{i}].site", "required when choice.ask_agent (the agent's "
                                                          "figures are for the link to that site)")
+        for i, m in enumerate(cfg.pools.RLD):  # only the agent's choice sends requests to RLD
+            if not m.site:
+                raise ConfigError(f"pools.RLD[{i}].site", "required when choice.ask_agent (P's connector "
+                                                          "sends RLD's KV there; without it, to its own "
+                                                          "send_to, and RLD would wait for KV that never comes)")
     return cfg
 
 

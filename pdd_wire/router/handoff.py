@@ -40,7 +40,7 @@ from .continuation import NET, continue_on, hand_back, warm_ok
 from .core import Core, Req
 from .output import ClientGone, Output, Segment, SegmentFailed
 from .pools import Upstream
-from .upstream import UpstreamError, sse_events
+from .upstream import LOGPROBS, UpstreamError, sse_events
 
 log = structlog.get_logger("pdd_wire.router")
 
@@ -77,7 +77,7 @@ class Handoff:
         warm = {**self.req.body, "max_tokens": 1, "n": 1, "stream": False, "kv_transfer_params": self.params}
         # Logprobs of the prompt make vLLM skip the prefix cache and the connector's KV
         # (SamplingParams.skip_reading_prefix_cache): MD would recompute the prompt.
-        for k in ("stream_options", "min_tokens", "max_completion_tokens", "prompt_logprobs", "logprobs",
+        for k in ("stream_options", "min_tokens", "max_completion_tokens", "prompt_logprobs", *LOGPROBS,
                   "stream_interval"):
             warm.pop(k, None)
         self.warm = asyncio.ensure_future(warm_ok(self.core, self.md, self.req.path, warm))
@@ -85,13 +85,15 @@ class Handoff:
         ended = False
         try:
             resp = await self._run()
-            ended = True
         except (asyncio.CancelledError, ClientGone):
             self._count("cancelled")  # the client went away, or the deadline passed
             raise
         except BaseException:
             self._count("failed")  # the client got an error instead of the output's end
             raise
+        else:
+            ended = True
+            self._count(self.outcome)  # now: a cancellation while the tasks below end cannot skip it
         finally:
             if ended and not self.warm.done():
                 # RLD finished first or MD was too slow: MD's receive goes on, so that P's KV is
@@ -103,7 +105,6 @@ class Handoff:
                 if t is not None and not t.done():
                     t.cancel()  # closes MD's request: vLLM aborts it (a receive is cancelled)
             await asyncio.gather(*(t for t in (self.warm, self.absorb) if t is not None), return_exceptions=True)
-        self._count(self.outcome)
         return resp
 
     async def _run(self) -> web.StreamResponse:

@@ -193,9 +193,10 @@ class Output:
         self.want_ids = bool(body.get("return_token_ids"))
         self.streamed = isinstance(sink, StreamSink)
         self.want_usage = not self.streamed or bool((body.get("stream_options") or {}).get("include_usage"))
-        # vLLM: absent is 16; an explicit null is the rest of the context (the continuation's
-        # null then ends at the same position).
-        self.max_tokens: int | None = body.get("max_tokens", COMPLETIONS_MAX_TOKENS)
+        # vLLM 0.32, /v1/completions (the only endpoint spliced): absent or null is 16
+        # (normalize_null_max_tokens); the router's check_fields made any other value an int.
+        mt = body.get("max_tokens")
+        self.max_tokens: int = COMPLETIONS_MAX_TOKENS if mt is None else mt
         self.model = body.get("model")
         self.prompt_ids = req.trace.prompt_ids or []
         self.ids: list[int] = []
@@ -213,9 +214,9 @@ class Output:
         """Whether another engine may continue from here with the same text."""
         return not self.ids or self.whole_run >= WHOLE_RUN
 
-    def left(self) -> int | None:
-        """Output tokens still allowed (None: up to the context's end)."""
-        return None if self.max_tokens is None else self.max_tokens - len(self.ids)
+    def left(self) -> int:
+        """Output tokens still allowed."""
+        return self.max_tokens - len(self.ids)
 
     def segment(self, pool: str) -> Segment:
         return Segment(pool, len(self.ids), self.lp_next)

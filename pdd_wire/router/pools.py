@@ -21,6 +21,11 @@ from .config import Member
 ROLES = ("P", "RLD", "MD")
 
 
+class NoMember(LookupError):
+    """A role's pool has no member to pick (the router answers 502): not any LookupError, so a
+    KeyError of the router's own stays its own fault."""
+
+
 @dataclass(eq=False)
 class Load:
     """A member's last load figure (0 = idle, 1 = every slot in use; may exceed 1) and when
@@ -105,10 +110,10 @@ class Pools:
         return u
 
     def pick(self, role: str, exclude: tuple[Upstream, ...] = ()) -> Upstream:
-        """The least-loaded member of ``role`` (LookupError: none)."""
+        """The least-loaded member of ``role`` (NoMember: none)."""
         ring = self.ranked(role, exclude)
         if not ring:
-            raise LookupError(f"pool {role} has no member")
+            raise NoMember(f"pool {role} has no member")
         return ring[0]
 
     def ranked(self, role: str, exclude: tuple[Upstream, ...] = ()) -> list[Upstream]:

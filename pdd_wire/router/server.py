@@ -34,8 +34,18 @@ from .handoff import Handoff
 from .load import LoadReader
 from .metrics import RouterMetrics
 from .output import DONE_SENT, STREAM, ClientGone, CollectSink, Output, SegmentFailed, StreamSink
-from .pools import Pools, Upstream
-from .upstream import Trace, UpstreamError, dest, error_response, sse_events, token_count
+from .pools import NoMember, Pools, Upstream
+from .upstream import (
+    LOGPROBS,
+    BadField,
+    Trace,
+    UpstreamError,
+    check_fields,
+    dest,
+    error_response,
+    sse_events,
+    token_count,
+)
 
 log = structlog.get_logger("pdd_wire.router")
 
@@ -45,6 +55,9 @@ log = structlog.get_logger("pdd_wire.router")
 #: sent on a pooled connection just as vLLM closes it fails (ServerDisconnectedError), and a
 #: completion cannot be sent again.
 UPSTREAM_KEEPALIVE_S = 2.0
+#: An error written to a client after its request failed (the deadline passed, an upstream
+#: failed): a client that stopped reading but keeps its connection open is cut off after this.
+FAIL_WRITE_S = 3.0
 
 
 class Router:
@@ -141,13 +154,16 @@ class Router:
     # ------------------------------------------------------------------ small endpoints
     async def _models(self, request: web.Request) -> web.Response:
         last = "no pool member answered"
+        limit = self.cfg.request.connect_s  # each member's whole answer: one that hangs is passed over
         for u in self.pools.members("P") + self.pools.members("MD"):
             try:
-                async with self.http.get(f"{u.url}/v1/models") as r:
+                async with asyncio.timeout(limit), self.http.get(f"{u.url}/v1/models") as r:
                     body = await r.read()
                     if r.status == 200:
                         return web.Response(body=body, status=200, content_type="application/json")
                     last = f"{u.url}: HTTP {r.status}"
+            except TimeoutError:
+                last = f"{u.url}: no answer within {limit} s (request.connect_s)"
             except (aiohttp.ClientError, OSError) as exc:
                 last = f"{u.url}: {exc}"
         return error_response(503, last, "ServiceUnavailableError")
@@ -186,6 +202,10 @@ class Router:
             return error_response(400, f"the body is not JSON: {exc}")
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
+        try:
+            check_fields(path, body)
+        except BadField as exc:
+            return error_response(400, str(exc), param=exc.param)
         assert self._chooser is not None
         req = Req(request, path, body, f"rtr-{uuid.uuid4().hex[:16]}", Trace("none"))
         trace, rid = req.trace, req.rid
@@ -211,7 +231,7 @@ class Router:
             log.warning("router_deadline", request_id=rid, deadline_s=self.cfg.request.deadline_s)
             return await self._fail(request, 504, f"deadline of {self.cfg.request.deadline_s} s passed",
                                     "TimeoutError")
-        except (aiohttp.ClientError, OSError, SegmentFailed, LookupError) as exc:
+        except (aiohttp.ClientError, OSError, SegmentFailed, NoMember) as exc:
             outcome = "upstream_failed"
             return await self._upstream_failed(request, rid, exc)
         except ClientGone:
@@ -219,7 +239,8 @@ class Router:
             log.info("router_client_gone", request_id=rid)
             return request.get(STREAM) or web.Response(status=499)  # nobody reads it
         except asyncio.CancelledError:
-            outcome = "client_gone"
+            # After the stream's [DONE] the client has the whole answer (it may hang up at once).
+            outcome = "ok" if request.get(DONE_SENT) else "client_gone"
             raise
         except Exception as exc:  # the router's own bug: said so, and the client told
             log.exception("router_internal_error", request_id=rid)
@@ -240,17 +261,31 @@ class Router:
 
     async def _fail(self, request: web.Request, status: int, message: str, kind: str) -> web.StreamResponse:
         """An error for the client: a JSON error before the stream started, else a last SSE
-        event with the error and ``[DONE]`` (what vLLM sends when a stream fails)."""
+        event with the error and ``[DONE]`` (what vLLM sends when a stream fails). The request
+        may be past its deadline: a client that has not taken what it was sent within
+        :data:`FAIL_WRITE_S` (it stopped reading, its connection open) gets its connection aborted."""
         resp = request.get(STREAM)
         if resp is None:
             return error_response(status, message, kind)
         if request.get(DONE_SENT):
             return resp  # the client has the whole stream: nothing may follow its [DONE]
         request[DONE_SENT] = True
-        with contextlib.suppress(ConnectionError, RuntimeError):
-            err = msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
-            await resp.write(b"data: " + err + b"\n\ndata: [DONE]\n\n")
-            await resp.write_eof()
+        transport = request.transport
+        try:
+            async with asyncio.timeout(FAIL_WRITE_S):
+                # Until the client has taken the rest: aiohttp's own wait for that (a write's drain)
+                # may be one the deadline cancelled, which it would raise again at once.
+                while transport is not None and transport.get_write_buffer_size():
+                    await asyncio.sleep(0.05)
+                err = msgspec.json.encode({"error": {"message": message, "type": kind, "param": None, "code": status}})
+                await resp.write(b"data: " + err + b"\n\ndata: [DONE]\n\n")
+                await resp.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass  # the client is gone
+        except TimeoutError:
+            log.warning("router_client_not_reading", status=status, write_s=FAIL_WRITE_S)
+            if transport is not None:
+                transport.abort()
         return resp
 
     # ------------------------------------------------------------------ running a pipeline
@@ -316,7 +351,7 @@ class Router:
             pre["max_completion_tokens"] = 1
         # Its answer is not relayed: nothing it would compute for the client (prompt logprobs
         # would also make vLLM skip its prefix cache).
-        for k in ("stream_options", "min_tokens", "prompt_logprobs", "logprobs", "stream_interval"):
+        for k in ("stream_options", "min_tokens", "prompt_logprobs", *LOGPROBS, "stream_interval"):
             pre.pop(k, None)
         return pre
 

@@ -3,6 +3,8 @@ OpenAI bodies and SSE streams."""
 
 from __future__ import annotations
 
+import math
+import re
 import time
 
 import aiohttp
@@ -15,6 +17,9 @@ COMPLETIONS_MAX_TOKENS = 16  # vLLM's default max_tokens for /v1/completions
 # Fields of a chat request that change its prompt's tokens (passed to /tokenize).
 CHAT_PROMPT_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template", "chat_template_kwargs",
                       "tools", "documents", "add_special_tokens")
+# The logprobs fields, dropped together where the router drops logprobs: vLLM refuses
+# ``top_logprobs`` and ``logprob_token_ids`` without ``logprobs``.
+LOGPROBS = ("logprobs", "top_logprobs", "logprob_token_ids")
 
 
 class UpstreamError(Exception):
@@ -25,9 +30,17 @@ class UpstreamError(Exception):
         self.status, self.body, self.content_type = status, body, content_type
 
 
-def error_response(status: int, message: str, kind: str = "BadRequestError") -> web.Response:
+class BadField(ValueError):
+    """A request field vLLM would refuse (``param``: the field): the router's own 400."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def error_response(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> web.Response:
     """An error body shaped like vLLM's (``{"error": {...}}``)."""
-    return web.json_response({"error": {"message": message, "type": kind, "param": None, "code": status}},
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
                              status=status)
 
 
@@ -83,10 +96,77 @@ def dest(m: Member) -> str:
     return m.site
 
 
+# pydantic's lax mode (vLLM's request models): a string is stripped of Rust's whitespace (Python's
+# less \x1c-\x1f), then read as ASCII digits, with a sign, ``_`` between digits, and a ``.0`` tail.
+_SPACE = "".join(c for c in map(chr, range(0x3001)) if c.isspace() and not "\x1c" <= c <= "\x1f")
+_INT = re.compile(r"[+-]?[0-9]+(?:_[0-9]+)*(?:\.0+)?")
+_TRUE, _FALSE = {"1", "on", "t", "true", "y", "yes"}, {"0", "off", "f", "false", "n", "no"}
+
+
+def lax_int(v: object) -> int:
+    """``v`` as vLLM reads an ``int`` field (pydantic, lax): an int, a bool, a float without a
+    fraction, or a string of one (``" 16 "``, ``"+16"``, ``"1_6"``, ``"16.0"``). ValueError:
+    what vLLM refuses (``16.5``, ``"1e1"``, ``"0x10"``, ``"abc"``, ``[1]``, null)."""
+    if isinstance(v, int):  # a bool too
+        return int(v)
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer() and abs(v) < 2.0 ** 63:
+        return int(v)
+    if isinstance(v, str) and _INT.fullmatch(s := v.strip(_SPACE)):
+        return int(s.split(".")[0].replace("_", ""))
+    raise ValueError("Input should be a valid integer")
+
+
+def lax_bool(v: object) -> bool:
+    """``v`` as vLLM reads a ``bool`` field (pydantic, lax): a bool, 0 or 1, or one of pydantic's
+    words (``"true"``, ``"no"``, ``"1"``, any case, no whitespace). ValueError: anything else."""
+    if isinstance(v, (bool, int, float)) and v in (0, 1):
+        return bool(v)
+    if isinstance(v, str) and (w := v.lower()) in _TRUE | _FALSE:
+        return w in _TRUE
+    raise ValueError("Input should be a valid boolean")
+
+
+# vLLM 0.32's types (completion/ and chat_completion/protocol.py) of the fields the router
+# computes with: field -> (reader, whether null is allowed).
+_COMMON = {"max_tokens": (lax_int, True), "min_tokens": (lax_int, False), "stream": (lax_bool, True),
+           "return_token_ids": (lax_bool, True), "skip_special_tokens": (lax_bool, False),
+           "spaces_between_special_tokens": (lax_bool, False)}
+_FIELDS = {"/v1/completions": {**_COMMON, "n": (lax_int, False), "echo": (lax_bool, True)},
+           "/v1/chat/completions": {**_COMMON, "n": (lax_int, True), "max_completion_tokens": (lax_int, True),
+                                    "echo": (lax_bool, False)}}
+
+
+def check_fields(path: str, body: dict) -> None:
+    """Read the fields the router computes with as vLLM reads them, in ``body`` (``"16"`` is 16
+    from here on). BadField: a value vLLM would refuse."""
+    opts = body.get("stream_options")
+    if opts and not body.get("stream"):  # vLLM's check, on the values as they came
+        raise BadField("stream_options", "Stream options can only be defined when `stream=True`.")
+    if opts is not None and not isinstance(opts, dict):
+        raise BadField("stream_options", f"Input should be a valid dictionary, got {_shown(opts)}")
+    fields = [(body, k, *how) for k, how in _FIELDS[path].items()]
+    if opts is not None:
+        fields.append((opts, "include_usage", lax_bool, True))
+    for d, k, read, nullable in fields:
+        if k not in d or (d[k] is None and nullable):
+            continue
+        try:
+            d[k] = read(d[k])
+        except ValueError as exc:
+            name = f"stream_options.{k}" if d is opts else k
+            raise BadField(name, f"{exc}, got {_shown(d[k])}") from None
+
+
+def _shown(v: object) -> str:
+    text = repr(v)
+    return text if len(text) <= 200 else text[:200] + "...[truncated]"
+
+
 def expected_output(path: str, body: dict, input_tokens: int, max_len: int | None) -> int:
     """The output length the pipeline choice assumes: what the request allows (vLLM's defaults
-    when it names none)."""
-    n = body.get("max_completion_tokens") or body.get("max_tokens")
+    when it names none; ``max_completion_tokens`` is chat's only)."""
+    n = body.get("max_completion_tokens") if path != "/v1/completions" else None
+    n = body.get("max_tokens") if n is None else n
     if isinstance(n, int) and n > 0:
         return n
     if path == "/v1/completions":

@@ -1,5 +1,6 @@
-"""A scripted stand-in for ``vllm serve`` (``/v1/completions``, ``/metrics``): a real aiohttp
-server whose answers have vLLM 0.32's shapes, for the router's splice tests (no vLLM needed).
+"""A scripted stand-in for ``vllm serve`` (``/v1/completions``, ``/metrics``; non-streamed
+``/v1/chat/completions`` and ``/v1/models``): a real aiohttp server whose answers have vLLM
+0.32's shapes, for the router's splice tests (no vLLM needed).
 
 Shapes, from ``vllm/entrypoints/openai/completion/serving.py`` and ``protocol.py``:
 
@@ -16,7 +17,13 @@ Shapes, from ``vllm/entrypoints/openai/completion/serving.py`` and ``protocol.py
 - an error event: ``data: {"error": {"message", "type", "param", "code"}}``, then ``[DONE]``;
 - an abort: a chunk with ``finish_reason: "abort"`` (vLLM's own, when it pauses or shuts
   down), then the usage chunk and ``[DONE]``;
-- a whole response: every ``CompletionResponse`` field.
+- a whole response: every ``CompletionResponse`` field;
+- vLLM's request checks the router must not trip: ``max_tokens`` absent or null is 16
+  (``normalize_null_max_tokens``), below 1 a 400; ``logprob_token_ids`` (and, for chat, a
+  ``top_logprobs``) without ``logprobs`` a 400 (``check_logprobs``).
+
+Chat is a sketch: any ``messages`` are the model's prompt (the fake's chat template), answered
+whole (``ChatCompletionResponse``'s fields).
 
 The model is a script: for a prompt it knows, its greedy output (:class:`Model`); a prompt of
 that prompt plus the first m output tokens continues from position m, as a real engine's greedy
@@ -137,6 +144,8 @@ class FakeVllm:
     async def __aenter__(self) -> "FakeVllm":
         app = web.Application()
         app.router.add_post("/v1/completions", self._completions)
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/v1/models", self._models)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
         self._runner = web.AppRunner(app, shutdown_timeout=0.5, handler_cancellation=True)
@@ -164,23 +173,26 @@ class FakeVllm:
         self.scraped.set()
         return web.Response(text=page)
 
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model", "owned_by": "vllm",
+                                                              "root": "tiny", "parent": None, "max_model_len": 2048}]})
+
     async def _completions(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
-        kv = body.get("kv_transfer_params") or {}
-        kind = "stream" if body.get("stream") else "prefill" if kv.get("do_remote_decode") else \
-            "warm" if kv else "whole"
-        rec = Record(body, kind)
-        self.requests.append(rec)
+        rec = self._record(body)
+        if (refused := logprobs_refused(body, chat=False)) is not None:
+            return refused
         try:
             m = self.model.position(list(body["prompt"]))
         except (ValueError, KeyError, TypeError) as exc:
             return error(400, str(exc))
-        max_tokens = body.get("max_tokens", 16)
-        if max_tokens is not None and max_tokens < 1:
-            return error(400, "max_tokens must be at least 1, got 0.", param="max_tokens")
-        end = len(self.model.out) if max_tokens is None else min(len(self.model.out), m + max_tokens)
+        max_tokens = body.get("max_tokens")
+        max_tokens = 16 if max_tokens is None else max_tokens
+        if max_tokens < 1:
+            return error(400, f"max_tokens must be at least 1, got {max_tokens}.", param="max_tokens")
+        end = min(len(self.model.out), m + max_tokens)
         try:
-            if kind != "stream":
+            if rec.kind != "stream":
                 return await self._whole(request, rec, m, end)
             return await self._stream(request, rec, m, end)
         except asyncio.CancelledError:
@@ -188,6 +200,45 @@ class FakeVllm:
             raise
         finally:
             rec.ended.set()
+
+    def _record(self, body: dict) -> Record:
+        kv = body.get("kv_transfer_params") or {}
+        kind = "stream" if body.get("stream") else "prefill" if kv.get("do_remote_decode") else \
+            "warm" if kv else "whole"
+        rec = Record(body, kind)
+        self.requests.append(rec)
+        return rec
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        """Not streamed: the model's output for any ``messages`` (up to ``max_completion_tokens``,
+        else ``max_tokens``, else the whole output: the rest of the context)."""
+        body = await request.json()
+        rec = self._record(body)
+        rec.ended.set()
+        if (refused := logprobs_refused(body, chat=True)) is not None:
+            return refused
+        if body.get("stream"):
+            return error(400, "the fake streams /v1/completions only")
+        limit = body.get("max_completion_tokens")
+        limit = body.get("max_tokens") if limit is None else limit
+        ids = self.model.out[:limit]
+        det, prompt = Detok(self.model.prompt), self.model.prompt
+        top = body.get("top_logprobs") or 0
+        lp = {"content": [{"token": piece(t), "logprob": -0.01 * t, "bytes": list(VOCAB[t]),
+                           "top_logprobs": [{"token": piece(t), "logprob": -0.01 * t, "bytes": list(VOCAB[t])}][:top]}
+                          for t in ids]} if body.get("logprobs") else None
+        kv = body.get("kv_transfer_params")
+        resp = {"id": "chat" + self._id(), "object": "chat.completion", "created": int(time.time()), "model": "tiny",
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(det.step(t) for t in ids),
+                                                     "refusal": None, "annotations": None, "audio": None,
+                                                     "function_call": None, "tool_calls": [], "reasoning": None},
+                             "logprobs": lp, "finish_reason": "length", "stop_reason": None, "token_ids": None}],
+                "service_tier": None, "system_fingerprint": None,
+                "usage": {"prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(ids),
+                          "completion_tokens": len(ids), "prompt_tokens_details": None},
+                "prompt_logprobs": None, "prompt_token_ids": None,
+                "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": self.name} if kv else None}
+        return web.json_response(resp)
 
     async def _whole(self, request: web.Request, rec: Record, m: int, end: int) -> web.Response:
         s = self.script
@@ -311,6 +362,19 @@ def logprobs(ids: list[int], offset: int) -> tuple[dict, int]:
         out["top_logprobs"].append({piece(t): -0.01 * t})
         offset += len(piece(t))
     return out, offset
+
+
+def logprobs_refused(body: dict, *, chat: bool) -> web.Response | None:
+    """vLLM 0.32's ``check_logprobs`` (chat_completion/ and completion/protocol.py): the 400 for
+    ``logprob_token_ids`` or (chat) ``top_logprobs`` without ``logprobs``; None: accepted."""
+    lp = body.get("logprobs")
+    if body.get("logprob_token_ids") and (not lp if chat else lp is None):
+        return error(400, "when using `logprob_token_ids`, `logprobs` must be set" + (" to true." if chat else "."),
+                     param="logprob_token_ids")
+    top = body.get("top_logprobs")
+    if chat and top is not None and (top == -1 or top > 0) and not lp:
+        return error(400, "when using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
+    return None
 
 
 def error(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> web.Response:
