@@ -80,6 +80,9 @@ def test_the_embedded_default_is_valid_and_fronts_sites_a_and_b():
     (GOOD + "[handoff]\nabsorb_s = 0\n", "handoff.absorb_s", "must be > 0"),
     (GOOD + "[rld_load]\ninterval_s = -1\n", "rld_load.interval_s", "must be > 0"),
     (GOOD.replace('node = "a2"', 'node = "a2"\nmax_num_seqs = -4'), "pools.RLD[0].max_num_seqs", "must be >= 0"),
+    (GOOD.replace('"http://10.0.0.1:8100"', '"http://10.0.0.1:99999"'), "pools.P[0].url",
+     "not an http(s)://host:port URL"),
+    (GOOD + '[fleet]\netcd = ["http://10.0.0.9:2379"]\n', "fleet.etcd[0]", "reaches etcd over TLS"),
     (GOOD + "[choice]\n", "(file)", "not valid TOML"),
     ("listen = 3", "listen", "Expected `object`"),
     ("[listen", "(file)", "not valid TOML"),
@@ -88,6 +91,12 @@ def test_a_bad_config_names_its_key(text, key, words):
     with pytest.raises(ConfigError) as ei:
         rcfg.loads(text)
     assert ei.value.key == key and words in ei.value.problem, ei.value
+
+
+def test_plaintext_etcd_only_on_loopback():
+    """The router's targets come from etcd's records: reached in plaintext only on this host."""
+    for url in ("http://127.0.0.1:2379", "http://localhost:2379", "http://[::1]:2379"):
+        assert rcfg.loads(GOOD + f'[fleet]\netcd = ["{url}"]\n').fleet.etcd == [url]
 
 
 def test_rld_needs_a_site_only_for_the_agents_choice():

@@ -34,7 +34,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from ..config import EtcdTls, default_engine_socket, parse_hostport, validate_etcd
+from ..config import EtcdTls, default_engine_socket, engine_url, is_loopback, parse_hostport, validate_etcd
 from ..errors import ConfigError
 from ..policy import HandoffPolicy
 
@@ -184,8 +184,7 @@ class RouterConfig(msgspec.Struct, **_cfg):
 
 
 def _check_url(url: str, key: str) -> None:
-    u = urlsplit(url)
-    if u.scheme not in ("http", "https") or not u.hostname:
+    if not engine_url(url):  # the agents' rule for the engine URLs they register
         raise ConfigError(key, f"{url!r} is not an http(s)://host:port URL")
 
 
@@ -196,6 +195,12 @@ def validate(cfg: RouterConfig) -> RouterConfig:
             raise ConfigError(f"request.{key}", f"must be > 0, got {getattr(cfg.request, key)}")
     if cfg.request.prefill_lease_s is not None and not cfg.request.prefill_lease_s > 0:
         raise ConfigError("request.prefill_lease_s", "must be > 0")
+    for i, url in enumerate(cfg.fleet.etcd):
+        # The router sends users' prompts where etcd's records say: plaintext only on loopback.
+        if url.startswith("http://") and not is_loopback(urlsplit(url).hostname or ""):
+            raise ConfigError(f"fleet.etcd[{i}]", f"{url!r}: the router takes its targets from etcd, so it "
+                                                  "reaches etcd over TLS (https://, fleet.tls.ca); plaintext "
+                                                  "only to a loopback etcd")
     for role in ("P", "MD"):
         if not getattr(cfg.pools, role) and not cfg.fleet.etcd:
             raise ConfigError(f"pools.{role}", "needs at least one member (or [fleet] to find them in etcd)")
