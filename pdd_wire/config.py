@@ -378,10 +378,10 @@ def validate_etcd(etcd: list[str], tls: EtcdTls, cluster: str, request_s: float,
     for i, url in enumerate(etcd):
         if not _etcd_url(url):
             raise ConfigError(f"{table}.etcd[{i}]", f"{url!r} is not an http(s)://host:port etcd client URL")
-        if url.startswith("https://") and not tls.ca:
+        if urlsplit(url).scheme == "https" and not tls.ca:  # urlsplit lower-cases it, as aiohttp reads it
             raise ConfigError(f"{table}.tls.ca", f"required for the https endpoint {url!r} (etcd's server "
                                                  "certificate is checked against it)")
-    if etcd and (tls.ca or tls.cert) and not any(u.startswith("https://") for u in etcd):
+    if etcd and (tls.ca or tls.cert) and not any(urlsplit(u).scheme == "https" for u in etcd):
         raise ConfigError(f"{table}.tls", "set, but no endpoint is https://: the certificates would not be used")
     if not NAME.match(cluster):
         raise ConfigError(f"{table}.cluster", f"{cluster!r} must be 1-63 of [A-Za-z0-9._-]")

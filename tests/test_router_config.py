@@ -83,6 +83,8 @@ def test_the_embedded_default_is_valid_and_fronts_sites_a_and_b():
     (GOOD.replace('"http://10.0.0.1:8100"', '"http://10.0.0.1:99999"'), "pools.P[0].url",
      "not an http(s)://host:port URL"),
     (GOOD + '[fleet]\netcd = ["http://10.0.0.9:2379"]\n', "fleet.etcd[0]", "reaches etcd over TLS"),
+    (GOOD + '[fleet]\netcd = ["HTTP://10.0.0.9:2379"]\n', "fleet.etcd[0]", "reaches etcd over TLS"),
+    (GOOD + '[fleet]\netcd = ["HTTPS://10.0.0.9:2379"]\n', "fleet", "fleet.tls.ca: required for the https endpoint"),
     (GOOD + "[choice]\n", "(file)", "not valid TOML"),
     ("listen = 3", "listen", "Expected `object`"),
     ("[listen", "(file)", "not valid TOML"),

@@ -571,6 +571,22 @@ async def test_a_value_vllm_refuses_is_the_routers_400(agents, http, path, extra
     assert P.requests == RLD.requests == MD.requests == []
 
 
+async def test_the_body_goes_upstream_as_it_came(agents, http):
+    """vLLM checks ``stream_options`` against ``stream`` as sent: ``"stream": "false"`` with
+    stream options passes there (a string is true), then reads as False. The router decides with
+    the value read (a whole answer, not SSE) and sends the body as it came, so MD accepts it."""
+    b = body(stream="false", stream_options={"include_usage": True}, max_tokens="5")
+    async with fakes(MODEL) as (P, RLD, MD), router(agents, P, RLD, MD, ask_agent=False) as r:
+        async with http.post(f"{r.url}/v1/completions", json=b) as resp:
+            assert resp.status == 200, await resp.text()
+            got = await resp.json()
+        assert sample(r, "pddwire_router_requests_total", outcome="ok") == 1
+    assert got["choices"][0]["token_ids"] == OUT[:5]
+    (dec,) = MD.requests
+    assert (dec.raw["stream"], dec.raw["max_tokens"], dec.raw["stream_options"]) == \
+        ("false", "5", {"include_usage": True})
+
+
 async def test_logprob_token_ids_go_where_logprobs_go(agents, http):
     """vLLM refuses ``logprob_token_ids`` without ``logprobs``: P's prefill and MD's warm request,
     which drop logprobs, drop it too; RLD's stream and MD's continuation keep both."""
@@ -703,7 +719,9 @@ async def test_a_handoff_that_ended_is_counted_once_if_cancelled_while_closing(a
 
 # ---------------------------------------------------------------------------------- the router's own faults
 @pytest.mark.parametrize("answer", [{"reason": "wan_over_budget"}, {"pipeline": "P-XX", "reason": "x"},
-                                    {"pipeline": "P-RLD-MD", "reason": "x", "prefix_hit_tokens": "many"}, ["P-MD"]])
+                                    {"pipeline": "P-RLD-MD", "reason": "x", "prefix_hit_tokens": "many"}, ["P-MD"],
+                                    {"pipeline": "P-MD", "reason": "x", "prefix_hit_tokens": -1},
+                                    {"pipeline": "P-MD", "reason": "x", "prefix_hit_tokens": 10 ** 6}])
 async def test_a_malformed_agent_answer_is_a_failed_choice(agents, http, monkeypatch, answer):
     """P's agent answers what the router cannot act on: fallback ``choice_failed``, P-MD."""
     async def choose_pipeline(self, request_id: str, **_kw):

@@ -102,6 +102,8 @@ class Membership:
         # The watch's last change to our key, (revision, its lease; None: deleted), kept while a
         # registration is in flight: one after our write that arrived before its answer is not lost.
         self._own_last: tuple[int, int | None] = (0, None)
+        self._own_deleted = False  # the watch saw our record deleted; counted if our lease lived on
+        self._written_lease = 0  # the lease of our last write
         self.displaced_by: KeyValue | None = None  # another process's record under our key (a duplicate)
         self.up = False
         self.away_since: float | None = None
@@ -245,6 +247,7 @@ class Membership:
         assert self.me is not None and self._my_path is not None
         again = self.registered.is_set()
         live = self._live
+        self._own_last = (0, None)  # only what the watch shows while this write is in flight counts
         items = [(self._my_path, rec.encode(msgspec.structs.replace(self.me, at=time.time()))),
                  (f"{self.live_prefix}{self.me.key}", self._live_record(live))]
         done, revision, holder = await self.client.put_all_if(items, self.lease, guard=self._my_path)
@@ -278,6 +281,10 @@ class Membership:
                                 "agent with this site and node? waiting for its lease to end")
             raise EtcdError("the member key changed during registration")  # gone or put again meanwhile: again
         self.written, self._written_rev, self.displaced_by = True, revision, None
+        if self._own_deleted and self.lease == self._written_lease:  # not the delete of our lease's expiry
+            self.metrics.rewritten.labels(cause="deleted").inc()
+            self.log.warning("this member's record had been deleted while its lease lived: written again")
+        self._own_deleted, self._written_lease = False, self.lease
         seen, lease = self._own_last
         if seen > revision:  # changed after our write, and the watch showed it before this answer came
             if lease is None:
@@ -479,16 +486,16 @@ class Membership:
             self.log.warning("this member's record was put over under its own lease: writing it again",
                              revision=kv.mod_revision)
         elif kv.lease:
-            self.log.error("this member's key was written under another lease: registering again",
-                           lease=f"{kv.lease:x}")
+            limited(self, self.log.error, "this member's key was written under another lease: registering again",
+                    lease=f"{kv.lease:x}")
         self._wake.set()
 
     def _own_gone(self, revision: int) -> None:
         self._own_last = max(self._own_last, (revision, None), key=lambda e: e[0])
         if self.written and revision > self._written_rev:
             self.written = False
-            self.metrics.rewritten.labels(cause="deleted").inc()
-            self.log.warning("this member's record was deleted while its lease lives: registering again")
+            self._own_deleted = True  # by someone, or by our lease's expiry: told apart at the next write
+            self.log.info("this member's record was deleted: registering again")
             self._wake.set()
 
     # ------------------------------------------------------------------ the members' view

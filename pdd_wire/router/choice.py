@@ -39,11 +39,13 @@ _FAILURES = (PddWireError, aiohttp.ClientError, OSError, TimeoutError, ValueErro
 PIPELINES = ("P-MD", "P-RLD", "P-RLD-MD")
 
 
-def well_formed(d: object) -> bool:
+def well_formed(d: object, input_tokens: int) -> bool:
     """An answer of ``choose_pipeline`` the router can act on (another agent version's, or a
-    broken one's, is not)."""
-    return (isinstance(d, dict) and d.get("pipeline") in PIPELINES and isinstance(d.get("reason"), str)
-            and type(d.get("prefix_hit_tokens") or 0) is int)
+    broken one's, is not): a prefix hit within the prompt."""
+    if not (isinstance(d, dict) and d.get("pipeline") in PIPELINES and isinstance(d.get("reason"), str)):
+        return False
+    hit = d.get("prefix_hit_tokens") or 0
+    return type(hit) is int and 0 <= hit <= input_tokens
 
 
 class Chooser:
@@ -89,7 +91,7 @@ class Chooser:
             async with asyncio.timeout(ch.timeout_s):
                 toks, max_len = await self._prompt_tokens(P, req.path, req.body)
                 eng = await self._engine(P)
-            expected = expected_output(req.path, req.body, len(toks), max_len)
+            expected = expected_output(req.path, req.read, len(toks), max_len)
             # PddWireConnector names one agent block per vLLM block and layer; a vLLM block
             # is in MD's prefix inventory when its layer 0 is (a match counts whole blocks).
             hashes = layer_hashes(chain_hashes(toks, ch.block_tokens, model=ch.prefix_salt), 1) \
@@ -143,7 +145,7 @@ class Chooser:
                 if isinstance(exc, OSError):  # the agent went away: connect again next time
                     await self.forget(P)
                 continue
-            if not well_formed(d := t.result()):
+            if not well_formed(d := t.result(), input_tokens):
                 errors.append(ValueError(f"a malformed answer from P's agent: {d!r:.300}"))
                 continue
             answers.append((M, d))

@@ -197,7 +197,8 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         raise ConfigError("request.prefill_lease_s", "must be > 0")
     for i, url in enumerate(cfg.fleet.etcd):
         # The router sends users' prompts where etcd's records say: plaintext only on loopback.
-        if url.startswith("http://") and not is_loopback(urlsplit(url).hostname or ""):
+        u = urlsplit(url)
+        if u.scheme.lower() == "http" and not is_loopback(u.hostname or ""):
             raise ConfigError(f"fleet.etcd[{i}]", f"{url!r}: the router takes its targets from etcd, so it "
                                                   "reaches etcd over TLS (https://, fleet.tls.ca); plaintext "
                                                   "only to a loopback etcd")

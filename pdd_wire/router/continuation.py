@@ -113,7 +113,7 @@ _OUTPUT_MATCHED = ("bad_words", "repetition_detection", "thinking_token_budget")
 def unfit(core: Core, req: Req) -> str | None:
     """Why this request cannot be handed from RLD to MD (None: it can). MD continues from token
     ids, so the prompt's must be known, and only completions can be spliced event by event."""
-    body = req.body
+    body = req.read
     if not core.pools.members("RLD"):
         return "no_rld_member"
     if req.path != "/v1/completions":

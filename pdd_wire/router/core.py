@@ -97,3 +97,10 @@ class Req:
     p: Upstream | None = None  # the P member whose agent made the choice (its prefill goes there)
     md: Upstream | None = None  # the MD member the choice was made for (None: least-loaded at run time)
     planned_wan_bytes: int | None = None  # KV bytes to MD's site as planned at the choice
+    # ``body`` as vLLM reads it (upstream.check_fields): what the router decides and computes
+    # with; ``body`` is what goes upstream.
+    read: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.read:
+            self.read = dict(self.body)

@@ -188,7 +188,7 @@ class Output:
     """One request's spliced output. ``ids``: every output token relayed, in position order."""
 
     def __init__(self, core: Core, req: Req, sink: StreamSink | CollectSink) -> None:
-        body = req.body
+        body = req.read
         self.core, self.req, self.sink = core, req, sink
         self.want_ids = bool(body.get("return_token_ids"))
         self.streamed = isinstance(sink, StreamSink)
@@ -231,8 +231,8 @@ class Output:
                 "stream_options": {**(path_body.get("stream_options") or {}), "include_usage": True}}
         for k in ("kv_transfer_params", "prompt_logprobs", "max_completion_tokens", "stream_interval"):
             cont.pop(k, None)
-        if path_body.get("min_tokens"):
-            cont["min_tokens"] = max(0, path_body["min_tokens"] - m)
+        if self.req.read.get("min_tokens"):
+            cont["min_tokens"] = max(0, self.req.read["min_tokens"] - m)
         return cont
 
     async def feed(self, event: bytes, seg: Segment) -> None:

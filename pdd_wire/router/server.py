@@ -203,11 +203,11 @@ class Router:
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
         try:
-            check_fields(path, body)
+            read = check_fields(path, body)
         except BadField as exc:
             return error_response(400, str(exc), param=exc.param)
         assert self._chooser is not None
-        req = Req(request, path, body, f"rtr-{uuid.uuid4().hex[:16]}", Trace("none"))
+        req = Req(request, path, body, f"rtr-{uuid.uuid4().hex[:16]}", Trace("none"), read=read)
         trace, rid = req.trace, req.rid
         outcome = "error"
         deadline = asyncio.timeout(self.cfg.request.deadline_s)
@@ -334,7 +334,7 @@ class Router:
             if not params or not params.get("do_remote_prefill"):  # nothing sent: MD computes it
                 body = {**req.body, "kv_transfer_params": params} if params is not None else req.body
                 return await self._relay(req, md, body)
-            sink = StreamSink(req.request) if req.body.get("stream") else CollectSink()
+            sink = StreamSink(req.request) if req.read.get("stream") else CollectSink()
             return await Handoff(self._core, req, Output(self._core, req, sink), rld, md, params).run()
 
     def _wan(self, req: Req, params: dict | None) -> None:
@@ -382,7 +382,7 @@ class Router:
         async with self.http.post(f"{up.url}{req.path}", json=body) as r:
             if r.status != 200:
                 raise UpstreamError(r.status, await r.read(), r.content_type or "application/json")
-            if not body.get("stream"):
+            if not req.read.get("stream"):  # the client's, as vLLM read it
                 data = await r.read()
                 with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
                     n = int((self._decoder.decode(data).get("usage") or {}).get("completion_tokens") or 0)

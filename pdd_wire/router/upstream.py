@@ -136,25 +136,30 @@ _FIELDS = {"/v1/completions": {**_COMMON, "n": (lax_int, False), "echo": (lax_bo
                                     "echo": (lax_bool, False)}}
 
 
-def check_fields(path: str, body: dict) -> None:
-    """Read the fields the router computes with as vLLM reads them, in ``body`` (``"16"`` is 16
-    from here on). BadField: a value vLLM would refuse."""
+def check_fields(path: str, body: dict) -> dict:
+    """``body`` with the fields the router computes with read as vLLM reads them (``"16"`` is
+    16): what the router decides with. ``body`` itself goes upstream as it came, since vLLM runs
+    some checks on the values as sent. BadField: a value vLLM would refuse."""
     opts = body.get("stream_options")
     if opts and not body.get("stream"):  # vLLM's check, on the values as they came
         raise BadField("stream_options", "Stream options can only be defined when `stream=True`.")
     if opts is not None and not isinstance(opts, dict):
         raise BadField("stream_options", f"Input should be a valid dictionary, got {_shown(opts)}")
-    fields = [(body, k, *how) for k, how in _FIELDS[path].items()]
+    read = dict(body)
+    if opts is not None:
+        read["stream_options"] = opts = dict(opts)
+    fields = [(read, k, *how) for k, how in _FIELDS[path].items()]
     if opts is not None:
         fields.append((opts, "include_usage", lax_bool, True))
-    for d, k, read, nullable in fields:
+    for d, k, reader, nullable in fields:
         if k not in d or (d[k] is None and nullable):
             continue
         try:
-            d[k] = read(d[k])
+            d[k] = reader(d[k])
         except ValueError as exc:
             name = f"stream_options.{k}" if d is opts else k
             raise BadField(name, f"{exc}, got {_shown(d[k])}") from None
+    return read
 
 
 def _shown(v: object) -> str:

@@ -44,6 +44,8 @@ from typing import Any
 
 from aiohttp import web
 
+from pdd_wire.router.upstream import lax_bool, lax_int  # pinned to pydantic's results in test_router_splice
+
 FINGERPRINT = "fp_fake0032"
 EOS = 2
 # Token ids and their bytes: letters, a special token (no text unless skip_special_tokens is
@@ -126,6 +128,7 @@ class Record:
     sent: list[int] = field(default_factory=list)  # token ids written
     closed_by_client: bool = False
     ended: asyncio.Event = field(default_factory=asyncio.Event)
+    raw: dict = field(default_factory=dict)  # the body as it was sent (``body``: as read)
 
 
 class FakeVllm:
@@ -178,8 +181,15 @@ class FakeVllm:
                                                               "root": "tiny", "parent": None, "max_model_len": 2048}]})
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        rec = self._record(body)
+        raw = await request.json()
+        if raw.get("stream_options") and not raw.get("stream"):  # vLLM's check, on the values as sent
+            return error(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+        try:  # then vLLM's lax reading (pydantic): "16" is 16, "false" is False
+            body = {**raw, "stream": lax_bool(raw.get("stream") or False),
+                    **({"max_tokens": lax_int(raw["max_tokens"])} if raw.get("max_tokens") is not None else {})}
+        except ValueError as exc:
+            return error(400, str(exc))
+        rec = self._record(body, raw)
         if (refused := logprobs_refused(body, chat=False)) is not None:
             return refused
         try:
@@ -201,11 +211,12 @@ class FakeVllm:
         finally:
             rec.ended.set()
 
-    def _record(self, body: dict) -> Record:
+    def _record(self, body: dict, raw: dict | None = None) -> Record:
+        """``body`` as read; ``raw`` as it was sent."""
         kv = body.get("kv_transfer_params") or {}
         kind = "stream" if body.get("stream") else "prefill" if kv.get("do_remote_decode") else \
             "warm" if kv else "whole"
-        rec = Record(body, kind)
+        rec = Record(body, kind, raw=raw if raw is not None else body)
         self.requests.append(rec)
         return rec
 
