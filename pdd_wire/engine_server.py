@@ -244,7 +244,9 @@ class EngineConn:
         for fd in self._fds:
             os.close(fd)
         self._fds.clear()
-        self.sock.close()
+        # The socket stays open until its transfers are cancelled and its memory released
+        # (EngineServer._run_gone): an engine that sees its connection end may reuse its blocks
+        # at once, so by then nothing of the agent's may still write into them.
         self.server.gone(self)
 
 
@@ -355,6 +357,7 @@ class EngineServer:
         try:
             await self.on_gone(ec)
         finally:
+            ec.sock.close()  # the engine's EOF: nothing of the agent's touches its memory any more
             if not ec.done.done():
                 ec.done.set_result(None)
 

@@ -178,3 +178,41 @@ async def test_requests_answered_in_the_read_never_overtake_one_that_waits(tmp_s
         w.close()
     finally:
         await srv.close()
+
+
+async def test_an_engine_sees_its_connection_end_only_once_the_agent_let_go_of_it(tmp_sock_dir):
+    """An engine whose connection ends may reuse its blocks at once: the agent closes an engine's
+    socket only after ``on_gone`` (its transfers cancelled, its memory released) has run, also
+    when the agent is the one that ends the connection (here: a message never finished)."""
+    released = asyncio.Event()
+    order: list[str] = []
+
+    async def handler(conn, msg, fd):
+        return {}
+
+    async def gone(conn):
+        await released.wait()  # a transfer still being cancelled: its bulk writes not yet stopped
+        order.append("let go")
+
+    srv = EngineServer(str(tmp_sock_dir / "e.sock"), 0o600, handler=handler, on_gone=gone, max_engines=4,
+                       max_message=16 << 20, allowed_uids={os.getuid()}, read_deadline_s=0.2)
+    await srv.start()
+    try:
+        r, w = await asyncio.open_unix_connection(str(tmp_sock_dir / "e.sock"))
+        assert isinstance(await ask(r, w, 1), p.Ok)
+        w.write(struct.pack(">I", 64) + b"\x81")  # begun, never finished: closed after the read deadline
+        closed = asyncio.ensure_future(until_closed(r))
+        async with asyncio.timeout(10):
+            while srv.engines:  # the agent has dropped the engine...
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)
+        assert not closed.done()  # ...but its socket stays open while on_gone runs
+        released.set()
+        msgs = await closed
+        order.append("eof")
+        assert order == ["let go", "eof"]
+        assert len(msgs) == 1 and msgs[0].code == ErrorCode.BAD_REQUEST and "engine_read_s" in msgs[0].message
+        w.close()
+    finally:
+        released.set()
+        await srv.close()
