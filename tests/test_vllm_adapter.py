@@ -266,3 +266,24 @@ async def test_failed_kv_transfer_reaches_vllm_as_block_load_errors(cluster):
     assert after["load_failures"] == before["load_failures"] + 1
     assert after["load_error_blocks"] - before["load_error_blocks"] == math.ceil(len(prompt) / BLOCK)
     assert out["tokens"] == base
+
+
+async def test_older_form_says_when_nothing_was_sent_and_decode_does_not_wait_for_it(cluster):
+    """The older parameter form on in-process engines: a prefill that sends nothing (a bad
+    field, or no destination) answers with ``pdd_error`` beside the older fields, and a decode
+    given that answer computes the prompt at once instead of waiting the agent's post_ttl_s for
+    KV that never comes."""
+    prompt = prompt_for(7)
+    base = await cluster.baseline(prompt)
+    bad = await cluster.P.call("generate", prompt=prompt, max_tokens=1,
+                               kv={"pdd_request_id": "old-bad-1", "send_to": ["B"], "lease_s": "abc"})
+    kv = bad["kv_transfer_params"]
+    assert kv["pdd_request_id"] == "old-bad-1" and kv["num_tokens"] == len(prompt)
+    assert kv["pdd_error"] == "kv_transfer_params: lease_s must be a number of seconds, got 'abc'"
+    none = await cluster.P.call("generate", prompt=prompt, max_tokens=1, kv={"pdd_request_id": "old-bad-2",
+                                                                             "send_to": []})
+    assert none["kv_transfer_params"]["pdd_error"].startswith("no destinations"), none
+    for params in (kv, none["kv_transfer_params"]):
+        await cluster.MD.call("reset")  # its prefix cache: the second would hit the first's blocks
+        out = await asyncio.wait_for(cluster.MD.call("generate", prompt=prompt, max_tokens=N, kv=params), 60)
+        assert out["tokens"] == base and out["num_cached_tokens"] == 0  # computed, nothing loaded

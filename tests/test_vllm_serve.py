@@ -9,7 +9,8 @@ Every output is compared, token id for token id, with the greedy output of a sin
 asked without KV transfer); vLLM's own count of prompt tokens by source
 (``vllm:prompt_tokens_by_source_total{source="external_kv_transfer"}``) shows that decode's prompt
 came from the wire. After each test nothing is left: no blocks pinned by either agent,
-no KV block allocated in either vLLM.
+no KV block allocated in either vLLM. What clients and agents may do to a running vLLM is here
+too: bad ``kv_transfer_params``, a transfer name used twice, a peer's abort, an agent restart.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ from pdd_tools.vllm.serve import (
     tokens,
     vllm_session,
 )
+from pdd_wire import EngineClient
+from pdd_wire import config as cfgmod
+from pdd_wire.agent import Agent
 from support.agents import BESIDE_VLLM_DEAD_AFTER_S, run_agents, two_site_toml
 
 pytestmark = [pytest.mark.vllm, pytest.mark.asyncio(loop_scope="module")]
@@ -66,6 +70,7 @@ class Cluster:
         self.tmp, self.agents, self.P, self.D, self.proxy, self.http = tmp, agents, P, D, proxy, http
         self._base: dict[tuple, list[int]] = {}
         self.D2: VllmServer | None = None  # test_vllm_serve's staging decode, idle otherwise
+        self.tomls: dict = {}  # the agents' configs (a test restarts them)
 
     async def baseline(self, prompt: list[int], n: int = N) -> list[int]:
         """A single server's greedy output (P, no KV transfer)."""
@@ -137,7 +142,7 @@ async def cluster():
             print(f"vLLM servers ready in {time.monotonic() - t0:.1f} s")
             async with Proxy(P.url, D.url) as proxy:
                 c = Cluster(tmp, agents, P, D, proxy, http)
-                c.D2 = D2
+                c.D2, c.tomls = D2, tomls
                 yield c
         finally:
             await asyncio.gather(*(s.stop() for s in servers), return_exceptions=True)
@@ -407,4 +412,190 @@ async def test_decode_receiving_through_staging_as_for_a_cuda_kv_cache(cluster):
         outs = await asyncio.gather(*(complete(cluster.http, proxy.url, completion_body(pr, N)) for pr in prompts))
     assert [tokens(o) for o in outs] == bases
     assert await D2.wire_tokens(cluster.http) - wire0 == sum(len(pr) for pr in prompts)
+    await cluster.settled()
+
+
+async def test_bad_kv_transfer_params_never_stop_the_engine(cluster):
+    """kv_transfer_params come from any HTTP client. A bad field is named in prefill's answer
+    (not sent: do_remote_prefill false, pdd_error), and decode given bad params computes the
+    prompt at once (the reason logged); both servers stay up, and the next P/D request moves
+    its KV. (Before: ``"lease_s": "abc"`` ended prefill's EngineCore.)"""
+    prompt = prompt_for(20)
+    base = await cluster.baseline(prompt)
+    P, D, http = cluster.P, cluster.D, cluster.http
+    wire0 = await D.wire_tokens(http)
+    refused = []
+    for params, why in [
+        ({"do_remote_decode": True, "lease_s": "abc"}, "lease_s must be a number of seconds, got 'abc'"),
+        ({"do_remote_decode": True, "lease_s": 0}, "lease_s must be in (0, 604800] seconds, got 0"),
+        ({"do_remote_decode": True, "deadline_s": 1e308}, "deadline_s must be in (0, 604800]"),
+        ({"do_remote_decode": True, "send_to": ["B", 7]}, "send_to must name destinations as non-empty strings"),
+        ({"do_remote_decode": True, "pdd_request_id": 42}, "pdd_request_id must be a string, got 42"),
+        ({"do_remote_decode": True, "pdd_request_id": "x" * 300}, "pdd_request_id must be 1..256 bytes, got 300"),
+    ]:
+        out = await complete(http, P.url, completion_body(prompt, 1, kv_transfer_params=params))
+        kv = out["kv_transfer_params"]
+        assert kv["do_remote_prefill"] is False and kv["pdd_error"].startswith(f"kv_transfer_params: {why}"), kv
+        assert tokens(out) == base[:1]
+        refused.append(kv)
+    assert refused[-2]["pdd_request_id"].startswith("vllm-")  # not the bad name it was given
+    # What prefill refused, forwarded to decode as a proxy does: computed there, at once.
+    async with asyncio.timeout(30):  # far below the agent's post_ttl_s (300 s) a receive would wait
+        out = await complete(http, D.url, completion_body(prompt, N, kv_transfer_params=refused[0]))
+    assert tokens(out) == base
+    # The older form says it too, and a consumer given that does not wait for KV.
+    pre = await complete(http, P.url, completion_body(
+        prompt, 1, kv_transfer_params={"pdd_request_id": "legacy-bad", "send_to": ["B"], "lease_s": "x"}))
+    legacy = pre["kv_transfer_params"]
+    assert legacy["pdd_request_id"] == "legacy-bad" and "lease_s must be" in legacy["pdd_error"], legacy
+    bad_decode = [legacy,
+                  {"do_remote_prefill": True, "pdd_request_id": "bad-d-1", "num_tokens": "abc"},
+                  {"do_remote_prefill": True, "pdd_request_id": "bad-d-2", "lease_s": 60, "lease_started": "now"},
+                  {"do_remote_prefill": True, "pdd_request_id": ["bad-d-3"]},
+                  {"do_remote_prefill": True, "pdd_request_id": "bad-d-4", "remote_site": 7, "lease_s": 60}]
+    for params in bad_decode:
+        async with asyncio.timeout(30):
+            out = await complete(http, D.url, completion_body(prompt, N, kv_transfer_params=params))
+        assert tokens(out) == base, params
+    assert await D.wire_tokens(http) == wire0  # every prompt above was computed by decode itself
+    log = D.log.read_text(errors="replace")
+    assert "kv_transfer_params: num_tokens must be a non-negative integer, got 'abc'" in log
+    assert "kv_transfer_params: lease_started must be a wall-clock time" in log
+    assert P.proc.returncode is None and D.proc.returncode is None
+    # One destination given as a string is one destination, not characters; and the servers
+    # still move KV (new prompts: decode's prefix cache holds the one above now).
+    one, other = prompt_for(21), prompt_for(24)
+    pre = await complete(http, P.url, completion_body(one, 1, kv_transfer_params={"do_remote_decode": True,
+                                                                                   "send_to": "B"}))
+    assert pre["kv_transfer_params"]["do_remote_prefill"] is True, pre["kv_transfer_params"]
+    out = await complete(http, D.url, completion_body(one, N, kv_transfer_params=pre["kv_transfer_params"]))
+    assert tokens(out) == await cluster.baseline(one)
+    out = await cluster.via_proxy(other)
+    assert tokens(out) == await cluster.baseline(other)
+    assert await D.wire_tokens(http) - wire0 == len(one) + len(other)
+    await cluster.settled()
+
+
+async def test_a_pdd_request_id_in_flight_on_prefill_is_refused_to_another_request(cluster):
+    """Two sends under one name would be one transfer at the agents, and the first one's
+    completion was lost (its blocks held in prefill forever). The second request with a name in
+    flight is not sent (pdd_error says why); once the first's KV is delivered the name is free.
+    ``n = 2`` with a name: one child sends, the other is refused, nothing is left held."""
+    P, D, http = cluster.P, cluster.D, cluster.http
+    p1, p2 = prompt_for(22), prompt_for(23)
+    params = {"do_remote_decode": True, "pdd_request_id": "dup-1", "lease_s": 60.0}
+    first = (await complete(http, P.url, completion_body(p1, 1, kv_transfer_params=params)))["kv_transfer_params"]
+    assert first["do_remote_prefill"] is True and first["pdd_request_id"] == "dup-1"
+    # The first one's KV waits at decode's agent for its receive: the name is in flight.
+    second = (await complete(http, P.url, completion_body(p2, 1, kv_transfer_params=params)))["kv_transfer_params"]
+    assert second["do_remote_prefill"] is False and "'dup-1' is in use" in second["pdd_error"], second
+    wire0 = await D.wire_tokens(http)
+    out = await complete(http, D.url, completion_body(p1, N, kv_transfer_params=first))
+    assert tokens(out) == await cluster.baseline(p1)
+    assert await D.wire_tokens(http) - wire0 == len(p1)
+    await cluster.settled()  # delivered: prefill's blocks are free, and so is the name
+    again = (await complete(http, P.url, completion_body(p2, 1, kv_transfer_params=params)))["kv_transfer_params"]
+    assert again["do_remote_prefill"] is True, again
+    out = await complete(http, D.url, completion_body(p2, N, kv_transfer_params=again))
+    assert tokens(out) == await cluster.baseline(p2)
+    await cluster.settled()
+    # n = 2 on prefill with a name: the children share it. Nobody receives (a 1 s lease).
+    sampling = {"n": 2, "temperature": 1.0, "seed": 3}
+    await complete(http, P.url, completion_body(p1, 1, **sampling, kv_transfer_params={
+        "do_remote_decode": True, "pdd_request_id": "dup-n2", "lease_s": 1.0}))
+    assert "'dup-n2' is in use by another request in flight" in P.log.read_text(errors="replace")
+    await cluster.settled()  # the sent child's lease ran out; nothing is held
+
+
+async def test_a_prefill_side_abort_ends_decodes_wait_at_once(cluster):
+    """An engine on prefill's site aborts a request whose KV decode waits for, before any
+    transfer claimed decode's receive: decode's agent drops the post and tells decode only
+    ``aborted``. That fails the load (decode recomputes) at once, not at the end of the lease
+    (before: decode waited for it, 60 s here; with no lease, the agent's post_ttl_s)."""
+    prompt = prompt_for(33)
+    base = await cluster.baseline(prompt)
+    B, D, http = cluster.agents["B"], cluster.D, cluster.http
+    params = {"do_remote_prefill": True, "do_remote_decode": False, "pdd_request_id": "peer-abort-1",
+              "num_tokens": len(prompt), "remote_site": "A", "lease_s": 60.0, "lease_started": time.time()}
+    wire0 = await D.wire_tokens(http)
+    task = asyncio.create_task(complete(http, D.url, completion_body(prompt, N, kv_transfer_params=params)))
+    async with asyncio.timeout(30):
+        while "peer-abort-1" not in B.posts:
+            await asyncio.sleep(0.02)
+    async with EngineClient(f"{cluster.tmp}/A.sock", "test-prefill") as eng:
+        await eng.abort("peer-abort-1", "the client went away")
+    async with asyncio.timeout(30):
+        out = await task
+    assert tokens(out) == base
+    assert await D.wire_tokens(http) == wire0
+    assert "aborted at A/a1: the client went away" in D.log.read_text(errors="replace")
+    await cluster.settled()
+
+
+async def _restart(cluster: Cluster, grace_s: float | None = None) -> None:
+    """Stop both agents (a shutdown event to each engine, then the close) and start new ones
+    on the same sockets and ports, as a systemd restart does."""
+    olds = list(cluster.agents.items())
+    await asyncio.gather(*(a.shutdown(grace_s) for _, a in olds))
+    for site, _ in olds:
+        a = Agent(cfgmod.loads(cluster.tomls[site]))
+        await a.start()
+        cluster.agents[site] = a  # the fixture's dict: its teardown stops the new ones
+    async with asyncio.timeout(30):
+        for a in cluster.agents.values():
+            for sess in a.sessions.values():
+                while not (sess.is_up and len(sess.links) == sess.streams):
+                    await asyncio.sleep(0.02)
+
+
+def _with_regions(agent: Agent) -> list[str]:
+    return [e["name"] for e in agent.describe()["engines"] if e["regions"]]
+
+
+async def test_an_agent_restart_ends_what_was_pending_and_kv_moves_again(cluster):
+    """Both agents restart while prefill holds a send (its KV waiting for decode's receive) and
+    decode waits for KV that would come within its 60 s lease: the receive fails at once (decode
+    recomputes: the single server's output, well before the lease), the send ends (prefill's
+    blocks freed). The workers reconnect and register their KV caches with the new agents, and
+    the next P/D request moves its KV, with no vLLM restart."""
+    P, D, http = cluster.P, cluster.D, cluster.http
+    p1, p2 = prompt_for(30), prompt_for(31)
+    base2 = await cluster.baseline(p2)
+    sent = (await complete(http, P.url, completion_body(p1, 1, kv_transfer_params={
+        "do_remote_decode": True, "lease_s": 60.0})))["kv_transfer_params"]
+    assert sent["do_remote_prefill"] is True
+    waiting = {"do_remote_prefill": True, "do_remote_decode": False, "pdd_request_id": "restart-late-1",
+               "num_tokens": len(p2), "remote_site": "A", "lease_s": 60.0, "lease_started": time.time()}
+    decode = asyncio.create_task(complete(http, D.url, completion_body(p2, N, kv_transfer_params=waiting)))
+    async with asyncio.timeout(30):
+        while "restart-late-1" not in cluster.agents["B"].posts:  # decode posted it and waits
+            await asyncio.sleep(0.02)
+    assert (await P.metrics(http))["vllm:kv_cache_usage_perc"] > 0  # the send's blocks, held
+    wire0 = await D.wire_tokens(http)
+    t0 = time.monotonic()
+    await _restart(cluster)
+    async with asyncio.timeout(40):  # the lease would have held it 60 s
+        out = await decode
+    print(f"decode's receive failed with the agent; its request ended {time.monotonic() - t0:.1f} s "
+          "after the restart began")
+    assert tokens(out) == base2
+    await cluster.settled()  # prefill's blocks are free: its send ended with the old agent
+    assert "lost the agent" in P.log.read_text(errors="replace")
+    assert "lost the agent" in D.log.read_text(errors="replace")
+    A, B = cluster.agents["A"], cluster.agents["B"]
+    async with asyncio.timeout(30):  # the workers registered again (D2 too), prefill's scheduler is back
+        while not (len(_with_regions(A)) == 1 and len(_with_regions(B)) == 2
+                   and any("-scheduler#" in e["name"] for e in A.describe()["engines"])):
+            await asyncio.sleep(0.05)
+    # A worker's word that its agent is gone stands 1 s (connector.DOWN_REPORT_S) while vLLM
+    # is idle, and prefill's worker last said it a moment after the restart.
+    await asyncio.sleep(1.2)
+    rx0 = metric(B, "pddwire_bytes_total", peer="A/a1", lane="bulk", direction="rx")
+    prompt = prompt_for(32)
+    out = await cluster.via_proxy(prompt)
+    assert cluster.proxy.log[-1]["prefill"]["do_remote_prefill"] is True, cluster.proxy.log[-1]
+    assert tokens(out) == await cluster.baseline(prompt)
+    assert await D.wire_tokens(http) - wire0 == len(prompt)
+    assert metric(B, "pddwire_bytes_total", peer="A/a1", lane="bulk", direction="rx") - rx0 == \
+        cluster.kv_bytes(prompt)
     await cluster.settled()

@@ -24,7 +24,8 @@ prefill returns, unchanged, to decode.
   Returned: ``{"do_remote_prefill": true, "do_remote_decode": false, "pdd_request_id",
   "num_tokens", "remote_site", "remote_node", "remote_engine_id", "lease_s", "lease_started"}``;
   when nothing was sent ``"do_remote_prefill": false`` and ``"pdd_error"`` says why (decode then
-  computes the prompt itself).
+  computes the prompt itself): among the reasons a bad field (named), a ``pdd_request_id``
+  another request in flight here holds (``n > 1`` included), no agent connection.
 - decode (consumer): ``{"do_remote_prefill": true, "pdd_request_id": ..., ...}`` as prefill
   returned it. The first ``num_tokens`` prompt tokens come from the agent. The load is
   asynchronous: the request waits in ``WAITING_FOR_REMOTE_KVS`` while the worker has the blocks
@@ -32,9 +33,14 @@ prefill returns, unchanged, to decode.
   releases it. A failure (``transfer_failed``, or a post refused because the sender gave up) is
   reported through ``get_block_ids_with_load_errors``, so vLLM fails the request or recomputes those
   tokens (``kv_load_failure_policy``), never decodes from them. Producer-only fields
-  (``send_to``, ``do_remote_decode``) never make a consumer send.
-- older form, still accepted: ``{"pdd_request_id": "r1", "send_to": ["B"]}`` on a producer,
+  (``send_to``, ``do_remote_decode``) never make a consumer send. Params with a bad field (or
+  ``pdd_error``) load nothing: the prompt is computed here (the reason logged).
+- older form, still accepted: ``{"pdd_request_id": "r1", "send_to": ["B"]}`` on a producer (it
+  returns them with ``num_tokens``, and ``pdd_error`` when nothing was sent),
   ``{"pdd_request_id": "r1", "num_tokens": 70, "from_site": "A"}`` on a consumer.
+
+Every field is checked once, when vLLM adds the request (``on_new_request``,
+:mod:`.vllm_params`): nothing a client sends raises into vLLM's scheduler.
 
 Per vLLM request: parallel sampling children (``n > 1``) share one transfer name; one child
 loads, the others wait for it, then use what vLLM's prefix cache holds (or recompute).
@@ -48,9 +54,12 @@ layer and block on the CPU backend): the bytes are never interpreted, so both en
 same model, dtype, block size and attention backend. Blocks that a consumer already has in its
 own prefix cache are received into a small sink region instead (never into shared blocks).
 
-One agent connection per worker, on a private event-loop thread (:class:`LoopThread`); the
-scheduler-side connector asks the agent once who it is (site, node) and otherwise tells the
-worker what to post, send or abort through the per-step metadata.
+One agent connection per worker, on a private event-loop thread (:class:`LoopThread`), kept up
+by an :class:`~.agent_link.AgentLink` (an agent restart fails what was pending on it at once;
+the link reconnects and registers vLLM's memory again). A prefill's scheduler-side connector
+holds one too, for the agent's site and node, and sends nothing while it (or a worker, per
+:class:`~.vllm_meta.WorkerState`) has no connection; it tells the worker what to post, send or
+abort through the per-step metadata.
 """
 
 from __future__ import annotations
@@ -71,7 +80,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from ..engine.hashes import chain_hashes
-from .vllm_meta import Consumer, LoadSpec, PddWireMetadata, Producer, SendSpec, WorkerStats, agent_identity
+from ..errors import MAX_DURATION_S
+from .agent_link import AgentLink
+from .loop_thread import LoopThread
+from .vllm_meta import Consumer, LoadSpec, PddWireMetadata, Producer, SendSpec, WorkerState, WorkerStats
+from .vllm_params import BadParam, consume_params, parse_config, produce_params, request_id, transfer_kind
 from .vllm_worker import MemfdPool, WorkerSide
 
 if TYPE_CHECKING:
@@ -84,7 +97,7 @@ if TYPE_CHECKING:
 
     from ..engine.client import EngineClient, RegionHandle
     from ..memory import SharedMemory
-    from .loop_thread import LoopThread
+    from .agent_link import Conn
     from .vllm_meta import PendingLoad, PendingSend
     from .vllm_worker import Layout
 
@@ -92,6 +105,7 @@ log = logging.getLogger("vllm.pdd_wire")
 
 # Worker connectors alive in this process (in-process engines: the driver reads their stats).
 WORKERS: "weakref.WeakSet[PddWireConnector]" = weakref.WeakSet()
+DOWN_REPORT_S = 1.0  # how long a worker's word that its agent connection is down stands
 
 
 class PddWireConnector(WorkerSide, KVConnectorBase_V1):
@@ -100,37 +114,31 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole, kv_cache_config: "KVCacheConfig"):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = self._kv_transfer_config
+        cfg = self.cfg = parse_config(ktc.kv_connector_extra_config)  # ValueError naming a bad key
         self.block_size = vllm_config.cache_config.block_size
         self.max_blocks = math.ceil(vllm_config.model_config.max_model_len / self.block_size)
-        self.socket = ktc.get_from_extra_config("engine_socket", None)
-        if not self.socket:
-            raise ValueError("pdd-wire: kv_connector_extra_config['engine_socket'] (the agent's engine socket) "
-                             "is required")
-        self.default_to = list(ktc.get_from_extra_config("send_to", []) or [])
-        self.default_from = ktc.get_from_extra_config("from_site", None)
-        self.default_deadline = ktc.get_from_extra_config("deadline_s", None)
+        self.socket = cfg.engine_socket
+        self.default_to = cfg.send_to
+        self.default_from = cfg.from_site
         # How long prefill's KV waits for decode's receive (the sender's lease; the blocks stay
         # pinned meanwhile), and how long decode's receive waits beyond what is left of it.
-        self.lease_s = float(ktc.get_from_extra_config("lease_s", 60.0))
-        self.recv_slack_s = float(ktc.get_from_extra_config("recv_slack_s", 5.0))
+        self.lease_s, self.deadline_s, self.recv_slack_s = cfg.lease_s, cfg.deadline_s, cfg.recv_slack_s
         # Blocks prefill may hold for sends at once; past it a request's KV is not sent (decode
         # computes it). Default: half the KV cache.
         n_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
-        self.max_pinned_blocks = int(ktc.get_from_extra_config("max_pinned_blocks", max(n_blocks // 2, 1)))
-        self.engine_name = ktc.get_from_extra_config("engine_name", f"vllm-{os.getpid()}")
+        self.max_pinned_blocks = cfg.max_pinned_blocks or max(n_blocks // 2, 1)
+        self.engine_name = cfg.engine_name or f"vllm-{os.getpid()}"
         self.engine_id = ktc.engine_id
         # Prefix inventory (DRC): prefill sends chained block hashes so that the blocks decode's
         # node holds are not sent; decode reports what its prefix cache holds. Both ends must
         # use the same salt (default: the model directory's name and the dtype).
         mc = vllm_config.model_config
-        self.prefix = bool(ktc.get_from_extra_config("prefix_inventory", True))
-        self.prefix_salt = str(ktc.get_from_extra_config(
-            "prefix_salt", f"{os.path.basename(str(mc.model).rstrip('/'))}/{mc.dtype}"))
+        self.prefix = cfg.prefix_inventory
+        self.prefix_salt = cfg.prefix_salt or f"{os.path.basename(str(mc.model).rstrip('/'))}/{mc.dtype}"
         # Reported only where the KV cache is the registered host memory (CPU backend): with a
         # CUDA KV cache (staging) the agent's inventory would name places it cannot hold.
         device = str(getattr(getattr(vllm_config, "device_config", None), "device_type", "cpu") or "cpu")
-        self.reports_prefix = (self.prefix and ktc.is_kv_consumer and device == "cpu"
-                               and not ktc.get_from_extra_config("staging", False)
+        self.reports_prefix = (self.prefix and ktc.is_kv_consumer and device == "cpu" and not cfg.staging
                                and bool(vllm_config.cache_config.enable_prefix_caching))
         self._stored: dict[int, int] = {}  # scheduler: vLLM block -> chained hash the agent was told
         self._evicted: list[int] = []  # scheduler: cached vLLM blocks vLLM evicted (the hook below)
@@ -141,34 +149,47 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         self._producers: dict[str, Producer] = {}
         self._consumers: dict[str, Consumer] = {}
         self._loader: dict[str, str] = {}  # transfer name -> the vLLM request that loads it
+        self._names: dict[str, str] = {}  # producer: transfer name in flight -> its vLLM request
         self._pinned: dict[str, int] = {}  # vLLM request -> blocks held for its send
+        self._sent_name: dict[str, str] = {}  # vLLM request -> the name its send holds until finished_sending
+        self._workers: dict[int, tuple[str | None, int, float]] = {}  # worker pid -> WorkerState, when told
         self.pinned_refusals = 0
         self._meta = PddWireMetadata()
-        self.site = ktc.get_from_extra_config("site", None)
+        self.site = cfg.site
         self.node = None
-        if role == KVConnectorRole.SCHEDULER and self.producer and self.site is None:
-            hello = agent_identity(self.socket, f"{self.engine_name}-scheduler")
-            self.site, self.node = hello.get("site"), f"{hello.get('site')}/{hello.get('node')}"
+        self._link: AgentLink | None = None  # scheduler (producer): its own connection, kept up
+        if role == KVConnectorRole.SCHEDULER and self.producer:
+            # Prefill never claims a send while it knows the agent is gone: this connection
+            # tells it at once, the workers' (WorkerState) one step late.
+            self._link = AgentLink(LoopThread("pdd-wire-vllm-scheduler"), self.socket, f"{self.engine_name}-scheduler")
+            hello = self._link.start(timeout=30).eng.agent
+            if self.site is None:
+                self.site, self.node = hello.get("site"), f"{hello.get('site')}/{hello.get('node')}"
         # worker side
         self._pool = MemfdPool()
         self._lt: LoopThread | None = None
-        self._eng: EngineClient | None = None
+        self._link_w: AgentLink | None = None  # the worker's connection, kept up (agent_link)
+        self._conn: Conn | None = None  # the connection this worker's pending loads and sends are on
+        self._eng: EngineClient | None = None  # _conn's client; None while the agent is gone
+        self._reported: tuple[str | None, int] | None = None  # WorkerState last told the scheduler
         self._region: RegionHandle | None = None
         self._sink: SharedMemory | None = None
         self._sink_region: RegionHandle | None = None
         self._layout: Layout | None = None
         self._n_layers = 0
+        self._bb = 0  # one layer's block, bytes
         # KV on a CUDA device: staged through pinned host memory (vllm_cuda.Staging; untested)
         self._staging = None
         self._staging_region: RegionHandle | None = None
         self._dev_layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}  # vLLM layer name -> index in _dev_layers
-        self._staged: dict[str, tuple[Any, set[int], torch.Tensor]] = {}  # rid -> (slot, layers copied, ids)
-        self.staging_mb = int(ktc.get_from_extra_config("staging_mb", 1024))
+        self._staged: dict[str, tuple[Any, set[int], torch.Tensor]] = {}  # req_id -> (slot, layers copied, ids)
+        self.staging_mb = cfg.staging_mb
         # Stage a host KV cache too (the CUDA path's code on CPU tensors: a check, not a speed-up).
-        self.force_staging = bool(ktc.get_from_extra_config("staging", False))
-        self._loads: dict[str, PendingLoad] = {}
-        self._sends: dict[str, PendingSend] = {}
+        self.force_staging = cfg.staging
+        self._loads: dict[str, PendingLoad] = {}  # transfer name -> the receive posted for it
+        self._sends: dict[str, PendingSend] = {}  # vLLM request -> its send
+        self._send_rids: dict[str, str] = {}  # transfer name -> the vLLM request whose send the agent holds
         self._finished_seen: set[str] = set()
         self._recv_done: set[str] = set()
         self._load_errors: set[int] = set()
@@ -177,53 +198,81 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
             WORKERS.add(self)
 
     # ------------------------------------------------------------------ per-request params
-    def _kind(self, params: dict | None) -> str | None:
-        """'produce', 'consume' or None for a request's kv_transfer_params."""
-        if not params:
-            return None
-        if params.get("do_remote_prefill"):  # decode's side of vLLM's P/D params
-            return "consume" if self.consumer else None
-        if params.get("do_remote_decode"):  # prefill's side
-            return "produce" if self.producer else None
-        if "pdd_request_id" not in params:
-            return None
-        # The older form: send_to asks a producer to send; on a consumer-only engine (decode
-        # given what prefill returned) it never does.
-        if self.producer and ("send_to" in params or not self.consumer):
-            return "produce"
-        return "consume" if self.consumer else None
-
     def on_new_request(self, request: "Request") -> None:
+        # Per-request params come from any HTTP client: checked here, once; a bad field never
+        # raises into vLLM's scheduler (no try/except there: it would end EngineCore).
         params = request.kv_transfer_params
-        kind = self._kind(params)
-        if kind == "produce":
-            stock = bool(params.get("do_remote_decode"))
-            rid = str(params.get("pdd_request_id") or f"vllm-{request.request_id}")
-            to = list(params.get("send_to") or self.default_to)
-            pr = Producer(rid, to, params.get("deadline_s", self.default_deadline), request.num_prompt_tokens,
-                           stock, float(params.get("lease_s") or self.lease_s))
-            if self.prefix:
-                pr.hashes = self._chain(list(request.prompt_token_ids or []), rid)
-            if not to:
-                pr.error = "no destinations (send_to in the request or the connector config)"
-                log.error("pdd-wire: request %s: %s: its KV is not sent", rid, pr.error)
-            self._producers[request.request_id] = pr
-        elif kind == "consume":
-            if "pdd_request_id" not in params:
-                log.error("pdd-wire: request %s: do_remote_prefill without pdd_request_id (not a pdd-wire "
-                          "prefill's params): computed here", request.request_id)
-                return
-            rid = str(params["pdd_request_id"])
-            n = int(params.get("num_tokens", request.num_prompt_tokens))
-            if not 0 < n <= request.num_tokens:
-                log.error("pdd-wire: request %s: num_tokens %d outside 1..%d: no KV loaded", rid, n, request.num_tokens)
-                return
-            from_site = params.get("remote_site") or params.get("from_site") or self.default_from
-            lease_end = None
-            if params.get("lease_s") is not None:
-                # The sender holds its KV for lease_s from lease_started (its wall clock).
-                lease_end = float(params.get("lease_started") or request.arrival_time) + float(params["lease_s"])
-            self._consumers[request.request_id] = Consumer(rid, from_site, n, lease_end)
+        try:
+            kind = transfer_kind(params, self.producer, self.consumer)
+            if kind == "produce":
+                self._producers[request.request_id] = self._new_producer(request, params)
+            elif kind == "consume":
+                self._new_consumer(request, params)
+        except Exception:  # a bug, not a client's doing: the request goes on without the connector
+            log.exception("pdd-wire: request %s: kv_transfer_params not understood: ignored", request.request_id)
+            self._producers.pop(request.request_id, None)
+            self._consumers.pop(request.request_id, None)
+
+    def _default_name(self, request: "Request") -> str:
+        rid = f"vllm-{request.request_id}"
+        try:
+            return request_id("pdd_request_id", rid)
+        except BadParam:  # e.g. a client's X-Request-Id over 250 bytes
+            return f"vllm-{xxhash.xxh3_128_hexdigest(request.request_id.encode(errors='replace'))}"
+
+    def _new_producer(self, request: "Request", params: dict) -> Producer:
+        stock = bool(params.get("do_remote_decode"))
+        n = request.num_prompt_tokens
+        try:
+            pp = produce_params(params)
+        except BadParam as exc:
+            try:  # the name it gave, if that is not what is wrong
+                rid = request_id("pdd_request_id", params.get("pdd_request_id"))
+            except BadParam:
+                rid = self._default_name(request)
+            pr = Producer(rid, [], self.deadline_s, n, stock, self.lease_s, error=f"kv_transfer_params: {exc}")
+            log.error("pdd-wire: request %s: %s: its KV is not sent", request.request_id, pr.error)
+            return pr
+        pr = Producer(pp.rid or self._default_name(request), pp.to or list(self.default_to),
+                      pp.deadline_s or self.deadline_s, n, stock, pp.lease_s or self.lease_s)
+        holder = self._names.get(pr.rid)
+        if pr.lease_s + pr.deadline_s > MAX_DURATION_S:
+            pr.error = (f"kv_transfer_params: lease_s + deadline_s (the send's deadline) must be at most "
+                        f"{MAX_DURATION_S} s")
+        elif holder is not None:
+            # Two sends under one name would share one transfer at the agents (and n > 1
+            # children share their params): the first keeps it.
+            pr.error = (f"pdd_request_id {pr.rid!r} is in use by another request in flight on this prefill "
+                        f"({holder}; n > 1 shares it too): give each request its own")
+        elif not pr.to:
+            pr.error = "no destinations (send_to in the request or the connector config)"
+        if pr.error:
+            log.error("pdd-wire: request %s (%s): %s: its KV is not sent", request.request_id, pr.rid, pr.error)
+            return pr
+        if self.prefix:
+            pr.hashes = self._chain(list(request.prompt_token_ids or []), pr.rid)
+        self._names[pr.rid] = request.request_id
+        pr.owns_name = True
+        return pr
+
+    def _new_consumer(self, request: "Request", params: dict) -> None:
+        try:
+            cp = consume_params(params)
+        except BadParam as exc:
+            log.error("pdd-wire: request %s: kv_transfer_params: %s: no KV loaded, the prompt is computed here",
+                      request.request_id, exc)
+            return
+        n = request.num_prompt_tokens if cp.num_tokens is None else cp.num_tokens
+        if not 0 < n <= request.num_tokens:
+            log.error("pdd-wire: request %s (%s): num_tokens %d outside 1..%d: no KV loaded, the prompt is "
+                      "computed here", request.request_id, cp.rid, n, request.num_tokens)
+            return
+        lease_end = None
+        if cp.lease_s is not None:
+            # The sender holds its KV for lease_s from lease_started (its wall clock).
+            lease_end = (cp.lease_started if cp.lease_started is not None else request.arrival_time) + cp.lease_s
+        self._consumers[request.request_id] = Consumer(cp.rid, cp.from_site or self.default_from, n, lease_end,
+                                                       cp.lease_s)
 
     def _chain(self, tokens: list[int], rid: str) -> list[int]:
         """Chained hashes of the prompt's blocks; the trailing partial block gets one unique to
@@ -311,7 +360,9 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         self._loader[c.rid] = request.request_id
         # The receive waits for what is left of the sender's lease (its KV_BEGIN is usually here
         # already), plus the slack; a sender that gave up makes the post fail at once.
-        ttl = None if c.lease_end is None else max(c.lease_end - time.time(), 0.0) + self.recv_slack_s
+        ttl = None
+        if c.lease_end is not None and c.lease_s is not None:  # never longer than the whole lease
+            ttl = min(min(max(c.lease_end - time.time(), 0.0), c.lease_s) + self.recv_slack_s, MAX_DURATION_S)
         log.debug("pdd-wire: request %s (%s): posting %d blocks from %d, %d external tokens, ttl %s",
                   request.request_id, c.rid, nb, first, num_external_tokens, ttl)
         if num_external_tokens > 0:
@@ -333,8 +384,10 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
                 # of it (finished_sending) for blocks it no longer lets us hold.
                 self._meta.send_drops.append((req_id, pr.rid))
                 self._pinned.pop(req_id, None)
+                self._sent_name.pop(req_id, None)  # the request keeps the name until it finishes
                 pr.sent, pr.error = False, "preempted in prefill before its KV was delivered"
         if self._producers:
+            down = self._agent_down()
             progress: dict[str, int] = {}
             for new in so.scheduled_new_reqs:
                 progress[new.req_id] = new.num_computed_tokens
@@ -346,6 +399,10 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
                 if pr is None or pr.sent or pr.error:
                     continue
                 if done_before + so.num_scheduled_tokens.get(req_id, 0) >= pr.prompt_len:
+                    if down is not None:
+                        pr.error = down
+                        log.warning("pdd-wire: request %s: KV not sent: %s", pr.rid, pr.error)
+                        continue
                     nb = math.ceil(pr.prompt_len / self.block_size)
                     held = sum(self._pinned.values())
                     if held + nb > self.max_pinned_blocks:
@@ -359,6 +416,7 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
                     self._meta.sends.append(SendSpec(req_id, pr.rid, pr.to, list(ids[:nb]), self._deadline(pr),
                                                      pr.lease_s, pr.hashes))
                     self._pinned[req_id] = nb
+                    self._sent_name[req_id] = pr.rid
                     pr.sent, pr.started = True, time.time()
         for bid in self._evicted:
             h = self._stored.pop(bid, None)
@@ -370,7 +428,24 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
 
     def _deadline(self, pr: Producer) -> float:
         """The send's deadline covers the lease and then the transfer itself."""
-        return pr.lease_s + float(pr.deadline_s if pr.deadline_s is not None else 60.0)
+        return pr.lease_s + pr.deadline_s
+
+    def _agent_down(self) -> str | None:
+        """Why a send now could not reach the agent (None: it can): this side's own connection
+        is down, or a worker said its is. A worker says so every step while it is, and can say
+        nothing while vLLM is idle: its word stands for DOWN_REPORT_S."""
+        link = self._link
+        if link is not None and link.current is None:
+            return f"no connection to the agent ({link.reason})"
+        now = time.monotonic()
+        for why, _, told in self._workers.values():
+            if why is not None and now - told < DOWN_REPORT_S:
+                return f"the vLLM worker has no connection to the agent ({why})"
+        return None
+
+    def _free_name(self, rid: str, req_id: str) -> None:
+        if self._names.get(rid) == req_id:
+            del self._names[rid]
 
     def update_connector_output(self, connector_output) -> None:
         for req_id in connector_output.finished_recving or ():
@@ -379,6 +454,18 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
                 c.loaded = True
         for req_id in connector_output.finished_sending or ():
             self._pinned.pop(req_id, None)
+            rid = self._sent_name.pop(req_id, None)
+            if rid is not None:
+                self._free_name(rid, req_id)
+        ws = getattr(connector_output, "kv_connector_worker_meta", None)
+        if isinstance(ws, WorkerState):
+            for pid, (why, wgen) in ws.states.items():
+                old = self._workers.get(pid)
+                if old is not None and old[1] != wgen and self._stored:
+                    # A new agent: what the last one was told of decode's prefix cache is gone;
+                    # each block is told again when a request that holds it finishes.
+                    self._stored.clear()
+                self._workers[pid] = (why, wgen, time.monotonic())
 
     def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         pr = self._producers.pop(request.request_id, None)
@@ -386,8 +473,12 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
             if pr.sent and request.status == RequestStatus.FINISHED_ABORTED:
                 # The client is gone: nobody will receive this KV; cancel it, free on the outcome.
                 self._meta.send_aborts.append((request.request_id, pr.rid))
+            if pr.owns_name and not pr.sent:
+                self._free_name(pr.rid, request.request_id)  # (a send frees it on finished_sending)
             if not pr.stock:
                 out = {"pdd_request_id": pr.rid, "num_tokens": pr.prompt_len, "send_to": pr.to}
+                if not pr.sent:  # a consumer given it does not wait for KV (transfer_kind)
+                    out["pdd_error"] = pr.error or "the request finished before its prompt was prefilled"
             elif pr.sent:
                 out = {"do_remote_prefill": True, "do_remote_decode": False, "pdd_request_id": pr.rid,
                        "num_tokens": pr.prompt_len, "remote_site": self.site, "remote_node": self.node,
@@ -413,3 +504,11 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         if self.reports_prefix:
             self._report_cached(request, block_ids)
         return False, None
+
+    def shutdown(self):
+        if self._link is not None:
+            lt = self._link.lt
+            self._link.close()
+            lt.close()
+            self._link = None
+        super().shutdown()

