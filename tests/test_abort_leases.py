@@ -61,6 +61,23 @@ async def test_abort_mid_transfer_ends_it_on_both_sites(tmp_sock_dir, engines):
         assert agents["B"].audit() == ({"post": 0, "send": 0, "recv": 0}, 0)
 
 
+async def test_a_peers_abort_reaches_a_receiving_engine_after_its_transfer_stopped_writing(tmp_sock_dir, engines):
+    """The sender's engine aborts while KV lands in the receiver's blocks: the receiving engine
+    hears ``transfer_failed`` and only then ``aborted`` -- by which time no bulk thread writes
+    into its blocks, so an engine that frees them on ``aborted`` (the vLLM connector) is safe."""
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir, size=256 * MiB)
+        await b.post_recv("x3", [rb.blocks(0, 256)])
+        await a.send_kv("x3", [ra.blocks(0, 256)], to=["B"])
+        await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2)
+        await a.abort("x3", "client gone")  # the *sender's* engine aborts
+        ab = await b.wait("x3", kinds=(p.RequestAborted,), timeout=10)
+        assert ab.origin == "A/a1"
+        assert not agents["B"].sessions["A/a1"].inn  # its receive ended (route quiesced) before
+        (tf,) = b.take("x3", kinds=(p.TransferFailed,))  # and the engine was told so first
+        assert tf.code == ErrorCode.TRANSFER_CANCELLED
+
+
 async def test_abort_reaches_a_handoff_on_the_other_site(tmp_sock_dir, engines):
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
         R = await engines.connect(tmp_sock_dir / "A.sock", "rld")

@@ -495,10 +495,18 @@ class KvDesk:
         rid, reason = msg.request_id, msg.reason or "aborted by the peer"
         self.metrics.request_aborts.labels(direction="rx").inc()
         told: set[EngineConn] = set()
+        later: set[EngineConn] = set()  # the engines of its transfers: told once those have ended
         if session.has_request(rid):
-            told |= {t.engine for t in list(session.out.values()) + list(session.inn.values()) if t.request_id == rid}
-            session.spawn(session.cancel_request(rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: "
-                                                 f"{reason}", notify_peer=False), "abort")
+            later = {t.engine for t in list(session.out.values()) + list(session.inn.values()) if t.request_id == rid}
+
+            async def cancel() -> None:
+                # A receive's bulk writes stop only once its cancel is done (transfer_failed first):
+                # an engine told "aborted" before then could reuse blocks the agent still writes.
+                await session.cancel_request(rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: {reason}",
+                                             notify_peer=False)
+                self._tell_aborted(later, rid, reason, session)
+
+            session.spawn(cancel(), "abort")
         post = self.posts.get(rid)
         if post is not None and post.from_site in (None, session.peer.site):
             self.drop_post(rid, settled=session)
@@ -513,15 +521,19 @@ class KvDesk:
         if owner is not None and owner.allows(session.peer.site):
             del self.owners[rid]
             told.add(owner.engine)
-        elif not told:
+        elif not told and not later:
             self.log.info("REQUEST_ABORT from a site not tied to the request; ignored", request_id=rid,
                           peer=session.key)
-        for e in told:
+        self._tell_aborted(told - later, rid, reason, session)
+        if told or later:
+            self.log.info("request aborted by a peer", request_id=rid, peer=session.key, reason=reason,
+                          engines=len(told | later))
+
+    @staticmethod
+    def _tell_aborted(engines: set["EngineConn"], rid: str, reason: str, session: "PeerSession") -> None:
+        for e in engines:
             if not e.closed:
                 e.send(p.RequestAborted(request_id=rid, reason=reason, origin=session.key))
-        if told:
-            self.log.info("request aborted by a peer", request_id=rid, peer=session.key, reason=reason,
-                          engines=len(told))
 
     async def engine_gone(self, ec: "EngineConn") -> None:
         """Cancel the engine's transfers (peers are told) and drop its posts and prefix blocks."""
