@@ -65,7 +65,9 @@ async def test_the_link_reconnects_and_registers_again_after_an_agent_restart(tm
         assert _engines(agent) == {"worker": 1, "scheduler": 0}
         await asyncio.to_thread(lambda: lt.run(again.eng.status()))  # and it serves
 
-        await asyncio.to_thread(link.drop, "the engine gave it up")  # e.g. lost events
+        await asyncio.to_thread(link.drop, first, "a stale drop")  # an older connection's: ignored
+        assert link.current is again
+        await asyncio.to_thread(link.drop, again, "the engine gave it up")  # e.g. lost events
         assert link.current is None and link.reason == "the engine gave it up"
         await _until(lambda: link.current is not None)
         assert link.current.generation == 3 and len(setups) == 3 and link.lost == 2

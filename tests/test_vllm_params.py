@@ -34,6 +34,7 @@ def test_a_minimal_config_takes_the_documented_defaults():
     # null is the default too; one destination as a string is one destination
     cfg = parse_config({**SOCK, "lease_s": None, "send_to": "B/b1", "max_pinned_blocks": 8})
     assert cfg.lease_s == 60.0 and cfg.send_to == ["B/b1"] and cfg.max_pinned_blocks == 8
+    assert parse_config({**SOCK, "send_to": ["A/a2", "A/a3", "B"]}).send_to == ["A/a2", "A/a3", "B"]  # two nodes
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -55,6 +56,8 @@ def test_a_minimal_config_takes_the_documented_defaults():
     pytest.param({**SOCK, "send_to": ["B", ""]}, "['send_to']: must name destinations as non-empty strings",
                  id="send-to-empty"),
     pytest.param({**SOCK, "send_to": ["B", "B"]}, "['send_to']: names 'B' twice", id="send-to-twice"),
+    pytest.param({**SOCK, "send_to": ["B", "B/b1"]}, "['send_to']: names a site and one of its nodes",
+                 id="send-to-site-and-its-node"),
     pytest.param({**SOCK, "send_to": {"B": 1}}, "['send_to']: must be a destination", id="send-to-map"),
     pytest.param({**SOCK, "staging": "yes"}, "['staging']: must be true or false, got 'yes'", id="staging-str"),
     pytest.param({**SOCK, "prefix_inventory": 1}, "['prefix_inventory']: must be true or false", id="flag-int"),

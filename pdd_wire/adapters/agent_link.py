@@ -25,9 +25,6 @@ from .loop_thread import LoopThread
 
 log = logging.getLogger("vllm.pdd_wire")
 
-#: No event is ever addressed to it: a wait on it ends only when the connection does.
-WATCH = "\x00pdd-wire/watch"
-
 
 class Conn:
     """One connection as handed out: ``generation`` counts the link's connections from 1;
@@ -69,12 +66,11 @@ class AgentLink:
         self.lt.run(spawn())
         return conn
 
-    def drop(self, reason: str) -> None:
-        """End the current connection (e.g. the agent said it is shutting down); the link
-        reconnects."""
+    def drop(self, conn: Conn, reason: str) -> None:
+        """End ``conn`` if it is still the current connection (e.g. its events were lost); the
+        link reconnects. A newer connection is left alone."""
         async def drop() -> None:
-            conn = self.current
-            if conn is not None:
+            if self.current is conn:
                 self.current, self.reason = None, reason
                 await conn.eng.close()  # the watch sees it end
 
@@ -111,10 +107,10 @@ class AgentLink:
                 if self.end_on_shutdown:
                     await conn.eng.wait_for(lambda ev: isinstance(ev, p.Shutdown))
                     reason = "the agent is shutting down"
-                else:
-                    await conn.eng.wait(WATCH, kinds=(p.Shutdown,))
-                    reason = "the connection ended"  # not reached: nothing is addressed to WATCH
-            except Exception as exc:  # the connection's end (or lost events: it cannot be trusted)
+                else:  # lost events do not end it: its owner decides (it may abort first)
+                    ended = await conn.eng.wait_closed()
+                    reason = str(ended) or type(ended).__name__
+            except Exception as exc:  # the connection's end
                 reason = str(exc) or type(exc).__name__
             if self.current is conn:
                 self.current, self.reason = None, reason

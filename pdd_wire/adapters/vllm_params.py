@@ -68,6 +68,9 @@ def destinations(key: str, v: Any) -> list[str]:
         if d in seen:
             raise BadParam(f"{key} names {_show(d)} twice")
         seen.add(d)
+    sites = {d for d in items if "/" not in d}  # a site: whichever of its nodes the agent picks
+    if any(d.partition("/")[0] in sites for d in items if "/" in d):
+        raise BadParam(f"{key} names a site and one of its nodes, which may be the same peer: {_show(items)}")
     return list(items)
 
 

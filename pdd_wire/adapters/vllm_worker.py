@@ -162,7 +162,7 @@ class WorkerSide:
 
     # ------------------------------------------------------------------ the agent connection
     def _adopt(self, conn: "Conn") -> None:
-        self._conn, self._eng = conn, conn.eng
+        self._conn, self._eng, self._shutting = conn, conn.eng, False
         self._region, self._sink_region = conn.state.get("cache"), conn.state.get("sink")
         self._staging_region = conn.state.get("staging")
 
@@ -188,7 +188,11 @@ class WorkerSide:
                 self._handle(self._lt.run(_take(eng)))
         names = set(self._loads) | {pend.rid for pend in self._sends.values() if pend.transfers}
         if abort and eng is not None and names:
-            self._many([eng.abort(rid, why) for rid in sorted(names)])
+            try:  # answered once the agent let go of the blocks (an agent that hangs: its close does that)
+                self._many([eng.abort(rid, why) for rid in sorted(names)])
+            except Exception as exc:
+                log.error("pdd-wire: %s: aborting at the agent failed (%s): its closing ends them", self.engine_name,
+                          exc)
         n_loads = len(self._loads)
         for rid in list(self._loads):
             self._load_failed(rid, why)
@@ -206,7 +210,13 @@ class WorkerSide:
         log.error("pdd-wire: %s: lost the agent at %s (%s): %d receives failed (load errors), %d sends ended; "
                   "new ones fail at once until it is back", self.engine_name, self.socket, why, n_loads, n_sends)
 
+    def _usable(self) -> bool:
+        """A connection that takes new sends and receives (not one whose agent is stopping)."""
+        return self._eng is not None and not self._shutting
+
     def _down(self) -> str:
+        if self._eng is not None and self._shutting:
+            return "the agent is shutting down"
         return f"no connection to the agent ({self._link_w.reason if self._link_w is not None else 'none'})"
 
     def build_connector_worker_meta(self) -> WorkerState | None:
@@ -215,7 +225,8 @@ class WorkerSide:
         link = self._link_w
         if link is None:
             return None
-        state = (None if link.current is not None else link.reason or "not connected", link.generation)
+        state = (None if link.current is not None and not self._shutting
+                 else self._down() if self._shutting else link.reason or "not connected", link.generation)
         if state == self._reported and state[0] is None:
             return None
         self._reported = state
@@ -282,7 +293,7 @@ class WorkerSide:
             self._report_inventory(meta)
         posts = []
         for ld in meta.loads:
-            if self._eng is None:
+            if not self._usable():
                 self._refuse_load(ld, self._down())
                 continue
             if ld.rid in self._loads:  # never two receives for one name (the scheduler prevents it)
@@ -368,6 +379,7 @@ class WorkerSide:
         # blocks stay allocated until get_finished reports the request (delayed free). The step's
         # sends go to the agent together (one hop to the loop thread, requests pipelined).
         calls = []
+        named: dict[str, str] = {}  # names sent this step (_send_rids has them once the agent answered)
         for s in meta.sends:
             slot, copied, ids = self._staged.pop(s.req_id, (None, set(), None))
             if s.req_id in self._sends:  # vLLM sends a request once (after a preemption: dropped first)
@@ -375,16 +387,17 @@ class WorkerSide:
                 self._give(slot)
                 continue
             pend = self._sends[s.req_id] = PendingSend(s.req_id, s.rid, {}, slot=slot)
-            holder = self._send_rids.get(s.rid)
+            holder = self._send_rids.get(s.rid) or named.get(s.rid)  # this step's too
             # Never two sends under one name (the scheduler refuses a name in flight): the agent
             # would take them for one transfer, and one's completion would be lost.
             why = (f"another request's send ({holder}) holds the name" if holder is not None
-                   else self._down() if self._eng is None else None)
+                   else self._down() if not self._usable() else None)
             if why is not None:
                 log.error("pdd-wire: send_kv %s for request %s not sent: %s", s.rid, s.req_id, why)
                 pend.failed.append(why)
                 self.stats.send_failures += 1
                 continue
+            named[s.rid] = s.req_id
             try:
                 if self._staging is not None:
                     pend.slot = pend.slot or self._staging.take(len(s.block_ids), self._n_layers)
@@ -448,18 +461,22 @@ class WorkerSide:
             self._recv_done.add(req_id)
 
     def _poll(self) -> None:
-        eng = self._eng
+        eng, conn = self._eng, self._conn
         try:
             events = self._lt.run(_take(eng))
         except Exception as exc:  # events were lost (EventOverflow): completions may be among them
             why = f"events lost: {exc}"
-            self._lost(why, abort=True)
-            self._link_w.drop(why)
+            self._lost(why, abort=True)  # the agent lets go of the blocks before vLLM gets them back
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    self._link_w.drop(conn, why)
             return
-        if self._handle(events):
-            why = "the agent is shutting down"
-            self._lost(why, abort=True)
-            self._link_w.drop(why)
+        if self._handle(events) and not self._shutting:
+            # Its transfers go on through the agent's grace period; the agent closes the connection
+            # once it has ended them and let go of the blocks (then _follow fails what is left).
+            self._shutting = True
+            log.warning("pdd-wire: %s: the agent at %s is shutting down: no new sends or receives until it is "
+                        "back", self.engine_name, self.socket)
 
     def _handle(self, events: list) -> bool:
         """Apply the agent's events; True if one says it is shutting down."""

@@ -97,6 +97,7 @@ class EngineClient:
         self._decoder = p.Decoder(to_agent=False)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed_exc: BaseException | None = None
+        self._ended: asyncio.Future[BaseException] | None = None  # set when the connection ends
         self._wlock: asyncio.Lock | None = None
         self._expected: collections.OrderedDict[str, None] = collections.OrderedDict()  # wait_tokens asked
 
@@ -111,6 +112,7 @@ class EngineClient:
             raise TransportError(f"cannot reach the agent at {self.path}: {exc.strerror or exc}") from exc
         self._sock = sock
         self._wlock = asyncio.Lock()
+        self._ended = loop.create_future()
         # Replies and events are read in a reader callback, not a task looping on sock_recv: that
         # re-registered the socket with epoll and stepped a task for every message, the largest item
         # of the clients' CPU per transfer here (docs/benchmarks.md, "Inline chunks").
@@ -138,6 +140,7 @@ class EngineClient:
         self._fail_pending(TransportError("client closed"))
         if self._events.closed is None:
             self._events.close(TransportError("client closed"))
+        self._end(TransportError("client closed"))
 
     # -- requests ----------------------------------------------------------------------------
     async def register(self, mem: SharedMemory | int, *, block_bytes: int, size: int | None = None,
@@ -391,6 +394,18 @@ class EngineClient:
         self._closed_exc = exc
         self._fail_pending(exc)
         self._events.close(exc)
+        self._end(exc)
+
+    def _end(self, exc: BaseException) -> None:
+        if self._ended is not None and not self._ended.done():
+            self._ended.set_result(exc)
+
+    async def wait_closed(self) -> BaseException:
+        """Until the connection ends -- the agent stopped or dropped it, or :meth:`close` -- and
+        the error that ended it. Lost events (an overflow) do not end it."""
+        if self._ended is None:
+            raise TransportError("not connected")
+        return await asyncio.shield(self._ended)
 
     def _fail_pending(self, exc: BaseException) -> None:
         for fut in self._pending.values():
