@@ -356,6 +356,8 @@ class EngineServer:
     async def _run_gone(self, ec: EngineConn) -> None:
         try:
             await self.on_gone(ec)
+        except Exception:
+            ec.log.exception("releasing a gone engine's transfers and memory failed")
         finally:
             ec.sock.close()  # the engine's EOF: nothing of the agent's touches its memory any more
             if not ec.done.done():

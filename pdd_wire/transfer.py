@@ -96,6 +96,7 @@ class InTransfer(Transfer):
         self.lease = None  # the prefix lease (this peer's) its reused_blocks come from
         self.landed: set[int] = set()  # chunks whose arrival was handled (acknowledged) on the loop
         self.route = Route(self.blocks, self.chunk_bytes, loop)
+        self.failing: asyncio.Future | None = None  # a fail under way: done once the data path let go
 
     def describe(self) -> dict:
         d = super().describe()

@@ -78,6 +78,37 @@ async def test_a_peers_abort_reaches_a_receiving_engine_after_its_transfer_stopp
         assert tf.code == ErrorCode.TRANSFER_CANCELLED
 
 
+async def test_a_second_cancel_of_a_receive_returns_only_once_its_blocks_are_let_go(tmp_sock_dir, engines):
+    """Two cancels of one receive (the peer's abort, then the engine's own): the second one's
+    answer -- after which the engine may reuse its blocks -- comes only once the first one has
+    stopped the data path (held here while a bulk thread would still be mid-chunk)."""
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir, size=256 * MiB)
+        receiver = agents["B"].sessions["A/a1"].receiver
+        gate, held = asyncio.Event(), asyncio.Event()
+        quiesce = receiver._quiesce
+
+        async def slow_quiesce(route):  # the real one, once the gate opens
+            held.set()
+            await gate.wait()
+            await quiesce(route)
+
+        receiver._quiesce = slow_quiesce
+        await b.post_recv("x4", [rb.blocks(0, 256)])
+        await a.send_kv("x4", [ra.blocks(0, 256)], to=["B"])
+        await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2)
+        await a.abort("x4", "client gone")  # B's first cancel starts, and waits at the gate
+        await asyncio.wait_for(held.wait(), 10)
+        second = asyncio.ensure_future(b.abort("x4", "engine gives up"))
+        await asyncio.sleep(0.3)
+        assert not second.done()  # the blocks are still the agent's
+        gate.set()
+        await asyncio.wait_for(second, 10)
+        assert not agents["B"].sessions["A/a1"].inn
+        (tf,) = b.take("x4", kinds=(p.TransferFailed,))
+        assert tf.code == ErrorCode.TRANSFER_CANCELLED
+
+
 async def test_abort_reaches_a_handoff_on_the_other_site(tmp_sock_dir, engines):
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
         R = await engines.connect(tmp_sock_dir / "A.sock", "rld")

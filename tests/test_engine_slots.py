@@ -9,9 +9,12 @@ import os
 import socket
 import struct
 
+import pytest
+
 from pdd_wire.engine import protocol as p
+from pdd_wire.engine.client import EngineClient
 from pdd_wire.engine_server import EngineServer
-from pdd_wire.errors import ErrorCode
+from pdd_wire.errors import EngineRequestError, ErrorCode
 from support.other_uid import NOBODY, run_as
 
 
@@ -213,6 +216,41 @@ async def test_an_engine_sees_its_connection_end_only_once_the_agent_let_go_of_i
         assert order == ["let go", "eof"]
         assert len(msgs) == 1 and msgs[0].code == ErrorCode.BAD_REQUEST and "engine_read_s" in msgs[0].message
         w.close()
+    finally:
+        released.set()
+        await srv.close()
+
+
+async def test_the_engine_client_takes_its_connection_as_ended_only_at_the_agents_close(tmp_sock_dir):
+    """The agent ends a connection with ``err {id 0}`` and closes once it let go of the engine's
+    memory: EngineClient fails its calls at the err, but ``wait_closed`` (and its waits) end
+    only at that close -- an engine (the vLLM connector) frees its blocks then."""
+    released = asyncio.Event()
+
+    async def handler(conn, msg, fd):
+        return {}
+
+    async def gone(conn):
+        await released.wait()
+
+    srv = EngineServer(str(tmp_sock_dir / "e.sock"), 0o600, handler=handler, on_gone=gone, max_engines=4,
+                       max_message=16 << 20, allowed_uids={os.getuid()}, read_deadline_s=0.2)
+    await srv.start()
+    try:
+        eng = await EngineClient(str(tmp_sock_dir / "e.sock"), "e").connect()
+        closed = asyncio.ensure_future(eng.wait_closed())
+        eng._sock.send(struct.pack(">I", 64) + b"\x81")  # a message begun, never finished (as a broken engine)
+        with pytest.raises(EngineRequestError, match="engine_read_s"):  # the err: calls fail at once
+            async with asyncio.timeout(10):
+                while True:
+                    await eng.status()
+                    await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        assert not closed.done()  # the agent still holds the engine's memory: not ended yet
+        released.set()
+        ended = await asyncio.wait_for(closed, 10)
+        assert isinstance(ended, EngineRequestError) and ended.code == ErrorCode.BAD_REQUEST
+        await eng.close()
     finally:
         released.set()
         await srv.close()

@@ -173,6 +173,7 @@ class PddWireConnector(WorkerSide, KVConnectorBase_V1):
         self._eng: EngineClient | None = None  # _conn's client; None while the agent is gone
         self._reported: tuple[str | None, int] | None = None  # WorkerState last told the scheduler
         self._shutting = False  # the agent said it is stopping: nothing new on this connection
+        self._shutting_until = 0.0  # by then it should have closed it (its grace period and a slack)
         self._region: RegionHandle | None = None
         self._sink: SharedMemory | None = None
         self._sink_region: RegionHandle | None = None

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from .agent_link import Conn
 
 log = logging.getLogger("vllm.pdd_wire")
+#: After the agent's shutdown event, how long past its grace period the worker waits for the agent
+#: to close the connection before it aborts what is left itself.
+SHUTDOWN_SLACK_S = 30.0
 
 
 class MemfdPool:
@@ -188,11 +192,15 @@ class WorkerSide:
                 self._handle(self._lt.run(_take(eng)))
         names = set(self._loads) | {pend.rid for pend in self._sends.values() if pend.transfers}
         if abort and eng is not None and names:
-            try:  # answered once the agent let go of the blocks (an agent that hangs: its close does that)
+            try:  # answered once the agent let go of the blocks
                 self._many([eng.abort(rid, why) for rid in sorted(names)])
             except Exception as exc:
-                log.error("pdd-wire: %s: aborting at the agent failed (%s): its closing ends them", self.engine_name,
-                          exc)
+                # An agent that does not answer may still be writing into these blocks: vLLM must
+                # not get them back (it would hand them to other requests). Stop instead.
+                log.critical("pdd-wire: %s: the agent at %s did not let go of %d requests' blocks (%s): stopping "
+                             "rather than reusing blocks it may still write", self.engine_name, self.socket,
+                             len(names), exc)
+                raise
         n_loads = len(self._loads)
         for rid in list(self._loads):
             self._load_failed(rid, why)
@@ -205,6 +213,7 @@ class WorkerSide:
                 self.stats.send_failures += 1
         self._send_rids.clear()
         self._conn = self._eng = None
+        self._shutting = False
         self._region = self._sink_region = self._staging_region = None
         self.stats.agent_losses += 1
         log.error("pdd-wire: %s: lost the agent at %s (%s): %d receives failed (load errors), %d sends ended; "
@@ -471,16 +480,24 @@ class WorkerSide:
                 with contextlib.suppress(Exception):
                     self._link_w.drop(conn, why)
             return
-        if self._handle(events) and not self._shutting:
+        shutdown = self._handle(events)
+        if shutdown is not None and not self._shutting:
             # Its transfers go on through the agent's grace period; the agent closes the connection
             # once it has ended them and let go of the blocks (then _follow fails what is left).
             self._shutting = True
+            self._shutting_until = time.monotonic() + shutdown.grace_s + SHUTDOWN_SLACK_S
             log.warning("pdd-wire: %s: the agent at %s is shutting down: no new sends or receives until it is "
                         "back", self.engine_name, self.socket)
+        elif self._shutting and time.monotonic() > self._shutting_until:  # an agent stuck in its shutdown
+            why = f"the agent did not close within its grace period and {SHUTDOWN_SLACK_S} s"
+            self._lost(why, abort=True)
+            if conn is not None:
+                with contextlib.suppress(Exception):
+                    self._link_w.drop(conn, why)
 
-    def _handle(self, events: list) -> bool:
+    def _handle(self, events: list) -> p.Shutdown | None:
         """Apply the agent's events; True if one says it is shutting down."""
-        shutdown = False
+        shutdown = None
         for ev in events:
             if isinstance(ev, p.KvReceived):
                 ld = self._loads.pop(ev.request_id, None)
@@ -525,7 +542,7 @@ class WorkerSide:
                 # A peer aborted it: a receive no transfer claimed yet gets no other event.
                 self._load_failed(ev.request_id, f"aborted at {ev.origin}: {ev.reason}")
             elif isinstance(ev, p.Shutdown):
-                shutdown = True
+                shutdown = ev
             # other events (tokens, handoff) belong to whoever drives the handoff
         return shutdown
 

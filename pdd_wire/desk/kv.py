@@ -502,9 +502,11 @@ class KvDesk:
             async def cancel() -> None:
                 # A receive's bulk writes stop only once its cancel is done (transfer_failed first):
                 # an engine told "aborted" before then could reuse blocks the agent still writes.
-                await session.cancel_request(rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: {reason}",
-                                             notify_peer=False)
-                self._tell_aborted(later, rid, reason, session)
+                try:
+                    await session.cancel_request(rid, ErrorCode.TRANSFER_CANCELLED,
+                                                 f"aborted at {session.key}: {reason}", notify_peer=False)
+                finally:
+                    self._tell_aborted(later, rid, reason, session)
 
             session.spawn(cancel(), "abort")
         post = self.posts.get(rid)
@@ -539,7 +541,10 @@ class KvDesk:
         """Cancel the engine's transfers (peers are told) and drop its posts and prefix blocks."""
         self.handoffs.engine_gone(ec)
         for s in self.peers:
-            await s.engine_gone(ec)
+            try:  # one session's failure must not leave the others' transfers writing into its memory
+                await s.engine_gone(ec)
+            except Exception:
+                self.log.exception("ending an engine's transfers failed", engine=ec.name, peer=s.key)
         for rid, post in list(self.posts.items()):
             if post.engine is ec:
                 self.drop_post(rid)

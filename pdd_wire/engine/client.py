@@ -370,8 +370,8 @@ class EngineClient:
         except OSError as exc:
             self._broken(TransportError(f"engine socket failed: {exc}"))
             return
-        if not data:
-            self._broken(TransportError("the agent closed the engine socket"))
+        if not data:  # the agent let go of this engine's memory before closing (proto/engine.md §6)
+            self._broken(self._closed_exc or TransportError("the agent closed the engine socket"))
             return
         try:
             for msg in self._decoder.feed(data):
@@ -380,7 +380,11 @@ class EngineClient:
                     if fut is not None and not fut.done():
                         fut.set_result(msg)
                 elif isinstance(msg, p.Err):
-                    raise EngineRequestError(msg.message, ErrorCode(msg.code))
+                    # The agent ends the connection: calls fail now, but the connection has ended
+                    # (wait_closed, waits) only at its end-of-file, once the agent let go of our memory.
+                    ended = EngineRequestError(msg.message, ErrorCode(msg.code))
+                    self._closed_exc = ended
+                    self._fail_pending(ended)
                 else:
                     self._events.put(msg)
         except (TransportError, EngineRequestError) as exc:

@@ -384,18 +384,29 @@ class Receiver:
         self.s.spawn(self.fail(t, code, message, notify_peer=notify_peer), f"fail{t.tid}")
 
     async def fail(self, t: InTransfer, code: int, message: str, *, notify_peer: bool) -> None:
-        if self.inn.get(t.tid) is not t or t.state in (State.FAILED, State.DONE):
-            return
+        """End ``t``; returns once no data path writes into its blocks, also to a caller that
+        found another fail under way (an engine gone, an abort: they free the blocks next)."""
+        while True:
+            if self.inn.get(t.tid) is not t or t.state == State.DONE:
+                return
+            if t.failing is None:
+                break
+            await asyncio.shield(t.failing)  # that fail was cancelled if t is still here: this one goes on
         s = self.s
         t.state = State.FAILED
-        self.routes.pop(t.tid, None)
-        await s.data.forget(t.tid)
-        await self._quiesce(t.route)  # no data path writes into the blocks after this
-        self._forget(t)
-        if notify_peer:
-            s.cancel_transfer(t.tid, m.KvCancel(t.request_id, int(code), message, True))
-        s.count_failure("in", code)
-        s.host.transfer_failed(t, "in", int(code), message)
+        t.failing = asyncio.get_running_loop().create_future()
+        try:
+            self.routes.pop(t.tid, None)
+            await s.data.forget(t.tid)
+            await self._quiesce(t.route)  # no data path writes into the blocks after this
+            self._forget(t)
+            if notify_peer:
+                s.cancel_transfer(t.tid, m.KvCancel(t.request_id, int(code), message, True))
+            s.count_failure("in", code)
+            s.host.transfer_failed(t, "in", int(code), message)
+        finally:
+            done, t.failing = t.failing, None
+            done.set_result(None)
 
     async def fail_all(self, code: int, message: str, *, notify_peer: bool, engine=None) -> int:
         ts = [t for t in self.inn.values() if engine in (None, t.engine)]
