@@ -20,6 +20,7 @@ import contextlib
 import math
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -580,8 +581,10 @@ async def test_an_agent_restart_ends_what_was_pending_and_kv_moves_again(cluster
           "after the restart began")
     assert tokens(out) == base2
     await cluster.settled()  # prefill's blocks are free: its send ended with the old agent
-    assert "lost the agent" in P.log.read_text(errors="replace")
-    assert "lost the agent" in D.log.read_text(errors="replace")
+    # Prefill's send ended through the agent (its shutdown refused it) and prefill went idle: its
+    # worker may not step again before this, so it has said only that the agent is stopping.
+    assert re.search("lost the agent|is shutting down", P.log.read_text(errors="replace"))
+    assert "lost the agent" in D.log.read_text(errors="replace")  # decode steps while it waits
     A, B = cluster.agents["A"], cluster.agents["B"]
     async with asyncio.timeout(30):  # the workers registered again (D2 too), prefill's scheduler is back
         while not (len(_with_regions(A)) == 1 and len(_with_regions(B)) == 2
@@ -599,3 +602,5 @@ async def test_an_agent_restart_ends_what_was_pending_and_kv_moves_again(cluster
     assert metric(B, "pddwire_bytes_total", peer="A/a1", lane="bulk", direction="rx") - rx0 == \
         cluster.kv_bytes(prompt)
     await cluster.settled()
+    for server in (P, D):  # no engine died on the way (a raise in a connector hook ends EngineCore)
+        assert "EngineCore encountered" not in server.log.read_text(errors="replace"), server.url
