@@ -496,7 +496,7 @@ class WorkerSide:
                     self._link_w.drop(conn, why)
 
     def _handle(self, events: list) -> p.Shutdown | None:
-        """Apply the agent's events; True if one says it is shutting down."""
+        """Apply the agent's events; the one that says it is shutting down, if any."""
         shutdown = None
         for ev in events:
             if isinstance(ev, p.KvReceived):
