@@ -109,6 +109,37 @@ async def test_a_second_cancel_of_a_receive_returns_only_once_its_blocks_are_let
         assert tf.code == ErrorCode.TRANSFER_CANCELLED
 
 
+async def test_a_receiver_stopping_during_a_peers_abort_tells_its_engine_only_once_the_blocks_are_free(
+        tmp_sock_dir, engines):
+    """A peer's abort is cancelling a receive (its data path not yet let go) when the receiving
+    agent stops: the cancel is cut short, and the stop's own cancel takes the transfer over. The
+    engine hears nothing before the blocks are free, then one outcome (transfer_failed)."""
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir, size=256 * MiB)
+        receiver = agents["B"].sessions["A/a1"].receiver
+        gate, held = asyncio.Event(), asyncio.Event()
+        quiesce = receiver._quiesce
+
+        async def slow_quiesce(route):  # the real one, once the gate opens
+            held.set()
+            await gate.wait()
+            await quiesce(route)
+
+        receiver._quiesce = slow_quiesce
+        await b.post_recv("x5", [rb.blocks(0, 256)])
+        await a.send_kv("x5", [ra.blocks(0, 256)], to=["B"])
+        await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2)
+        await a.abort("x5", "client gone")
+        await asyncio.wait_for(held.wait(), 10)
+        stopping = asyncio.ensure_future(agents["B"].shutdown(0))
+        await asyncio.sleep(0.3)
+        assert b.take("x5", kinds=(p.RequestAborted, p.TransferFailed)) == []  # the blocks are not free yet
+        gate.set()
+        await asyncio.wait_for(stopping, 20)
+        ev = await b.wait("x5", kinds=(p.TransferFailed, p.RequestAborted), timeout=10)
+        assert isinstance(ev, p.TransferFailed), ev
+
+
 async def test_abort_reaches_a_handoff_on_the_other_site(tmp_sock_dir, engines):
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
         R = await engines.connect(tmp_sock_dir / "A.sock", "rld")

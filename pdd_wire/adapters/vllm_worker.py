@@ -36,6 +36,9 @@ log = logging.getLogger("vllm.pdd_wire")
 #: After the agent's shutdown event, how long past its grace period the worker waits for the agent
 #: to close the connection before it aborts what is left itself.
 SHUTDOWN_SLACK_S = 30.0
+#: How long the worker waits for the agent's end-of-file after it ended the connection with an
+#: error, before it stops vLLM rather than reuse blocks the agent may still write.
+ABORT_CLOSE_S = 30.0
 
 
 class MemfdPool:
@@ -192,8 +195,11 @@ class WorkerSide:
                 self._handle(self._lt.run(_take(eng)))
         names = set(self._loads) | {pend.rid for pend in self._sends.values() if pend.transfers}
         if abort and eng is not None and names:
-            try:  # answered once the agent let go of the blocks
-                self._many([eng.abort(rid, why) for rid in sorted(names)])
+            try:  # answered once the agent let go of the blocks (each may take a stalled chunk's wait)
+                got = self._many([eng.abort(rid, why) for rid in sorted(names)], timeout=60 + 2 * len(names))
+                if any(isinstance(r, BaseException) for r in got) and not eng.closed:
+                    # The agent ended the connection (err id 0): the blocks are free at its end-of-file.
+                    self._lt.run(eng.wait_closed(), ABORT_CLOSE_S)
             except Exception as exc:
                 # An agent that does not answer may still be writing into these blocks: vLLM must
                 # not get them back (it would hand them to other requests). Stop instead.
@@ -287,10 +293,11 @@ class WorkerSide:
         self._follow()
         for req_id, rid in meta.aborts:
             ld = self._loads.get(rid)
-            if ld is not None and ld.req_id == req_id:
-                self._abort(rid, "request finished in vLLM before its KV arrived")
+            if ld is not None and ld.req_id == req_id and self._abort(rid, "request finished in vLLM before its KV "
+                                                                            "arrived"):
                 self._give(self._loads.pop(rid).slot)
                 self._recv_done.add(req_id)  # vLLM holds its blocks until it hears this
+            # (not let go: the load stays until the connection's end fails it, below _follow)
             # else: its outcome (kv_received or a failure) was already reported as finished_recving
         self._drop_sends(meta)  # done already if vLLM called handle_preemptions
         for req_id, rid in meta.send_aborts:
@@ -346,13 +353,18 @@ class WorkerSide:
         except Exception as exc:
             log.warning("pdd-wire: reporting the prefix cache to the agent failed: %s", exc)
 
-    def _abort(self, rid: str, reason: str) -> None:
-        if self._eng is None:
-            return  # the agent's end of it went with the connection
+    def _abort(self, rid: str, reason: str) -> bool:
+        """Whether the agent has let go of ``rid``'s blocks: it answered, or the connection
+        ended (its end-of-file comes after). Not between an ``err`` with id 0 and that end."""
+        eng = self._eng
+        if eng is None:
+            return True  # the agent's end of it went with the connection
         try:
-            self._lt.run(self._eng.abort(rid, reason))
-        except Exception as exc:  # the agent is gone: its transfers are gone with it
+            self._lt.run(eng.abort(rid, reason))
+        except Exception as exc:
             log.warning("pdd-wire: abort %s failed: %s", rid, exc)
+            return eng.closed
+        return True
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are asynchronous: a request runs only once its whole KV is in
@@ -438,7 +450,7 @@ class WorkerSide:
                 self._send_rids[s.rid] = s.req_id
                 self.stats.sends += 1
 
-    def _many(self, coros: list) -> list:
+    def _many(self, coros: list, timeout: float = 60) -> list:
         """Run engine-socket calls together on the loop thread; results or exceptions, in order."""
         if not coros:
             return []
@@ -446,7 +458,7 @@ class WorkerSide:
         async def all_of():
             return await asyncio.gather(*coros, return_exceptions=True)
 
-        return self._lt.run(all_of())
+        return self._lt.run(all_of(), timeout)
 
     def _give(self, slot) -> None:
         if slot is not None and self._staging is not None:

@@ -500,13 +500,16 @@ class KvDesk:
             later = {t.engine for t in list(session.out.values()) + list(session.inn.values()) if t.request_id == rid}
 
             async def cancel() -> None:
-                # A receive's bulk writes stop only once its cancel is done (transfer_failed first):
-                # an engine told "aborted" before then could reuse blocks the agent still writes.
+                # A receive's bulk writes stop only once its cancel is done (transfer_failed first): an engine
+                # told "aborted" before could reuse blocks still written. Cancelled: the takeover ends it.
                 try:
                     await session.cancel_request(rid, ErrorCode.TRANSFER_CANCELLED,
                                                  f"aborted at {session.key}: {reason}", notify_peer=False)
-                finally:
-                    self._tell_aborted(later, rid, reason, session)
+                except Exception:
+                    self.log.exception("cancelling an aborted request's transfers failed", request_id=rid)
+                    if session.has_request(rid):
+                        return  # still moving: not "aborted" yet
+                self._tell_aborted(later, rid, reason, session)
 
             session.spawn(cancel(), "abort")
         post = self.posts.get(rid)

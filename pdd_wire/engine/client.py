@@ -320,7 +320,7 @@ class EngineClient:
         if sock is None or wlock is None:
             raise TransportError("not connected")
         if self._closed_exc is not None:
-            raise self._closed_exc
+            raise _again(self._closed_exc)  # a new one each call: re-raising one would grow its traceback
         self._ids += 1
         msg.id = self._ids
         fut = asyncio.get_running_loop().create_future()
@@ -404,6 +404,18 @@ class EngineClient:
         if self._ended is not None and not self._ended.done():
             self._ended.set_result(exc)
 
+    @property
+    def broken(self) -> BaseException | None:
+        """The error that ended the connection, or is ending it (an ``err`` with id 0 came and
+        the agent's end-of-file has not yet: the engine's memory is not free yet); None while
+        it serves."""
+        return self._closed_exc
+
+    @property
+    def closed(self) -> bool:
+        """The connection has ended (the agent's end-of-file, or :meth:`close`)."""
+        return self._ended is not None and self._ended.done()
+
     async def wait_closed(self) -> BaseException:
         """Until the connection ends -- the agent stopped or dropped it, or :meth:`close` -- and
         the error that ended it. Lost events (an overflow) do not end it."""
@@ -416,3 +428,10 @@ class EngineClient:
             if not fut.done():
                 fut.set_exception(exc)
         self._pending.clear()
+
+
+def _again(exc: BaseException) -> BaseException:
+    """A fresh exception like ``exc`` (its type, code and message)."""
+    if isinstance(exc, (EngineRequestError, TransportError)):
+        return type(exc)(str(exc), exc.code)
+    return exc

@@ -167,6 +167,10 @@ class Chooser:
         """P's agent, as engine "router" (one connection per P member, opened when first asked)."""
         async with self._lock:
             eng = self._engines.get(P)
+            if eng is not None and eng.broken is not None:  # the agent ended it (restarted, err id 0)
+                self._engines.pop(P, None)
+                await eng.close()
+                eng = None
             if eng is None:
                 eng = self._engines[P] = await EngineClient(P.member.engine_socket, "router").connect()
             return eng

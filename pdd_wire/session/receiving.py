@@ -411,7 +411,10 @@ class Receiver:
     async def fail_all(self, code: int, message: str, *, notify_peer: bool, engine=None) -> int:
         ts = [t for t in self.inn.values() if engine in (None, t.engine)]
         for t in ts:
-            await self.fail(t, code, message, notify_peer=notify_peer)
+            try:  # one transfer's failure must not leave the others writing into their blocks
+                await self.fail(t, code, message, notify_peer=notify_peer)
+            except Exception:
+                self.s.log.exception("ending a transfer failed", transfer_id=t.tid, request_id=t.request_id)
         return len(ts)
 
     def on_cancel(self, tid: int, msg: m.KvCancel) -> None:

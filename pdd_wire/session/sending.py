@@ -337,7 +337,10 @@ class Sender:
     def fail_all(self, code: int, message: str, *, notify_peer: bool, engine=None) -> int:
         ts = [t for t in self.flow.out.values() if engine in (None, t.engine)]
         for t in ts:
-            self.fail(t, code, message, notify_peer=notify_peer)
+            try:  # one transfer's failure must not leave the others running
+                self.fail(t, code, message, notify_peer=notify_peer)
+            except Exception:
+                self.s.log.exception("ending a transfer failed", transfer_id=t.tid, request_id=t.request_id)
         return len(ts)
 
     def drop(self, t: OutTransfer) -> None:
