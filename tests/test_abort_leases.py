@@ -29,6 +29,21 @@ async def pair_engines(engines, tmp, size=16 * MiB):
     return a, b, ra, rb
 
 
+def hold_quiesce(receiver) -> tuple[asyncio.Event, asyncio.Event]:
+    """Make ``receiver``'s cancels wait at a gate before the real quiesce, as if a bulk thread were
+    mid-chunk: (the gate to open, set once a cancel waits there)."""
+    gate, held = asyncio.Event(), asyncio.Event()
+    quiesce = receiver._quiesce
+
+    async def slow_quiesce(route):
+        held.set()
+        await gate.wait()
+        await quiesce(route)
+
+    receiver._quiesce = slow_quiesce
+    return gate, held
+
+
 async def test_abort_on_one_site_drops_the_other_sites_post_and_tells_its_engine(tmp_sock_dir, engines):
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
         a, b, ra, rb = await pair_engines(engines, tmp_sock_dir)
@@ -84,16 +99,7 @@ async def test_a_second_cancel_of_a_receive_returns_only_once_its_blocks_are_let
     stopped the data path (held here while a bulk thread would still be mid-chunk)."""
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
         a, b, ra, rb = await pair_engines(engines, tmp_sock_dir, size=256 * MiB)
-        receiver = agents["B"].sessions["A/a1"].receiver
-        gate, held = asyncio.Event(), asyncio.Event()
-        quiesce = receiver._quiesce
-
-        async def slow_quiesce(route):  # the real one, once the gate opens
-            held.set()
-            await gate.wait()
-            await quiesce(route)
-
-        receiver._quiesce = slow_quiesce
+        gate, held = hold_quiesce(agents["B"].sessions["A/a1"].receiver)
         await b.post_recv("x4", [rb.blocks(0, 256)])
         await a.send_kv("x4", [ra.blocks(0, 256)], to=["B"])
         await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2)
@@ -116,16 +122,7 @@ async def test_a_receiver_stopping_during_a_peers_abort_tells_its_engine_only_on
     engine hears nothing before the blocks are free, then one outcome (transfer_failed)."""
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
         a, b, ra, rb = await pair_engines(engines, tmp_sock_dir, size=256 * MiB)
-        receiver = agents["B"].sessions["A/a1"].receiver
-        gate, held = asyncio.Event(), asyncio.Event()
-        quiesce = receiver._quiesce
-
-        async def slow_quiesce(route):  # the real one, once the gate opens
-            held.set()
-            await gate.wait()
-            await quiesce(route)
-
-        receiver._quiesce = slow_quiesce
+        gate, held = hold_quiesce(agents["B"].sessions["A/a1"].receiver)
         await b.post_recv("x5", [rb.blocks(0, 256)])
         await a.send_kv("x5", [ra.blocks(0, 256)], to=["B"])
         await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2)
