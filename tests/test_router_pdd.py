@@ -269,31 +269,38 @@ async def test_the_handoff_at_a_chosen_position_gives_one_servers_stream(pdd, mo
         chunks, _ = await stream(pdd.http, router, completion_body(prompt, N))
         check_one_stream(chunks, base)
         assert sample(router, "pddwire_router_pipeline_choices_total", pipeline="P-RLD-MD") == 1
-        assert sample(router, "pddwire_router_handoff_modes_total", mode=mode, reason="configured") == 1
+        decided = sample(router, "pddwire_router_handoff_modes_total", mode=mode, reason="configured")
         m = sample(router, "pddwire_router_output_tokens_total", pool="RLD")
         switched = switch_point(chunks, pos)
-        if switched is None:  # vLLM merged every RLD event past pos (it does when behind): RLD finished
-            assert m == N and sample(router, "pddwire_router_handoffs_total", outcome="no_clean_boundary") == 1
-            assert sample(router, "pddwire_router_handoff_deferrals_total") >= 1
+        if switched is None and not decided:
+            # MD was not ready before RLD's end (its warm request behind on a loaded machine): the
+            # mode is chosen only once MD holds the KV, so none was, and RLD finished the output.
+            assert m == N and sum(sample(router, "pddwire_router_handoffs_total", outcome=o)
+                                  for o in ("rld_finished", "md_not_ready")) == 1
         else:
-            assert sample(router, "pddwire_router_handoffs_total", mode=mode, outcome="switched") == 1
-            assert m == switched and sample(router, "pddwire_router_output_tokens_total", pool="MD") == N - m
-            assert sample(router, "pddwire_router_handoff_stall_seconds_count", mode=mode) == 1
-        absorbed = sample(router, "pddwire_router_catchup_absorbed_tokens_total")
-        rounds = sample(router, "pddwire_router_catchup_rounds_sum")
-        if mode == "catch-up" and pos:
-            # one round at the position (21, or past it where one event carried several tokens),
-            # up to the last block boundary
-            assert absorbed >= 21 and (L + absorbed) % BLOCK == 0
-            assert switched is None or (rounds == 1 and absorbed <= m)
-        elif mode == "catch-up":
-            assert rounds == absorbed == 0
-        else:
-            assert absorbed == 0 and sample(router, "pddwire_router_catchup_rounds_count") == 0
-        if switched is not None:
-            extend = sample(router, "pddwire_router_handoff_extend_tokens_sum", mode=mode)
-            assert extend == L + m - cached_at_switch(L, int(m), int(absorbed))
-        assert sample(router, "pddwire_router_rld_share_sum") == pytest.approx(m / N)
+            assert decided == 1
+            if switched is None:  # vLLM merged every RLD event past pos (it does when behind): RLD finished
+                assert m == N and sample(router, "pddwire_router_handoffs_total", outcome="no_clean_boundary") == 1
+                assert sample(router, "pddwire_router_handoff_deferrals_total") >= 1
+            else:
+                assert sample(router, "pddwire_router_handoffs_total", mode=mode, outcome="switched") == 1
+                assert m == switched and sample(router, "pddwire_router_output_tokens_total", pool="MD") == N - m
+                assert sample(router, "pddwire_router_handoff_stall_seconds_count", mode=mode) == 1
+            absorbed = sample(router, "pddwire_router_catchup_absorbed_tokens_total")
+            rounds = sample(router, "pddwire_router_catchup_rounds_sum")
+            if mode == "catch-up" and pos:
+                # one round at the position (21, or past it where one event carried several tokens),
+                # up to the last block boundary
+                assert absorbed >= 21 and (L + absorbed) % BLOCK == 0
+                assert switched is None or (rounds == 1 and absorbed <= m)
+            elif mode == "catch-up":
+                assert rounds == absorbed == 0
+            else:
+                assert absorbed == 0 and sample(router, "pddwire_router_catchup_rounds_count") == 0
+            if switched is not None:
+                extend = sample(router, "pddwire_router_handoff_extend_tokens_sum", mode=mode)
+                assert extend == L + m - cached_at_switch(L, int(m), int(absorbed))
+            assert sample(router, "pddwire_router_rld_share_sum") == pytest.approx(m / N)
     # MD took the prompt's KV from the wire (P sent it to RLD and MD); RLD did too when it was
     # not stopped before its first token.
     assert await pdd.MD.wire_tokens(pdd.http) - wire_md0 == len(prompt)

@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from ..engine import protocol as p
 from ..engine.hashes import layer_hashes
+from ..errors import EngineRequestError
 from ..memory import SharedMemory
 from .agent_link import AgentLink
 from .loop_thread import LoopThread
@@ -197,7 +198,7 @@ class WorkerSide:
         if abort and eng is not None and names:
             try:  # answered once the agent let go of the blocks (each may take a stalled chunk's wait)
                 got = self._many([eng.abort(rid, why) for rid in sorted(names)], timeout=60 + 2 * len(names))
-                if any(isinstance(r, BaseException) for r in got) and not eng.closed:
+                if any(isinstance(r, BaseException) for r in got) and eng.broken is not None and not eng.closed:
                     # The agent ended the connection (err id 0): the blocks are free at its end-of-file.
                     self._lt.run(eng.wait_closed(), ABORT_CLOSE_S)
             except Exception as exc:
@@ -361,7 +362,10 @@ class WorkerSide:
             return True  # the agent's end of it went with the connection
         try:
             self._lt.run(eng.abort(rid, reason))
-        except Exception as exc:
+        except EngineRequestError as exc:
+            log.warning("pdd-wire: abort %s failed: %s", rid, exc)
+            return eng.broken is None or eng.closed  # the agent answered it; or the connection's end
+        except Exception as exc:  # no answer (a hung agent): it may still write
             log.warning("pdd-wire: abort %s failed: %s", rid, exc)
             return eng.closed
         return True
