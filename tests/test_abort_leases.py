@@ -29,6 +29,15 @@ async def pair_engines(engines, tmp, size=16 * MiB):
     return a, b, ra, rb
 
 
+async def moving(engines, tmp, agents, rid: str):
+    """Engines a and b, with 256 MiB of ``rid`` moving from A into b's posted blocks (two chunks in)."""
+    a, b, ra, rb = await pair_engines(engines, tmp, size=256 * MiB)
+    await b.post_recv(rid, [rb.blocks(0, 256)])
+    await a.send_kv(rid, [ra.blocks(0, 256)], to=["B"])
+    await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2)
+    return a, b
+
+
 def hold_quiesce(receiver) -> tuple[asyncio.Event, asyncio.Event]:
     """Make ``receiver``'s cancels wait at a gate before the real quiesce, as if a bulk thread were
     mid-chunk: (the gate to open, set once a cancel waits there)."""
@@ -62,10 +71,7 @@ async def test_abort_on_one_site_drops_the_other_sites_post_and_tells_its_engine
 
 async def test_abort_mid_transfer_ends_it_on_both_sites(tmp_sock_dir, engines):
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
-        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir, size=256 * MiB)
-        await b.post_recv("x2", [rb.blocks(0, 256)])
-        await a.send_kv("x2", [ra.blocks(0, 256)], to=["B"])
-        await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2)
+        a, b = await moving(engines, tmp_sock_dir, agents, "x2")
         await b.abort("x2", "request cancelled")  # the *receiver's* engine aborts
         ev = await a.wait("x2", timeout=10)
         assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.TRANSFER_CANCELLED
@@ -81,10 +87,7 @@ async def test_a_peers_abort_reaches_a_receiving_engine_after_its_transfer_stopp
     hears ``transfer_failed`` and only then ``aborted`` -- by which time no bulk thread writes
     into its blocks, so an engine that frees them on ``aborted`` (the vLLM connector) is safe."""
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
-        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir, size=256 * MiB)
-        await b.post_recv("x3", [rb.blocks(0, 256)])
-        await a.send_kv("x3", [ra.blocks(0, 256)], to=["B"])
-        await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2)
+        a, b = await moving(engines, tmp_sock_dir, agents, "x3")
         await a.abort("x3", "client gone")  # the *sender's* engine aborts
         ab = await b.wait("x3", kinds=(p.RequestAborted,), timeout=10)
         assert ab.origin == "A/a1"
