@@ -101,11 +101,8 @@ async def test_a_second_cancel_of_a_receive_returns_only_once_its_blocks_are_let
     answer -- after which the engine may reuse its blocks -- comes only once the first one has
     stopped the data path (held here while a bulk thread would still be mid-chunk)."""
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
-        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir, size=256 * MiB)
+        a, b = await moving(engines, tmp_sock_dir, agents, "x4")
         gate, held = hold_quiesce(agents["B"].sessions["A/a1"].receiver)
-        await b.post_recv("x4", [rb.blocks(0, 256)])
-        await a.send_kv("x4", [ra.blocks(0, 256)], to=["B"])
-        await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2)
         await a.abort("x4", "client gone")  # B's first cancel starts, and waits at the gate
         await asyncio.wait_for(held.wait(), 10)
         second = asyncio.ensure_future(b.abort("x4", "engine gives up"))
@@ -124,11 +121,8 @@ async def test_a_receiver_stopping_during_a_peers_abort_tells_its_engine_only_on
     agent stops: the cancel is cut short, and the stop's own cancel takes the transfer over. The
     engine hears nothing before the blocks are free, then one outcome (transfer_failed)."""
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
-        a, b, ra, rb = await pair_engines(engines, tmp_sock_dir, size=256 * MiB)
+        a, b = await moving(engines, tmp_sock_dir, agents, "x5")
         gate, held = hold_quiesce(agents["B"].sessions["A/a1"].receiver)
-        await b.post_recv("x5", [rb.blocks(0, 256)])
-        await a.send_kv("x5", [ra.blocks(0, 256)], to=["B"])
-        await until(lambda: metric(agents["B"], "pddwire_chunks_total", peer="A/a1", direction="rx") >= 2)
         await a.abort("x5", "client gone")
         await asyncio.wait_for(held.wait(), 10)
         stopping = asyncio.ensure_future(agents["B"].shutdown(0))
