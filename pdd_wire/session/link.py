@@ -3,14 +3,19 @@ chunks to it are worth compressing. Fed by the session; read by the policy and s
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
+import itertools
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from .. import policy
 from ..config import Config
 from ..transport.bulk import Compression
+from ..wire import FrameType
+from ..wire import messages as m
 from .estimator import LinkEstimator
 
 if TYPE_CHECKING:
@@ -92,3 +97,39 @@ class LinkState:
                 "compression": {"mode": self.cfg.transfer.compress, "on": lz.on, "chunks": lz.chunks,
                                 "bytes_saved": lz.saved, "ratio": lz.est.ratio, "compress_Bps": lz.est.compress_Bps},
                 "rtt_ms": round(self.rtt_s * 1e3, 3) if self.rtt_s is not None else None}
+
+
+class Pings:
+    """PING and PONG on one session's control lane: each round trip feeds the link's estimate,
+    and :meth:`ping` waits for one (the probes' RTT)."""
+
+    def __init__(self, session: Any) -> None:  # its PeerSession (typed loosely: peer imports this module)
+        self.s = session
+        self._nonce = itertools.count(1)
+        self._waiters: dict[int, asyncio.Future] = {}
+
+    def send(self) -> int:
+        nonce = next(self._nonce)
+        if self.s.send_frame(FrameType.PING, m.Ping(nonce, time.monotonic_ns())):
+            self.s.est.ping_sent(nonce, time.monotonic())
+        return nonce
+
+    def pong(self, msg: m.Pong) -> None:
+        rtt = (time.monotonic_ns() - msg.sent_ns) / 1e9
+        self.s.link.pong(msg.nonce, rtt)
+        w = self._waiters.pop(msg.nonce, None)
+        if w is not None and not w.done():
+            w.set_result(rtt)
+
+    async def ping(self, timeout: float = 1.0) -> float | None:
+        """One PING; its round trip in seconds, or None if unanswered within ``timeout``."""
+        fut = asyncio.get_running_loop().create_future()
+        nonce = self.send()
+        self._waiters[nonce] = fut
+        try:
+            async with asyncio.timeout(timeout):
+                return await fut
+        except TimeoutError:
+            return None
+        finally:
+            self._waiters.pop(nonce, None)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import secrets
 import time
 from collections.abc import Mapping
@@ -36,7 +35,7 @@ from ..wire.handshake import CAPABILITIES, MAX_CHUNK, Limits, check_welcome, cho
 from .acks import AckBatch
 from .dialer import Dialer
 from .host import SessionHost
-from .link import LinkState
+from .link import LinkState, Pings
 from .protocol import SendWindow, code_name
 from .receiving import Receiver
 from .sending import Sender
@@ -81,8 +80,7 @@ class PeerSession:
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
         self._last_rx = time.monotonic()
-        self._ping_nonce = itertools.count(1)
-        self._ping_waiters: dict[int, asyncio.Future] = {}
+        self.pings = Pings(self)
         self.link = LinkState(self.cfg, self.metrics, self.key, self.log)
         self.est = self.link.est
         self.lz = self.link.lz
@@ -152,8 +150,15 @@ class PeerSession:
         return t
 
     async def close(self, reason: str = "shutdown") -> None:
-        """End the session (GOODBYE ``reason``: "shutdown", or "idle" for a fleet idle close)."""
+        """End the session (GOODBYE ``reason``: "shutdown", or "idle" for a fleet idle close). At
+        shutdown the peer is told of every transfer still open (KV_CANCEL SHUTTING_DOWN) before the
+        GOODBYE: its engines hear now, not after its peer_give_up_s (proto/transfer.md §5)."""
         self._closing = self.dialer_loop.closing = True
+        # What is still open: the agent stops, or (a fleet session closed) the session is gone.
+        code, why = ((ErrorCode.SHUTTING_DOWN, "agent shutting down") if reason == "shutdown" else
+                     (ErrorCode.PEER_UNREACHABLE, f"the session with {self.key} was closed ({reason})"))
+        if reason == "shutdown" and self.control is not None and not self.control.closed:
+            await self._fail_all(code, why, notify_peer=True)
         if self.control is not None and not self.control.closed:
             try:
                 self.control.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye(reason))))
@@ -163,11 +168,7 @@ class PeerSession:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         self._drop_connections()
-        # What is still open: the agent stops, or (a fleet session closed) the session is gone.
-        code, why = ((ErrorCode.SHUTTING_DOWN, "agent shutting down") if reason == "shutdown" else
-                     (ErrorCode.PEER_UNREACHABLE, f"the session with {self.key} was closed ({reason})"))
-        self.sender.fail_all(code, why, notify_peer=False)
-        await self.receiver.fail_all(code, why, notify_peer=False)
+        await self._fail_all(code, why, notify_peer=False)
         self.tokens.close()
         await self.data.close()
 
@@ -261,7 +262,7 @@ class PeerSession:
         if not first:
             self.metrics.reconnects.labels(peer=self.key).inc()
         self.log.info("peer up", resumed=not first and not restarted, streams=self.streams)
-        self._ping()  # an RTT at once
+        self.pings.send()  # an RTT at once
         while self.cancel_later:
             tid, cancel = self.cancel_later.popleft()
             self.send_frame(FrameType.KV_CANCEL, cancel, tid=tid)
@@ -351,7 +352,7 @@ class PeerSession:
             case m.Ping():
                 self.send_frame(FrameType.PONG, m.Pong(msg.nonce, msg.sent_ns))
             case m.Pong():
-                self._on_pong(msg)
+                self.pings.pong(msg)
             case m.KvBegin():
                 self.receiver.on_begin(tid, msg, conn)
             case m.KvAccept():
@@ -445,32 +446,9 @@ class PeerSession:
         self.metrics.child(self.metrics.transfers, self.key, direction, code_name(code).lower()).inc()
         self.count_error(code)
 
-    # ------------------------------------------------------------------ PING
-    def _ping(self) -> int:
-        nonce = next(self._ping_nonce)
-        if self.send_frame(FrameType.PING, m.Ping(nonce, time.monotonic_ns())):
-            self.est.ping_sent(nonce, time.monotonic())
-        return nonce
-
-    def _on_pong(self, msg: m.Pong) -> None:
-        rtt = (time.monotonic_ns() - msg.sent_ns) / 1e9
-        self.link.pong(msg.nonce, rtt)
-        w = self._ping_waiters.pop(msg.nonce, None)
-        if w is not None and not w.done():
-            w.set_result(rtt)
-
     async def ping(self, timeout: float = 1.0) -> float | None:
         """One PING on the control lane; its round trip in seconds, or None if unanswered."""
-        fut = asyncio.get_running_loop().create_future()
-        nonce = self._ping()
-        self._ping_waiters[nonce] = fut
-        try:
-            async with asyncio.timeout(timeout):
-                return await fut
-        except TimeoutError:
-            return None
-        finally:
-            self._ping_waiters.pop(nonce, None)
+        return await self.pings.ping(timeout)
 
     # ------------------------------------------------------------------ transfers (the agent's API)
     def start_send(self, engine, request_id: str, blocks: BlockMap, deadline_s: float,
@@ -557,7 +535,7 @@ class PeerSession:
                                      silent_s=round(now - self._last_rx, 2))
                     control.abort()
                 else:
-                    self._ping()
+                    self.pings.send()
                 self.est.expire(now)
                 self.link.decide_compression()
             elif self.down_since is not None and now - self.down_since > to.peer_give_up_s and not stalled:
@@ -569,8 +547,11 @@ class PeerSession:
         """Fail every transfer with the peer now: PEER_UNREACHABLE after peer_give_up_s down, or at
         once when a fleet member's lease expired; PEER_RESTARTED when its record has a new incarnation."""
         self.host.peer_lost(self, "peer_restarted" if code == ErrorCode.PEER_RESTARTED else "peer_unreachable")
-        self.sender.fail_all(code, why, notify_peer=True)
-        await self.receiver.fail_all(code, why, notify_peer=True)
+        await self._fail_all(code, why, notify_peer=True)
+
+    async def _fail_all(self, code: int, why: str, *, notify_peer: bool) -> None:
+        self.sender.fail_all(code, why, notify_peer=notify_peer)
+        await self.receiver.fail_all(code, why, notify_peer=notify_peer)
 
     # ------------------------------------------------------------------ link figures
     def link_figures(self) -> "policy.LinkFigures":

@@ -231,6 +231,17 @@ class Receiver:
                 conn.fail(ProtocolError("KV_BEGIN with transfer_id 0 (transfer ids start at 1)",
                                         ErrorCode.OUT_OF_RANGE))
             return
+        t = self.inn.get(tid)
+        known = t.request_id if t is not None else self.ledger.completed.get(tid)
+        if known is not None and known != begin.request_id:
+            # A resent KV_BEGIN names its transfer's request again; another request under a
+            # transfer id still known here would be answered for the first one's bytes.
+            self.s.count_error(ErrorCode.UNEXPECTED_FRAME)
+            if (conn := conn or self.s.control) is not None:
+                conn.fail(ProtocolError(f"KV_BEGIN for transfer {tid} names request {begin.request_id!r}, but that "
+                                        f"transfer is request {known!r} (transfer ids are never reused)",
+                                        ErrorCode.UNEXPECTED_FRAME))
+            return
         self._on_begin(tid, begin)
         self.gate.begun(tid)  # chunks that came before it go on now (into the route, if it matched)
 
@@ -424,6 +435,8 @@ class Receiver:
         self.s.host.incoming_cancelled(self.s, tid, msg)
 
     def on_resume(self, tid: int, msg: m.KvResume) -> None:
+        if tid == 0:  # names no transfer: no KV_STATUS carries transfer id 0 (proto/transfer.md §1)
+            return
         t = self.inn.get(tid)
         verified = t.route.snapshot() if t is not None else None
         state = self.ledger.status(tid, verified)
