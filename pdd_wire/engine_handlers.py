@@ -99,6 +99,7 @@ class EngineRequests:
             case p.KvEvict():
                 return self.kv.kv_evict(ec, msg)
             case p.PrefixRelease():
+                check_request_id(msg.request_id)
                 self.kv.check_mine(ec, msg.request_id, "prefix_release")
                 return {"released": self.kv.prefix_release(msg.request_id)}
             case p.SetLoad():
@@ -206,11 +207,13 @@ class EngineRequests:
                 | {"bandwidth_Bps": round(live or s.goodput_Bps), "bandwidth_source": source})
 
     async def _choose_pipeline(self, msg: p.ChoosePipeline) -> dict:
+        # Checked always, as every request naming one does: with block_hashes it goes to the
+        # peer in PREFIX_QUERY, and the choice is kept under it (expect_wan) for the request's KV.
+        check_request_id(msg.request_id)
         session = self.peers.session_for(msg.to)
         hit = msg.prefix_hit_tokens
         source = "engine"
         if msg.block_hashes:
-            check_request_id(msg.request_id)  # it goes to the peer in PREFIX_QUERY
             if msg.block_tokens <= 0:
                 raise EngineRequestError("block_tokens must be > 0 with block_hashes", ErrorCode.BAD_REQUEST)
             k = await session.prefix_lookup(msg.request_id, list(msg.block_hashes))

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from .engine import protocol as p
-from .errors import EngineRequestError, ErrorCode, PddWireError, ProtocolError
+from .errors import EngineRequestError, ErrorCode, PddWireError
 from .rundir import secure_dir
 
 if TYPE_CHECKING:
@@ -34,6 +34,7 @@ MAX_PENDING_REGISTERS = 16  # registers read and waiting their turn (each holds 
 
 MAX_QUEUED = 1024  # requests of one engine decoded and waiting; more stay in the socket
 NOW_PER_READ = 32  # requests answered within one read (EngineServer.now_types); the rest are queued
+_END = object()  # queued after the last request read before a protocol error: the worker then sends the err
 
 class EngineConn:
     """One connected engine."""
@@ -60,6 +61,8 @@ class EngineConn:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._reading = True  # paused while MAX_QUEUED requests wait: the kernel buffer holds the rest
         self._busy = False  # the worker holds a request (answering one now would overtake it)
+        # A protocol error and why: the err goes out once the requests read before it are answered.
+        self._ending: tuple[p.Err, str] | None = None
         self._worker = asyncio.create_task(self._serve(), name=f"{self.name}:serve")
         self.loop.add_reader(sock.fileno(), self._readable)
         # The first message, and then every message begun, must be complete within the read
@@ -75,53 +78,63 @@ class EngineConn:
         except OSError as exc:
             self.close(f"read failed: {exc}")
             return
+        held = len(self._fds)
         for level, typ, cdata in anc:
             if level == socket.SOL_SOCKET and typ == socket.SCM_RIGHTS:
                 fds = array.array("i")
                 fds.frombytes(cdata[: len(cdata) - (len(cdata) % fds.itemsize)])
                 self._fds.extend(fds)
         if flags & socket.MSG_CTRUNC:
-            self._refuse(f"more than {MAX_FDS} file descriptors in one message")
+            self._refuse(f"more than {MAX_FDS} file descriptors in one message", held)
             return
         if not data:
             self.close("engine closed the socket")
             return
+        bad: p.BadMessage | None = None
         try:
             msgs = self._decoder.feed(data)
-            self._claims += sum(1 for msg in msgs if type(msg) is p.Register)
-            # An fd rides with the first byte of its register (proto/engine.md §4), so by now every
-            # register read has its fd here; what no register claims is limited. Each register
-            # takes the oldest fd at its turn: a register sent without its fd (a broken engine)
-            # takes the next one's, which the spec warns of.
-            unclaimed = len(self._fds) - self._claims
-            if unclaimed > MAX_FDS:
-                self._refuse(f"{unclaimed} file descriptors sent without register requests to use them")
-                return
-            now, budget = self.server.now_types, NOW_PER_READ
-            for msg in msgs:
-                # A request that never waits is answered here, in the read, when nothing is ahead
-                # of it: no task wake-up per request (on the path of every transfer). At most
-                # NOW_PER_READ of them: a read full of requests does not hold the loop.
-                if budget and not self._busy and not self._queue.qsize() and type(msg) in now:
-                    budget -= 1
-                    self._answer_now(msg)
-                    if self.closed:  # its answer overflowed the engine's queue: it is cut off
-                        return
-                else:
-                    self._queue.put_nowait(msg)
-            if (self._queue.qsize() >= MAX_QUEUED or self._claims >= MAX_PENDING_REGISTERS) and self._reading:
-                self.loop.remove_reader(self.sock.fileno())
-                self._reading = False
-            self._rearm(restart=bool(msgs))
-        except ProtocolError as exc:
-            self.server.on_error(exc.code)
-            self.send(p.Err(code=int(exc.code), message=str(exc)))
-            self.close(f"protocol error: {exc}")
+        except p.BadMessage as exc:
+            # The requests read in full before the offending bytes are still served, in order
+            # (proto/engine.md §2: each gets its reply); the connection ends after them.
+            msgs, bad = exc.decoded, exc
+        claims = sum(1 for msg in msgs if type(msg) is p.Register)
+        # An fd rides with the first byte of its register (proto/engine.md §4), so by now every
+        # register read has its fd here; what no register claims is limited. Each register
+        # takes the oldest fd at its turn: a register sent without its fd (a broken engine)
+        # takes the next one's, which the spec warns of.
+        unclaimed = len(self._fds) - self._claims - claims
+        if unclaimed > MAX_FDS:
+            self._refuse(f"{unclaimed} file descriptors sent without register requests to use them", held)
+            return
+        self._claims += claims
+        now, budget = self.server.now_types, NOW_PER_READ
+        for msg in msgs:
+            # A request that never waits is answered here, in the read, when nothing is ahead
+            # of it: no task wake-up per request (on the path of every transfer). At most
+            # NOW_PER_READ of them: a read full of requests does not hold the loop.
+            if budget and not self._busy and not self._queue.qsize() and type(msg) in now:
+                budget -= 1
+                self._answer_now(msg)
+                if self.closed:  # its answer overflowed the engine's queue: it is cut off
+                    return
+            else:
+                self._queue.put_nowait(msg)
+        if bad is not None:
+            self.server.on_error(bad.code)
+            self._end(p.Err(code=int(bad.code), message=str(bad)), f"protocol error: {bad}")
+            return
+        if (self._queue.qsize() >= MAX_QUEUED or self._claims >= MAX_PENDING_REGISTERS) and self._reading:
+            self.loop.remove_reader(self.sock.fileno())
+            self._reading = False
+        self._rearm(restart=bool(msgs))
 
     async def _serve(self) -> None:
         """Requests are handled one at a time, in order, so an engine sees its own effects in order."""
         while True:
             msg = await self._queue.get()
+            if msg is _END:
+                self._finish()
+                return
             self._busy = True
             try:
                 await self._answer(msg)
@@ -133,17 +146,50 @@ class EngineConn:
         """Register requests read and waiting for their turn (the read-ahead MAX_PENDING_REGISTERS bounds)."""
         return self._claims
 
-    def _refuse(self, why: str) -> None:
-        """A file descriptor rule broken: tell the engine (``err {id 0, BAD_REQUEST}``), then close."""
+    def _refuse(self, why: str, held: int) -> None:
+        """A file descriptor rule broken: tell the engine (``err {id 0, BAD_REQUEST}``), then close.
+        Which message of the read the fds came with cannot be told, so none of that read's
+        messages is served and its fds are closed now; the requests read before it are served
+        first, as for any protocol error."""
+        for fd in self._fds[held:]:
+            os.close(fd)
+        del self._fds[held:]
         self.server.on_error(ErrorCode.BAD_REQUEST)
-        self.send(p.Err(code=int(ErrorCode.BAD_REQUEST), message=why))
+        self._end(p.Err(code=int(ErrorCode.BAD_REQUEST), message=why), why)
+
+    def _end(self, err: p.Err, why: str) -> None:
+        """The engine broke the protocol: read nothing more, serve the requests read in full
+        before it (each still gets its reply, in order: proto/engine.md §2), then send ``err``
+        (id 0) and close."""
+        if self.closed or self._ending is not None:
+            return
+        self._ending = (err, why)
+        self._stop_reading()
+        if self._busy or self._queue.qsize():
+            self._queue.put_nowait(_END)  # the worker sends it when it gets there
+        else:
+            self._finish()
+
+    def _finish(self) -> None:
+        assert self._ending is not None
+        err, why = self._ending
+        self.send(err)
         self.close(why)
+
+    def _stop_reading(self) -> None:
+        """Nothing after the offending bytes is read (nor served), and no read deadline runs."""
+        if self._reading:
+            self.loop.remove_reader(self.sock.fileno())
+            self._reading = False
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
 
     async def _answer(self, msg: p.Msg) -> None:
         if isinstance(msg, p.Register):
             self._claims -= 1
         if (not self._reading and self._queue.qsize() < MAX_QUEUED // 2
-                and self._claims < MAX_PENDING_REGISTERS // 2 and not self.closed):
+                and self._claims < MAX_PENDING_REGISTERS // 2 and not self.closed and self._ending is None):
             self.loop.add_reader(self.sock.fileno(), self._readable)
             self._reading = True
             self._rearm(restart=True)
@@ -191,9 +237,9 @@ class EngineConn:
         self._deadline = None
         what = (f"{self._decoder.pending} bytes of a message" if self._decoder.pending else "no message")
         self.server.on_error(ErrorCode.BAD_REQUEST)
-        self.send(p.Err(code=int(ErrorCode.BAD_REQUEST),
-                        message=f"{what} after {self.server.read_deadline_s} s: closing (timeouts.engine_read_s)"))
-        self.close(f"read deadline: {what} within {self.server.read_deadline_s} s")
+        self._end(p.Err(code=int(ErrorCode.BAD_REQUEST),
+                        message=f"{what} after {self.server.read_deadline_s} s: closing (timeouts.engine_read_s)"),
+                  f"read deadline: {what} within {self.server.read_deadline_s} s")
 
     def send(self, msg: p.Msg) -> None:
         if self.closed:

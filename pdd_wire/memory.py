@@ -125,7 +125,16 @@ class HostRegion(Region):
                                          ErrorCode.OUT_OF_BOUNDS)
             # Mapped without MAP_POPULATE: that faults every page in inside mmap(), holding the
             # GIL (1 GiB froze the agent 1.4 s). populate() pages it in by slices instead.
-            mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            try:
+                mapping = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            except OSError as exc:
+                # The engine's fd, not the agent, is at fault: opened read-only, sealed against
+                # writes (F_SEAL_WRITE, F_SEAL_FUTURE_WRITE) or of a kind that cannot be mapped
+                # shared. Other failures (ENOMEM) are the agent's and stay INTERNAL.
+                if exc.errno in (errno.EACCES, errno.EPERM, errno.EINVAL):
+                    raise EngineRequestError(f"the fd cannot be mapped for reading and writing: {exc.strerror}",
+                                             ErrorCode.BAD_REQUEST) from exc
+                raise
         finally:
             os.close(fd)
         self._map: mmap.mmap | None = mapping
@@ -258,7 +267,10 @@ class BlockMap:
             elif r.block_bytes != block_bytes:
                 raise EngineRequestError("all regions of one transfer must have the same block size",
                                          ErrorCode.BAD_REQUEST)
-            if e.count <= 0 or e.block < 0 or e.block + e.count > r.n_blocks:
+            if e.count < 1:  # an empty (or negative) run is a malformed request, not an address out of range
+                raise EngineRequestError(f"extent [{e.region}, {e.block}, {e.count}]: count must be >= 1",
+                                         ErrorCode.BAD_REQUEST)
+            if e.block < 0 or e.block + e.count > r.n_blocks:
                 raise EngineRequestError(
                     f"blocks {e.block}..{e.block + e.count - 1} are outside region {e.region} "
                     f"(0..{r.n_blocks - 1})", ErrorCode.OUT_OF_BOUNDS)

@@ -34,6 +34,7 @@ from pdd_wire.wire import FrameReader, decode_body, encode_body, encode_bytes
 from pdd_wire.wire import messages as m
 from pdd_wire.wire.frame import HEADER, MAGIC, FrameType, Header, Lane, encode_header
 from support.agents import free_port, run_agents, two_site_toml
+from support.raw_engine import RawEngine
 
 MiB = 1 << 20
 KiB = 1 << 10
@@ -326,56 +327,6 @@ async def test_every_wan_abuse_at_once_during_a_transfer(tmp_sock_dir, engines):
 
 
 # ------------------------------------------------------------------------------ engine socket abuse
-class RawEngine:
-    """A hand-driven engine-socket connection: raw bytes, fds as SCM_RIGHTS, raw replies."""
-
-    def __init__(self, path) -> None:
-        self.path = str(path)
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.setblocking(False)
-        self.dec = p.Decoder(to_agent=False)
-        self.inbox: list[p.Msg] = []
-        self.eof = False
-
-    async def connect(self) -> "RawEngine":
-        await asyncio.get_running_loop().sock_connect(self.sock, self.path)
-        return self
-
-    async def send(self, data: bytes, fd: int | None = None) -> None:
-        if fd is None:
-            await asyncio.get_running_loop().sock_sendall(self.sock, data)
-        else:
-            n = self.sock.sendmsg([data], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))])
-            assert n == len(data)
-
-    async def _read(self) -> None:
-        try:
-            data = await asyncio.get_running_loop().sock_recv(self.sock, 1 << 16)
-        except ConnectionResetError:
-            data = b""
-        if not data:
-            self.eof = True
-            return
-        self.inbox += self.dec.feed(data)
-
-    async def reply(self, timeout: float = 10) -> p.Msg:
-        async with asyncio.timeout(timeout):
-            while not self.inbox:
-                assert not self.eof, "the agent closed the engine socket"
-                await self._read()
-        return self.inbox.pop(0)
-
-    async def until_closed(self, timeout: float = 10) -> list[p.Msg]:
-        async with asyncio.timeout(timeout):
-            while not self.eof:
-                await self._read()
-        out, self.inbox = self.inbox, []
-        return out
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 

@@ -24,7 +24,9 @@ MAX_MESSAGE = 16 << 20
 ENGINE_PROTOCOL_VERSION = 3  # 2: set_load and the handoff ops and events; 3: expect_tokens, tokens to owners only
 
 class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=False, kw_only=True):
-    id: int = 0
+    # A request's id is 1..2^64-1 (0 is refused by the Decoder): a negative one is malformed, so
+    # the id an engine reads back is always the unsigned one it could have sent.
+    id: U64 = 0
 
 
 # -- requests (engine -> agent) ---------------------------------------------------------
@@ -319,8 +321,19 @@ def encode(msg: Msg) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
+class BadMessage(ProtocolError):
+    """The stream broke the protocol. ``decoded``: the messages complete before the offending
+    bytes, in order, which the same ``feed`` call would otherwise have lost: the agent still
+    serves them before it ends the connection (proto/engine.md §2)."""
+
+    def __init__(self, message: str, code: ErrorCode, decoded: list[Msg]) -> None:
+        super().__init__(message, code)
+        self.decoded = decoded
+
+
 class Decoder:
-    """``feed(bytes) -> messages``; raises ProtocolError on a bad length or body."""
+    """``feed(bytes) -> messages``; raises :class:`BadMessage` (a ProtocolError) on a bad length
+    or body, carrying the messages decoded before it."""
 
     def __init__(self, *, to_agent: bool, max_message: int = MAX_MESSAGE) -> None:
         self._dec = _dec_request if to_agent else _dec_to_engine
@@ -339,8 +352,8 @@ class Decoder:
         while len(self._buf) >= 4:
             (n,) = LENGTH.unpack_from(self._buf)
             if n > self.max_message:
-                raise ProtocolError(f"engine message of {n} bytes exceeds the limit of {self.max_message}",
-                                    ErrorCode.FRAME_TOO_LARGE)
+                raise BadMessage(f"engine message of {n} bytes exceeds the limit of {self.max_message}",
+                                 ErrorCode.FRAME_TOO_LARGE, out)
             if len(self._buf) < 4 + n:
                 break
             body = bytes(self._buf[4:4 + n])
@@ -348,10 +361,10 @@ class Decoder:
             try:
                 msg = self._dec.decode(body)
             except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                raise ProtocolError(f"malformed engine message: {exc}", ErrorCode.MALFORMED_BODY) from exc
+                raise BadMessage(f"malformed engine message: {exc}", ErrorCode.MALFORMED_BODY, out) from exc
             if self._requests and msg.id == 0:
-                raise ProtocolError(f"malformed engine message: {type(msg).__name__} request without an id "
-                                    "(id 0 is only for events and connection errors; proto/engine.md §2)",
-                                    ErrorCode.MALFORMED_BODY)
+                raise BadMessage(f"malformed engine message: {type(msg).__name__} request without an id "
+                                 "(id 0 is only for events and connection errors; proto/engine.md §2)",
+                                 ErrorCode.MALFORMED_BODY, out)
             out.append(msg)
         return out

@@ -375,6 +375,11 @@ def build(v: Vectors) -> None:
                  "MALFORMED_BODY (and the agent closes)",
                  struct.pack(">I", len(no_id)) + no_id, ErrorCode.MALFORMED_BODY, to_agent=True,
                  after=4 + len(no_id))
+    neg_id = msgspec.msgpack.encode({"op": "status", "id": -1})
+    v.engine_bad("engine_request_id_negative", "a request with a negative id (request ids are 1..2^64-1): "
+                 "MALFORMED_BODY (and the agent closes)",
+                 struct.pack(">I", len(neg_id)) + neg_id, ErrorCode.MALFORMED_BODY, to_agent=True,
+                 after=4 + len(neg_id))
     neg = msgspec.msgpack.encode({"op": "send_kv", "id": 4, "request_id": "r-1", "blocks": [[1, 0, 1]],
                                   "to": ["B"], "block_hashes": [-1]})
     v.engine_bad("engine_range_block_hash_negative", "send_kv with a block hash outside uint64 (-1): "
