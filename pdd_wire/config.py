@@ -55,6 +55,10 @@ class Transfer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     # and each chunk costs a rendezvous and a wake-up, so bigger is faster (64 MiB at one transfer
     # at a time: 0.94x bare ucxx against 0.73x with 4 MiB).
     ucx_chunk_bytes: int = 64 * MiB
+    # The UCX transports KV to a same-site peer may use (UCX's TLS option; it overrides UCX_TLS).
+    # "^tcp": all but tcp (shared memory, RDMA), so no UCX worker listens on a TCP port. "": UCX's
+    # own choice (UCX_TLS from the environment, else every transport, tcp included).
+    ucx_tls: str = "^tcp"
     streams: int = 4
     credit_bytes: int = 256 * MiB  # unacknowledged KV bytes in flight per peer
     max_transfers: int = 4096  # open transfers per peer and direction
@@ -311,6 +315,9 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("transfer.streams", f"must be 1..64, got {t.streams}")
     if not 64 * 1024 <= t.ucx_chunk_bytes <= 64 * MiB:
         raise ConfigError("transfer.ucx_chunk_bytes", f"must be 64 KiB..64 MiB, got {t.ucx_chunk_bytes}")
+    if t.ucx_tls and not re.fullmatch(r"[\x21-\x7e]{1,256}", t.ucx_tls):
+        raise ConfigError("transfer.ucx_tls", f"must be a UCX transport list without whitespace (e.g. \"^tcp\", "
+                                              f"\"sm,self\") or \"\" for UCX's own choice, got {t.ucx_tls!r}")
     if not t.chunk_bytes <= t.credit_bytes <= 1 << 48:  # proto/messages.md: credit_bytes on the wire
         raise ConfigError("transfer.credit_bytes", "must be at least transfer.chunk_bytes and at most 2^48")
     if not 0 <= t.inline_bytes <= INLINE_MAX:

@@ -95,6 +95,7 @@ class PeerSession:
             name=self.key, host=host_, port=port, server_name=server_name, site=self.cfg.site, node=self.cfg.node,
             dialer=self.dialer, connect_s=to.connect_s, handshake_s=to.handshake_s,
             backoff_max_s=to.reconnect_max_backoff_s, ucx_chunk_bytes=self.cfg.transfer.ucx_chunk_bytes,
+            ucx_tls=self.cfg.transfer.ucx_tls, credit_bytes=self.cfg.transfer.credit_bytes,
             ssl_client=lambda: host.ssl_client(bulk=True), executor=host.work_executor,
             bulk_loop=lambda n: host.bulk_loop(self.index * self.configured_streams + n),
             remote_token=lambda: self.remote_token,
@@ -573,7 +574,7 @@ class PeerSession:
 
     def describe(self) -> dict:
         return {"peer": self.key, **self.link.describe(self.queue_bytes()),
-                "data_path": self.data.active, "address": self.peer.address, "transport": self.peer.transport,
+                **self.data.describe(), "address": self.peer.address, "transport": self.peer.transport,
                 "role": "dialer" if self.dialer else "listener", "up": self.is_up,
                 "bulk_streams_up": len(self.links), "bulk_streams": self.streams,
                 "credit_window_bytes": self.flow.window, "bytes_in_flight": self.flow.in_flight_bytes,

@@ -43,6 +43,8 @@ class PathSettings:
     on_streams: Callable[[int], None] = lambda n: None  # bulk connections up (a gauge)
     executor: Any = None  # where copies off the loop run (a concurrent.futures.Executor; None: the loop's default)
     log: Any = None
+    ucx_tls: str = "^tcp"  # transfer.ucx_tls: the UCX transports ("": UCX's own choice, UCX_TLS included)
+    credit_bytes: int = 256 << 20  # transfer.credit_bytes: bounds what UCX messages may wait unclaimed
 
 
 class BulkLink:

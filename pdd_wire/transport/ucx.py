@@ -43,6 +43,12 @@ measured here:
 * a malformed worker address makes UCX fail an assertion and abort, so :meth:`UcxPeer.connect`
   checks the address header's version nibble against ours; addresses must come from the
   authenticated control connection.
+* UCX does not authenticate endpoints: whatever can reach a worker can make an endpoint to it
+  and send it tagged messages (a worker with ``tcp`` listens on a TCP port of every interface,
+  and its address is easily forged from the port). The agent therefore leaves ``tcp`` out by
+  default (``transfer.ucx_tls``, :mod:`.ucx_path`), and bounds what may wait unclaimed
+  (:class:`~.ucx_recv.Inbox`). Over shared memory a worker is reached by processes of the
+  host that learn its address (it carries no secret) and may attach its segments.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from typing import Any
 from ..errors import TransportError
 from .ucx_lib import UCXX_IMPORT_ENV, available, load, translate
 from .ucx_loop import SPIN_S, UcxLoop, acquire_loop, arelease_loop, release_loop
-from .ucx_recv import STARTED, WAITING, Inbox, Op, settle
+from .ucx_recv import MAX_UNCLAIMED, MAX_UNCLAIMED_BYTES, STARTED, WAITING, Inbox, Op, settle
 from .ucx_tags import (
     DIR_ACCEPTOR,
     DIR_DIALER,
@@ -91,13 +97,16 @@ class UcxPeer:
     """One peer agent over UCX. Construct from any thread (the worker is made on the UCX
     loop's thread); its operations run on the :class:`UcxLoop`'s event loop only. The engine
     drives it as a :class:`~.ucx_loop.Driven` (:meth:`poll`, :meth:`arm`, :meth:`sweep`,
-    :meth:`begin_close`)."""
+    :meth:`begin_close`). ``max_message``, ``max_unclaimed``, ``max_unclaimed_bytes`` bound
+    the messages that wait for their receive (:class:`~.ucx_recv.Inbox`)."""
 
-    def __init__(self, ucx: UcxLoop, name: str = "") -> None:
+    def __init__(self, ucx: UcxLoop, name: str = "", *, max_message: int | None = None,
+                 max_unclaimed: int = MAX_UNCLAIMED, max_unclaimed_bytes: int = MAX_UNCLAIMED_BYTES) -> None:
         if not ucx.running:
             raise TransportError("UCX loop is not running")
         self.ucx = ucx
         self.name = name
+        self._limits = (max_message, max_unclaimed, max_unclaimed_bytes)
         self._m = load()
         self._closed = False
         self._ep = None
@@ -117,7 +126,10 @@ class UcxPeer:
             raise translate(exc, "worker creation") from exc
         self.epoll_fd = self._worker.epoll_file_descriptor
         self._address = bytes(memoryview(self._worker.address))
-        self._inbox = Inbox(self._worker, self._m, self.ucx, self.stats, self._track)
+        max_message, max_unclaimed, max_unclaimed_bytes = self._limits
+        self._inbox = Inbox(self._worker, self._m, self.ucx, self.stats, self._track, name=self.name,
+                            max_message=max_message, max_unclaimed=max_unclaimed,
+                            max_unclaimed_bytes=max_unclaimed_bytes)
         self._any_tag = self._m.Tag(0)
         self._any_mask = self._m.TagMask(0)
         self.ucx.attach(self)
@@ -147,6 +159,12 @@ class UcxPeer:
         return {"waiting": self._inbox.waiting,
                 "in_flight": len(self._inflight),
                 "unclaimed": self._inbox.unclaimed}
+
+    def unclaimed_budget(self) -> dict[str, int | None]:
+        """The unclaimed messages and their bytes, against their limits (see :class:`Inbox`)."""
+        ib = self._inbox
+        return {"unclaimed": ib.unclaimed, "unclaimed_bytes": ib.unclaimed_bytes, "max_message": ib.max_message,
+                "max_unclaimed": ib.max_unclaimed, "max_unclaimed_bytes": ib.max_unclaimed_bytes}
 
     async def connect(self, remote_address: bytes, *, error_handling: bool = False) -> None:
         """An endpoint to the peer's worker. ``error_handling`` stays off by default: with it

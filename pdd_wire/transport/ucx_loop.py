@@ -117,7 +117,9 @@ class UcxLoop:
     """The UCX context and the progress engine, on an asyncio loop.
 
     ``options`` are UCX configuration options without the ``UCX_`` prefix (e.g.
-    ``{"TLS": "sm,self"}``); they override the environment. ``spin_s``: how long the engine
+    ``{"TLS": "sm,self"}``); they override the environment (a ``TLS`` option wins over
+    ``UCX_TLS``; without one, ``UCX_TLS`` applies, else every transport). The context's
+    transports are logged, and kept in :attr:`transports`. ``spin_s``: how long the engine
     keeps polling after activity before it sleeps (default: ``SPIN_S`` on a thread of its
     own, 0 on a shared loop).
     """
@@ -134,6 +136,7 @@ class UcxLoop:
         self.unclaimed_ttl_s = unclaimed_ttl_s
         self.loop: asyncio.AbstractEventLoop | None = None
         self.context = None
+        self.transports: list[str] = []  # "tl/device" of every UCX resource of the context
         self.own_thread = False
         self._thread: threading.Thread | None = None
         self._thread_id: int | None = None
@@ -184,7 +187,7 @@ class UcxLoop:
         self.loop = loop
         self._thread_id = threading.get_ident()
         try:
-            self.context = mods.L.UCXContext(self.options)
+            self._make_context(mods)
         except Exception as exc:  # noqa: BLE001 - UCX raises its own types and others
             self._stopped = True
             raise (translate(exc, "context creation") if isinstance(exc, mods.UCXError) else exc) from exc
@@ -199,7 +202,7 @@ class UcxLoop:
         self._thread_id = threading.get_ident()
         asyncio.set_event_loop(loop)
         try:
-            self.context = mods.L.UCXContext(self.options)
+            self._make_context(mods)
         except Exception as exc:  # noqa: BLE001 - UCX raises its own types and others
             started.set_exception(translate(exc, "context creation")
                                   if isinstance(exc, mods.UCXError) else exc)
@@ -208,6 +211,14 @@ class UcxLoop:
         self._engine = loop.create_task(self._progress_engine(), name=f"{self.name}-engine")
         loop.call_soon(started.set_result, None)
         loop.run_forever()
+
+    def _make_context(self, mods: SimpleNamespace) -> None:
+        self.context = ctx = mods.L.UCXContext(self.options)
+        self.transports = context_transports(ctx)
+        tls = self.options.get("TLS")
+        log.info("UCX context", name=self.name, transports=",".join(self.transports),
+                 tls=tls if tls is not None else os.environ.get("UCX_TLS", "all"),
+                 tls_from="option" if tls is not None else ("UCX_TLS" if "UCX_TLS" in os.environ else "UCX default"))
 
     async def _shutdown(self) -> None:
         """On the loop: close every peer (pending operations fail with TransportError), stop
@@ -415,6 +426,17 @@ class UcxLoop:
             self.stats["safety_wakeups"] += 1
 
 
+def context_transports(context: Any) -> list[str]:
+    """``["self/memory", "posix/memory", "tcp/lo", ...]``: the resources of a UCX context, as
+    its ``info`` (``ucp_context_print_info``) lists them."""
+    try:
+        info = str(context.info)
+    except Exception:  # noqa: BLE001 - only for the log
+        return []
+    return [line.rsplit("--", 1)[1].strip() for line in info.splitlines()
+            if "resource" in line and "--" in line]
+
+
 def _resolve(fut: asyncio.Future, value: Any) -> None:
     if not fut.done():
         fut.set_result(value)
@@ -430,13 +452,17 @@ _shared: dict[Any, list] = {}   # loop (None: the threaded one) -> [UcxLoop, use
 def acquire_loop(loop: asyncio.AbstractEventLoop | None = None, **kwargs) -> UcxLoop:
     """The shared :class:`UcxLoop` of ``loop`` (the calling thread's running loop; None: the
     process's threaded one), started on first use; pair with :func:`release_loop`.
-    ``kwargs`` (UcxLoop options) only apply when this call starts it."""
+    ``kwargs`` (UcxLoop options) only apply when this call starts it (other ``options`` than
+    the running one's are logged, and not applied)."""
     with _shared_lock:
         entry = _shared.get(loop)
         if entry is None or not entry[0].running:
             ucx = UcxLoop(**kwargs)
             ucx.start(loop)
             entry = _shared[loop] = [ucx, 0]
+        elif "options" in kwargs and dict(kwargs["options"] or {}) != entry[0].options:
+            log.warning("the UCX context is shared and already made with other options; these are not applied",
+                        running=entry[0].options, asked=kwargs["options"])
         entry[1] += 1
         return entry[0]
 

@@ -3,6 +3,21 @@
 One lane (:data:`UCX_LANE`): UCX stripes over its own transports. Delivery is acknowledged on
 the control lane as over TCP (a completed UCX send does not mean the peer kept the bytes).
 A peer that offers no UCX address gets the bulk TCP connections instead.
+
+Which transports (``transfer.ucx_tls``, UCX's ``TLS`` option): by default every one but
+``tcp`` (shared memory, RDMA), because a worker with ``tcp`` listens on a TCP port of every
+interface, and anything that can reach that port can make an endpoint to the worker (a worker
+address is easily forged from the port) and send it tagged messages. ``""`` leaves the choice
+to UCX (``UCX_TLS`` from the environment, else every transport). The shared UCX context takes
+the setting of the first session that makes it (every session of an agent has the same).
+
+What may wait for its receive is bounded (:class:`~.ucx_recv.Inbox`): a message larger than
+``MAX_CHUNK`` is drained on arrival, and so is one past ``MAX_UNCLAIMED`` messages or
+``2 x max(credit_bytes, MAX_CHUNK)`` bytes (what a sender can have in flight is one credit
+window, which is at most the larger of the two). A message of the wrong size for a posted chunk
+is never written: the chunk is received again (its receive posted anew, the sender asked with
+``KV_NACK`` as for a checksum failure), and after ``MAX_WRONG_SIZE`` such messages in one
+transfer the transfer fails (``MALFORMED_BODY``).
 """
 
 from __future__ import annotations
@@ -12,14 +27,22 @@ from typing import Any
 
 import structlog
 
-from ..errors import TransportError
+from ..errors import ErrorCode, TransportError
 from ..memory import scatter
+from ..wire.handshake import MAX_CHUNK
 from . import ucx
 from .base import BulkOwner, DataPath
 from .route import Route
 from .tcp_path import PathSettings, TcpDataPath
 
 UCX_LANE = -1
+MAX_UNCLAIMED = 4096   # UCX messages waiting for their receive, per peer
+MAX_WRONG_SIZE = 3     # messages of the wrong size for posted chunks one transfer survives
+
+
+def ucx_options(settings: PathSettings) -> dict[str, str]:
+    """The UCX context options of ``settings`` (``TLS`` unless ``ucx_tls`` is "")."""
+    return {"TLS": settings.ucx_tls} if settings.ucx_tls else {}
 
 
 def open_path(owner: BulkOwner, settings: PathSettings) -> DataPath:
@@ -47,14 +70,19 @@ class UcxDataPath(DataPath):
         self.tcp = TcpDataPath(owner, settings)
         self.log = self.tcp.log
         self.main = asyncio.get_running_loop()
-        self.loop = ucx.acquire_loop(self.main)
-        self.peer = ucx.UcxPeer(self.loop, name=settings.name)
+        self.loop = ucx.acquire_loop(self.main, options=ucx_options(settings))
+        self.peer = self._new_peer()
         self.ready = False  # endpoint to the peer's worker made (this connection)
         self._remote = b""
         self._dir_out = ucx.DIR_DIALER if settings.dialer else ucx.DIR_ACCEPTOR
         self._dir_in = ucx.DIR_ACCEPTOR if settings.dialer else ucx.DIR_DIALER
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
+        self._wrong_size: dict[int, int] = {}   # transfer id -> messages of the wrong size so far
+
+    def _new_peer(self) -> ucx.UcxPeer:
+        return ucx.UcxPeer(self.loop, name=self.settings.name, max_message=MAX_CHUNK, max_unclaimed=MAX_UNCLAIMED,
+                           max_unclaimed_bytes=2 * max(self.settings.credit_bytes, MAX_CHUNK))
 
     @property
     def active(self) -> str:
@@ -94,7 +122,7 @@ class UcxDataPath(DataPath):
         self.owner.lane_up(UCX_LANE)
 
     def _renew(self) -> None:
-        old, self.peer, self.ready = self.peer, ucx.UcxPeer(self.loop, name=self.settings.name), False
+        old, self.peer, self.ready = self.peer, self._new_peer(), False
         old.close()
         self.owner.lane_lost(UCX_LANE)
         self.owner.reconnect("the peer's UCX worker changed")
@@ -155,6 +183,8 @@ class UcxDataPath(DataPath):
         def done(exc: BaseException | None) -> None:
             if exc is not None:
                 route.settle(k, False)
+                if isinstance(exc, TransportError) and exc.code == ErrorCode.SIZE_MISMATCH:
+                    self._received_wrong_size(tid, route, k, n, exc)
             elif staging is not None:
                 self._spawn(self._scatter(tid, route, k, n, staging, views))
             else:
@@ -164,6 +194,25 @@ class UcxDataPath(DataPath):
                                  done)
         except (TransportError, RuntimeError):
             route.settle(k, False)
+
+    def _received_wrong_size(self, tid: int, route: Route, k: int, n: int, exc: TransportError) -> None:
+        """A message of the wrong size came for chunk ``k`` (nothing was written; it was
+        drained): post its receive again and ask for the chunk again, as for a checksum
+        failure; fail the transfer after ``MAX_WRONG_SIZE`` of them. The route decides what
+        lands, so a chunk still lands exactly once."""
+        got = getattr(exc, "length", -1)
+        seen = self._wrong_size[tid] = self._wrong_size.get(tid, 0) + 1
+        if seen > MAX_WRONG_SIZE:
+            self.log.warning("UCX messages of the wrong size for this transfer's chunks again; failing it",
+                             transfer_id=tid, chunk=k, expected=n, got=got, times=seen)
+            self.owner.chunk_arrived(tid, k, False, got, True, invalid=True)
+            return
+        self.log.warning("UCX message of the wrong size for a chunk (drained, nothing written); "
+                         "receiving the chunk again", transfer_id=tid, chunk=k, expected=n, got=got)
+        views = route.claim(k, n)
+        if views is not None:
+            self._start_recv(tid, route, k, n, views)
+        self.owner.chunk_arrived(tid, k, False, n, True)
 
     async def _scatter(self, tid: int, route: Route, k: int, n: int, staging: bytearray,
                        views: list[memoryview]) -> None:
@@ -181,6 +230,7 @@ class UcxDataPath(DataPath):
         self.owner.chunk_arrived(tid, k, True, n, True)
 
     async def forget(self, tid: int) -> None:
+        self._wrong_size.pop(tid, None)
         if self.loop.running and not self.peer.closed:
             try:
                 await self.loop.run(self.peer.cancel_transfer(self._dir_in, tid, drain_s=5.0))

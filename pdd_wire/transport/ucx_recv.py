@@ -24,6 +24,13 @@ at once). So:
   :meth:`~.ucx.UcxPeer.cancel_transfer` marked them, or after ``unclaimed_ttl_s``, so the
   sender's rendezvous send completes and releases its buffer. A completed ``send`` therefore
   does not mean the peer kept the bytes: delivery is acknowledged on the control lane.
+* what waits unclaimed is bounded (:class:`Inbox`: ``max_message``, ``max_unclaimed``,
+  ``max_unclaimed_bytes``): UCX keeps an eager message's bytes in this process until it is
+  received, and anything that can reach the worker can send messages of any tag. A message
+  larger than ``max_message``, or one that arrives unclaimed while the others fill the budget,
+  is drained at once (counted in ``stats``: ``drained_oversize`` / ``drained_over_budget``,
+  and logged at most every ``WARN_EVERY_S``). The budget must hold what a legitimate sender
+  can have in flight before its receives are posted (one credit window).
 * :meth:`~.ucx.UcxPeer.close` fails the receives still waiting at once (UCX never had their
   buffers), flushes and closes the endpoint, and then ends whatever UCX still holds: a
   request UCX never finishes (the peer vanished mid-rendezvous) fails with
@@ -56,6 +63,9 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pdd_wire.transport.ucx")
 WAITING, STARTED, DONE = 0, 1, 2   # Op.state: UCX never had the buffer / holds it / let go
 DRAIN_SCRATCH = 1  # bytes: unwanted messages are drained as truncated receives
+MAX_UNCLAIMED = 4096                 # messages waiting for their receive, per worker (default)
+MAX_UNCLAIMED_BYTES = 1 << 30        # their bytes (default)
+WARN_EVERY_S = 10.0                  # the "drained at once" warning, at most this often
 
 
 class Op:
@@ -142,15 +152,29 @@ def settle(fut: asyncio.Future) -> Callable[[BaseException | None], None]:
 class Inbox:
     """Receives waiting for their message, messages waiting for their receive, and the marks
     that say which arrivals nobody will take. ``track`` hands a started receive to the
-    peer's in-flight table; ``stats`` is the peer's counter."""
+    peer's in-flight table; ``stats`` is the peer's counter.
+
+    Unclaimed messages are bounded: one larger than ``max_message`` bytes (None: no limit) is
+    drained on arrival, and so is one that would take the unclaimed messages past
+    ``max_unclaimed`` or ``max_unclaimed_bytes`` (each counted at its full length, eager or
+    rendezvous alike)."""
 
     def __init__(self, worker: Any, mods: SimpleNamespace, loop: UcxLoop, stats: collections.Counter,
-                 track: Callable[[Op], None]) -> None:
+                 track: Callable[[Op], None], *, name: str = "", max_message: int | None = None,
+                 max_unclaimed: int = MAX_UNCLAIMED, max_unclaimed_bytes: int = MAX_UNCLAIMED_BYTES) -> None:
         self.worker = worker
         self._m = mods
         self._loop = loop
         self._stats = stats
         self._track = track
+        self.name = name
+        self.max_message = max_message
+        self.max_unclaimed = max_unclaimed
+        self.max_unclaimed_bytes = max_unclaimed_bytes
+        self.unclaimed_bytes = 0
+        self._unclaimed = 0
+        self._warned_at = -WARN_EVERY_S
+        self._refused = 0                                        # drained at once since the last warning
         self.closed = False
         self._waiting: dict[int, collections.deque] = {}         # tag -> ops without a message yet
         self._arrived: dict[int, collections.deque] = {}         # tag -> (probe result, when)
@@ -165,7 +189,7 @@ class Inbox:
 
     @property
     def unclaimed(self) -> int:
-        return sum(len(q) for q in self._arrived.values())
+        return self._unclaimed
 
     @property
     def has_expiring(self) -> bool:
@@ -179,6 +203,7 @@ class Inbox:
             probe, _ = queue.popleft()
             if not queue:
                 del self._arrived[op.tag]
+            self._claimed(probe)
             self._start(op, probe, inside_post=True)
         else:
             self._waiting.setdefault(op.tag, collections.deque()).append(op)
@@ -207,6 +232,7 @@ class Inbox:
             self._stats["cancelled_unstarted"] += 1
         arrived = self._arrived.pop(tag, ())
         for probe, _ in arrived:
+            self._claimed(probe)
             self.drain(probe)
         if not arrived:
             self._discard_tags[tag] = time.monotonic() + drain_s
@@ -224,6 +250,7 @@ class Inbox:
         self._stats["cancelled_unstarted"] += n
         for tag in [t for t in self._arrived if t >> INDEX_BITS == prefix]:
             for probe, _ in self._arrived.pop(tag):
+                self._claimed(probe)
                 self.drain(probe)
         self._discard[prefix] = time.monotonic() + drain_s
         return n
@@ -234,8 +261,10 @@ class Inbox:
         err: BaseException | None = None
         if probe.length != op.nbytes:
             self.drain(probe)
+            self._stats["wrong_size"] += 1
             err = TransportError(f"message tagged {op.tag:#x} is {probe.length} bytes, the receive buffer "
                                  f"{op.nbytes}", ErrorCode.SIZE_MISMATCH)
+            err.length = probe.length  # type: ignore[attr-defined]
         else:
             try:
                 op.req = self.worker.tag_recv_with_handle(op.arr, probe)
@@ -278,8 +307,39 @@ class Inbox:
             # (closing: nobody will claim it, and teardown does not drain the arrived table)
             self.drain(probe)
             return
+        n = probe.length
+        if self.max_message is not None and n > self.max_message:
+            self._refuse(probe, "drained_oversize", now)
+            return
+        if self._unclaimed >= self.max_unclaimed or self.unclaimed_bytes + n > self.max_unclaimed_bytes:
+            self._refuse(probe, "drained_over_budget", now)
+            return
         self._arrived.setdefault(tag, collections.deque()).append((probe, now))
+        self._unclaimed += 1
+        self.unclaimed_bytes += n
         self._stats["unexpected"] += 1
+
+    def _claimed(self, probe: Any) -> None:
+        """``probe``'s message left the unclaimed table."""
+        self._unclaimed -= 1
+        self.unclaimed_bytes -= probe.length
+
+    def _refuse(self, probe: Any, why: str, now: float) -> None:
+        """Drain an arrival nobody waits for at once (too large, or over the budget), and say
+        so now and then."""
+        tag, n = probe.sender_tag.value, probe.length
+        self.drain(probe)
+        self._stats[why] += 1
+        self._refused += 1
+        if now - self._warned_at >= WARN_EVERY_S:
+            log.warning("UCX messages nobody asked for drained on arrival (too large, or over the budget for "
+                        "unclaimed messages): a peer sending ahead of its credit, or something that is not the "
+                        "peer reaching this worker", peer=self.name, reason=why, tag=hex(tag), nbytes=n,
+                        drained=self._refused, unclaimed=self._unclaimed, unclaimed_bytes=self.unclaimed_bytes,
+                        max_message=self.max_message, max_unclaimed=self.max_unclaimed,
+                        max_unclaimed_bytes=self.max_unclaimed_bytes)
+            self._warned_at = now
+            self._refused = 0
 
     def reap_drains(self) -> None:
         """Forget the drains UCX has completed."""
@@ -296,7 +356,9 @@ class Inbox:
         for tag in [t for t, q in self._arrived.items() if q[0][1] + ttl <= now]:
             q = self._arrived[tag]
             while q and q[0][1] + ttl <= now:
-                self.drain(q.popleft()[0])
+                probe = q.popleft()[0]
+                self._claimed(probe)
+                self.drain(probe)
                 self._stats["unclaimed_expired"] += 1
             if not q:
                 del self._arrived[tag]
@@ -314,6 +376,7 @@ class Inbox:
             for probe, _ in q:
                 self.drain(probe)
         self._arrived.clear()
+        self._unclaimed = self.unclaimed_bytes = 0
 
     def release(self) -> list[tuple[Any, bytearray]]:
         """Let go of the worker; the drains UCX has not finished, whose scratch buffers must
