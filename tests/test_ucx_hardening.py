@@ -251,7 +251,7 @@ async def _seeded_transfer(tmp_sock_dir, engines, wrong: int):
         await fill_random(src)
         rs, rd = await prefill.register(src, block_bytes=MiB), await decode.register(dst, block_bytes=MiB)
         tid = ag["a1"]._tids + 1                   # the transfer id a1 allocates next
-        tag = ucx.tag_for(path._dir_in, tid, 0)    # its chunk 0 (64 MiB UCX chunks: its only one)
+        tag = path.tag_in(tid, 0)    # its chunk 0 (its only one), tagged as the peer does (ucx-keys.v1)
         att = Attacker(victim.local_address())
         try:
             await att.send_all([(tag, b"EVIL" * 25)] * wrong)

@@ -179,7 +179,7 @@ class PeerSession:
                        incarnation=self.host.incarnation, capabilities=self._capabilities(),
                        max_body=self.cfg.limits.max_body, max_chunk=MAX_CHUNK,
                        credit_bytes=self.cfg.transfer.credit_bytes, bulk_streams=self.configured_streams,
-                       ucx_address=self.data.address())
+                       ucx_address=self.data.address(), ucx_tag_key=self.data.tag_key())
 
     def _on_welcome(self, conn: FrameProtocol, msg: m.Welcome) -> None:
         """Dialer side. Adopted here, in the frame handler, so that frames the listener sent
@@ -222,7 +222,7 @@ class PeerSession:
                             max_chunk=MAX_CHUNK, credit_bytes=self.cfg.transfer.credit_bytes,
                             bulk_streams=self.configured_streams,
                             resumed=self.remote_incarnation == hello.incarnation,
-                            ucx_address=self.data.address())
+                            ucx_address=self.data.address(), ucx_tag_key=self.data.tag_key())
         conn.send(encode(FrameType.WELCOME, encode_body(welcome)))
         self._established(conn, hello.incarnation, hello)
         return welcome
@@ -250,6 +250,8 @@ class PeerSession:
         terms = negotiate(Limits(self.cfg.transfer.chunk_bytes, self.cfg.transfer.credit_bytes,
                                  self.configured_streams), info)
         self.remote_caps = terms.capabilities
+        keyed = "ucx-keys.v1" in terms.capabilities and "ucx-keys.v1" in self._capabilities()
+        self.data.use_tag_keys(info.ucx_tag_key if keyed else None)  # before anything is sent
         if isinstance(info, m.Welcome):
             self.remote_token = info.session
         self.chunk_bytes = terms.chunk_bytes

@@ -94,6 +94,14 @@ class DataPath(abc.ABC):
     def address(self) -> bytes:
         """What the peer needs to reach this path, sent in HELLO/WELCOME (empty: nothing)."""
 
+    def tag_key(self) -> int:
+        """This path's secret for the peer, sent in HELLO/WELCOME ``ucx_tag_key`` (0: none)."""
+        return 0
+
+    def use_tag_keys(self, peer_key: int | None) -> None:
+        """Each handshake, before :meth:`connected`: the peer's ``ucx_tag_key`` where both
+        agents advertised ``ucx-keys.v1``, None where either did not."""
+
     @abc.abstractmethod
     def connected(self, remote: bytes, *, streams: int) -> None:
         """The control connection is up; ``remote`` is the peer's :meth:`address`. Bring

@@ -14,7 +14,8 @@ Layout
   instances (:func:`acquire_loop` / :func:`release_loop`).
 * :mod:`.ucx_recv`: "pull" matching of arrived messages to receives, and what cancelling a
   receive guarantees (when ``recv`` returns or raises, UCX no longer touches the buffer).
-* :mod:`.ucx_tags`: :func:`tag_for` packs (direction, transfer id, index) into a UCX tag.
+* :mod:`.ucx_tags`: :func:`tag_for` packs (direction, transfer id, index) into a UCX tag;
+  :class:`TagKey` hides the transfer id behind a keyed permutation (``ucx-keys.v1``).
 * :mod:`.ucx_lib`: the lazy ``import ucxx`` (:func:`available`) and what it does to the
   process environment.
 
@@ -48,7 +49,12 @@ measured here:
   and its address is easily forged from the port). The agent therefore leaves ``tcp`` out by
   default (``transfer.ucx_tls``, :mod:`.ucx_path`), and bounds what may wait unclaimed
   (:class:`~.ucx_recv.Inbox`). Over shared memory a worker is reached by processes of the
-  host that learn its address (it carries no secret) and may attach its segments.
+  host that learn its address (it carries no secret) and may attach its segments. Between
+  agents that both advertise ``ucx-keys.v1`` the transfer id bits of every tag are keyed
+  (:class:`TagKey`, with a key that travels only in the TLS handshake), so such a process
+  cannot pre-seed the tags of transfers to come: its messages match no receive and wait
+  unclaimed until drained. It still can if it sees the tags in use (reads the fabric or the
+  shared-memory queues).
 """
 
 from __future__ import annotations
@@ -69,14 +75,16 @@ from .ucx_tags import (
     INDEX_BITS,
     MAX_INDEX,
     MAX_TRANSFER_ID,
+    TagKey,
+    plain,
     tag_for,
     tag_parts,
     transfer_prefix,
 )
 
 __all__ = ["CLOSE_S", "DIR_ACCEPTOR", "DIR_DIALER", "INDEX_BITS", "MAX_INDEX", "MAX_TRANSFER_ID", "SPIN_S",
-           "UCXX_IMPORT_ENV", "UcxLoop", "UcxPeer", "acquire_loop", "arelease_loop", "available", "release_loop",
-           "tag_for", "tag_parts", "transfer_prefix"]
+           "TagKey", "UCXX_IMPORT_ENV", "UcxLoop", "UcxPeer", "acquire_loop", "arelease_loop", "available", "plain",
+           "release_loop", "tag_for", "tag_parts", "transfer_prefix"]
 
 CLOSE_S = 2.0            # how long an endpoint close may take before the worker is abandoned
 

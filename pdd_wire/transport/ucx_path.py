@@ -18,11 +18,26 @@ window, which is at most the larger of the two). A message of the wrong size for
 is never written: the chunk is received again (its receive posted anew, the sender asked with
 ``KV_NACK`` as for a checksum failure), and after ``MAX_WRONG_SIZE`` such messages in one
 transfer the transfer fails (``MALFORMED_BODY``).
+
+Keyed tags (capability ``ucx-keys.v1``): each UCX worker comes with a random 64-bit key of its
+own (:meth:`UcxDataPath.tag_key`, renewed with the worker), sent to the peer in HELLO/WELCOME
+``ucx_tag_key``, only over the authenticated control connection. Where both agents advertised
+the capability, the transfer id bits of every tag are the transfer id permuted under the key
+of the agent that *receives* the chunk (:class:`~.ucx_tags.TagKey`), so a process that can
+reach a worker but is not its peer cannot tell the tags of transfers to come. The key lives as
+long as the worker, not the control connection: receives posted before a reconnect still match
+the chunks resent after it, and chunks sent before it still land where they belong (a second
+copy of one stays unclaimed until its transfer is forgotten or the unclaimed TTL passes, as
+without keys). A renewed worker has a new key and a new address; its first handshake carries
+both (messages for the old worker never reach the new one).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import secrets
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -71,7 +86,11 @@ class UcxDataPath(DataPath):
         self.log = self.tcp.log
         self.main = asyncio.get_running_loop()
         self.loop = ucx.acquire_loop(self.main, options=ucx_options(settings))
+        self._key = 0
         self.peer = self._new_peer()
+        self._peer_key: int | None = None   # the peer's ucx_tag_key where both agreed ucx-keys.v1
+        self._wire_out: Callable[[int], int] = ucx.plain   # transfer id -> its tag bits, outgoing
+        self._wire_in: Callable[[int], int] = ucx.plain    # and incoming
         self.ready = False  # endpoint to the peer's worker made (this connection)
         self._remote = b""
         self._dir_out = ucx.DIR_DIALER if settings.dialer else ucx.DIR_ACCEPTOR
@@ -81,6 +100,7 @@ class UcxDataPath(DataPath):
         self._wrong_size: dict[int, int] = {}   # transfer id -> messages of the wrong size so far
 
     def _new_peer(self) -> ucx.UcxPeer:
+        self._key = secrets.randbits(64) or 1   # a worker's own tag key (ucx-keys.v1)
         return ucx.UcxPeer(self.loop, name=self.settings.name, max_message=MAX_CHUNK, max_unclaimed=MAX_UNCLAIMED,
                            max_unclaimed_bytes=2 * max(self.settings.credit_bytes, MAX_CHUNK))
 
@@ -94,6 +114,33 @@ class UcxDataPath(DataPath):
 
     def address(self) -> bytes:
         return self.peer.local_address()
+
+    def tag_key(self) -> int:
+        """This worker's own tag key (HELLO/WELCOME ``ucx_tag_key``): made with the worker."""
+        return self._key
+
+    def use_tag_keys(self, peer_key: int | None) -> None:
+        self._peer_key = peer_key
+        self._rekey()
+
+    def _rekey(self) -> None:
+        """Which transfer ids the tags carry: keyed where both agreed ``ucx-keys.v1``, each
+        direction under its receiver's key (a peer key of 0: that direction plain)."""
+        if self._peer_key is None:
+            self._wire_out = self._wire_in = ucx.plain
+            return
+        # (cached: a permutation costs a few microseconds, once per transfer rather than per chunk)
+        out = ucx.TagKey(self._peer_key, self._dir_out) if self._peer_key else ucx.plain
+        self._wire_out = functools.lru_cache(maxsize=1024)(out)
+        self._wire_in = functools.lru_cache(maxsize=1024)(ucx.TagKey(self._key, self._dir_in))
+
+    def tag_out(self, tid: int, k: int) -> int:
+        """The UCX tag of chunk ``k`` of our transfer ``tid`` to the peer."""
+        return ucx.tag_for(self._dir_out, self._wire_out(tid), k)
+
+    def tag_in(self, tid: int, k: int) -> int:
+        """The UCX tag of chunk ``k`` of the peer's transfer ``tid`` to us."""
+        return ucx.tag_for(self._dir_in, self._wire_in(tid), k)
 
     def connected(self, remote: bytes, *, streams: int) -> None:
         if not remote:
@@ -118,11 +165,12 @@ class UcxDataPath(DataPath):
             return
         self._remote = remote
         self.ready = True
-        self.log.info("UCX endpoint up")
+        self.log.info("UCX endpoint up", tags="keyed (ucx-keys.v1)" if self._peer_key is not None else "plain")
         self.owner.lane_up(UCX_LANE)
 
     def _renew(self) -> None:
         old, self.peer, self.ready = self.peer, self._new_peer(), False
+        self._rekey()   # our incoming tags under the new worker's key; the next handshake sends it
         old.close()
         self.owner.lane_lost(UCX_LANE)
         self.owner.reconnect("the peer's UCX worker changed")
@@ -151,7 +199,7 @@ class UcxDataPath(DataPath):
             if exc is not None:
                 self._send_failed(tid, k, exc)
         try:
-            self.peer.start_send(ucx.tag_for(self._dir_out, tid, k), buf, done)
+            self.peer.start_send(self.tag_out(tid, k), buf, done)
         except (TransportError, RuntimeError) as exc:
             self.main.call_soon(self._send_failed, tid, k, exc)  # not inside the session's pump
 
@@ -190,7 +238,7 @@ class UcxDataPath(DataPath):
             else:
                 self._landed(tid, route, k, n)
         try:
-            self.peer.start_recv(ucx.tag_for(self._dir_in, tid, k), staging if staging is not None else views[0],
+            self.peer.start_recv(self.tag_in(tid, k), staging if staging is not None else views[0],
                                  done)
         except (TransportError, RuntimeError):
             route.settle(k, False)
@@ -233,7 +281,7 @@ class UcxDataPath(DataPath):
         self._wrong_size.pop(tid, None)
         if self.loop.running and not self.peer.closed:
             try:
-                await self.loop.run(self.peer.cancel_transfer(self._dir_in, tid, drain_s=5.0))
+                await self.loop.run(self.peer.cancel_transfer(self._dir_in, self._wire_in(tid), drain_s=5.0))
             except TransportError:
                 pass
 

@@ -16,7 +16,7 @@ MAX_CHUNK = 64 << 20
 
 #: What this implementation can do beyond the base protocol (advertised in Hello/Welcome).
 CAPABILITIES = ("kv.v1", "tokens.v1", "resume.v1", "handoff.v1", "abort.v1", "prefix.v1", "lz4.v1", "fleet.v1",
-                "offer.v1", "inline.v1")
+                "offer.v1", "inline.v1", "ucx-keys.v1")
 
 
 def choose_version(offered: list[int], supported: Iterable[int] = SUPPORTED_VERSIONS) -> int:

@@ -86,6 +86,7 @@ class Hello(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     credit_bytes: CreditBytes = 256 << 20  # bytes of unacknowledged KV this side accepts in flight
     bulk_streams: Streams = 4
     ucx_address: Annotated[bytes, Meta(max_length=65536)] = b""  # UCX worker address; empty = TCP only
+    ucx_tag_key: U64 = 0  # the key of the tags this side receives (ucx-keys.v1); 0 = none
 
 
 class Welcome(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
@@ -103,6 +104,7 @@ class Welcome(msgspec.Struct, frozen=True, forbid_unknown_fields=False):
     bulk_streams: Streams = 4
     resumed: bool = False  # same incarnations as the last session: transfers resume
     ucx_address: Annotated[bytes, Meta(max_length=65536)] = b""
+    ucx_tag_key: U64 = 0
 
 
 class BulkHello(msgspec.Struct, frozen=True, forbid_unknown_fields=False):

@@ -140,7 +140,7 @@ class Vectors:
 def build(v: Vectors) -> None:
     hello = m.Hello(versions=[1], site="A", node="a1", incarnation=INCARNATION_A,
                     capabilities=["kv.v1", "tokens.v1", "resume.v1"], max_body=1 << 20, max_chunk=64 << 20,
-                    credit_bytes=256 << 20, bulk_streams=4)
+                    credit_bytes=256 << 20, bulk_streams=4, ucx_tag_key=0xF0E1D2C3B4A59687)
     v.ok("hello", "HELLO from the dialer A/a1 (map body, every field present)", frame(FrameType.HELLO, hello))
 
     v.ok("hello_minimal_future",
