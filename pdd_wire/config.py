@@ -90,6 +90,10 @@ class Limits(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     max_handshakes: int = 64  # inbound WAN connections not yet through HELLO / BULK_HELLO (oldest cut first)
     engine_queue_bytes: int = 64 * MiB  # unread events for one engine before it is cut off as stuck
     control_buffer_bytes: int = 64 * MiB  # unsent bytes on a peer's control connection before it is failed
+    # Token IDs relayed to one peer and not yet acknowledged (kept for resend), each frame kept
+    # counted as 5 more (its own memory): beyond it send_tokens gets LIMIT_EXCEEDED. About 40 bytes
+    # of the agent's memory each (2 097 152: ~80 MiB per peer at most).
+    max_unacked_tokens: int = 1 << 21
 
 
 class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -341,6 +345,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("limits.max_body", "must be 4 KiB..16 MiB")
     if cfg.limits.control_buffer_bytes < 4 * cfg.limits.max_body:
         raise ConfigError("limits.control_buffer_bytes", "must be at least 4 x limits.max_body")
+    if cfg.limits.max_unacked_tokens < 2 * cfg.limits.max_tokens_per_frame:
+        raise ConfigError("limits.max_unacked_tokens", "must be at least 2 x limits.max_tokens_per_frame")
     for f in msgspec.structs.fields(Timeouts):
         if f.name != "loop_stall_warn_s":  # 0: not watched
             _positive(f"timeouts.{f.name}", getattr(cfg.timeouts, f.name))

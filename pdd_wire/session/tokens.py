@@ -4,6 +4,14 @@ Token frames take the TOKEN lane of the control connection: they never queue beh
 moves on the data path. The sender keeps every frame until TOKENS_ACK covers it and sends the
 unacknowledged ones again after a reconnect; the receiver delivers each index once, drops what
 it already delivered, and asks for a resend when it sees a gap. Rules: ``proto/transfer.md``.
+
+Frames are written *paced*: only while the control connection has room (half of
+``limits.control_buffer_bytes`` unsent, :meth:`FrameProtocol.paced_room`), the rest as it drains,
+one frame per stream in turn. A resend after a reconnect, or any burst of tokens, so never trips
+``PEER_NOT_READING`` by itself; new frames of a stream queue behind its resend, and tokens queued
+for a stream (not written yet) join its last unwritten frame. What is kept for one peer is bounded
+by ``limits.max_unacked_tokens``; a peer that takes none of what waits for
+``timeouts.dead_after_s`` is cut as not reading.
 """
 
 from __future__ import annotations
@@ -11,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from ..errors import ErrorCode, PddWireError
+from ..errors import ErrorCode, PddWireError, TransportError
 from ..wire import FrameType, Lane
 from ..wire import messages as m
 
@@ -23,6 +32,9 @@ if TYPE_CHECKING:
 
 
 MAX_UNACKED_TOKENS = 1 << 20
+#: A frame kept for resend counts as this many token IDs more toward ``limits.max_unacked_tokens``:
+#: its tuple, list, sequence number and time take about 200 bytes, a token ID about 40.
+FRAME_COST = 5
 #: Tokens relayed for a request no engine here owns yet are held for an owner to claim, per peer:
 #: at most this many requests ...
 MAX_HELD_REQUESTS = 1024
@@ -36,6 +48,19 @@ DROP_LOG_S = 1.0
 RESEND_MIN_INTERVAL_S = 0.05
 
 
+class PacedConn(Protocol):
+    """What pacing needs of a control connection (a :class:`~pdd_wire.transport.tcp.FrameProtocol`)."""
+
+    closed: bool
+    on_drain: Callable[[], None] | None
+
+    @property
+    def unsent(self) -> int: ...
+    def paced_room(self) -> int: ...
+    def fail(self, exc: BaseException) -> None: ...
+    def abort(self) -> None: ...
+
+
 class TokenLink(Protocol):
     """What the relay needs of its session (a :class:`~pdd_wire.session.PeerSession`)."""
 
@@ -46,22 +71,32 @@ class TokenLink(Protocol):
     peer_max_body: int
 
     @property
+    def control(self) -> PacedConn | None: ...
+    @property
     def rtt_s(self) -> float | None: ...
     def send_frame(self, ftype: int, body: Any, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool: ...
     def tokens_arrived(self, msg: m.Tokens) -> None: ...
 
 
 class TokenStream:
-    """Outgoing token IDs of one request: sent but unacknowledged frames are kept for resend."""
+    """Outgoing token IDs of one request: unacknowledged frames are kept for resend."""
 
-    __slots__ = ("next_seq", "unacked", "pending", "handoff", "resent_at")
+    __slots__ = ("next_seq", "unacked", "queued", "pending", "handoff", "resent_at")
 
     def __init__(self, handoff: bool = False) -> None:
         self.next_seq = 0
-        self.pending = 0
+        self.pending = 0  # token IDs in unacked
         self.resent_at = float("-inf")  # when the unacknowledged frames were last sent again on request
         self.handoff = handoff  # every frame of the stream carries the TOKENS handoff flag
+        #: Every frame not acknowledged, (seq, tokens, first queued), in seq order ...
         self.unacked: collections.deque[tuple[int, list[int], float]] = collections.deque()
+        #: ... and its tail not yet written on the current connection (the same tuples).
+        self.queued: collections.deque[tuple[int, list[int], float]] = collections.deque()
+
+    @property
+    def cost(self) -> int:
+        """What the stream counts toward ``limits.max_unacked_tokens``."""
+        return self.pending + FRAME_COST * len(self.unacked)
 
 
 class TokenRelay:
@@ -79,11 +114,19 @@ class TokenRelay:
         self._held_timer: asyncio.TimerHandle | None = None  # the oldest held request's expiry
         self._drops_unlogged = 0
         self._drop_logged_at = 0.0
+        self.ready: collections.OrderedDict[str, None] = collections.OrderedDict()  # streams with queued frames
+        self.backlog = 0  # what tok_out counts toward limits.max_unacked_tokens
+        self._pumping = False
+        self._waiting_on: PacedConn | None = None  # the connection whose drain the queued frames wait for
+        self._stall: asyncio.TimerHandle | None = None  # ... and the check that it drains at all
 
     def clear(self) -> None:
         """The peer restarted: its streams are gone, and so are ours to it."""
         self.tok_out.clear()
         self.tok_in.clear()
+        self.ready.clear()
+        self.backlog = 0
+        self._unwatch()
         self._release_held(list(self.held), "unowned")
 
     def close(self) -> None:
@@ -93,10 +136,15 @@ class TokenRelay:
             self._held_timer = None
         self.held.clear()
         self.held_tokens = 0
+        self.ready.clear()
+        self._unwatch()
 
     def drop(self, request_id: str) -> None:
         """The request is dead: forget its streams both ways (nothing is resent)."""
-        self.tok_out.pop(request_id, None)
+        ts = self.tok_out.pop(request_id, None)
+        if ts is not None:
+            self.backlog -= ts.cost
+        self.ready.pop(request_id, None)
         self.tok_in.pop(request_id, None)
         self._release_held([request_id], "unowned")
 
@@ -169,14 +217,29 @@ class TokenRelay:
             self._drops_unlogged = 0
             self._drop_logged_at = now
 
+    # -- sending, paced ----------------------------------------------------------------------
     def resend_unacked(self) -> None:
+        """The control connection is back (same incarnation): every unacknowledged frame goes
+        again, per stream in ``seq`` order, as the new connection takes them."""
+        self._unwatch()
+        self.ready.clear()
         for rid, ts in self.tok_out.items():
-            for seq, toks, _ in ts.unacked:
-                self.s.send_frame(FrameType.TOKENS, m.Tokens(rid, seq, toks, ts.handoff), lane=Lane.TOKEN)
+            ts.queued = collections.deque(ts.unacked)
+            if ts.queued:
+                self.ready[rid] = None
+        self.pump()
 
     def send(self, request_id: str, tokens: list[int], *, handoff: bool = False) -> int:
         """Queue token IDs for ``request_id``; returns the sequence number of the first one.
         Frames carry at most ``limits.max_tokens_per_frame`` tokens."""
+        # A token ID takes at most 9 bytes of msgpack; the rest of the body is the request id.
+        room = (self.s.peer_max_body - 64 - len(request_id.encode())) // 9
+        step = max(1, min(self.s.cfg.limits.max_tokens_per_frame, room))
+        cap = self.s.cfg.limits.max_unacked_tokens
+        if self.backlog + len(tokens) + FRAME_COST * -(-len(tokens) // step) > cap:
+            raise PddWireError(f"over limits.max_unacked_tokens ({cap}) token IDs unacknowledged by peer "
+                               f"{self.s.key} (each frame kept counts {FRAME_COST} more): it is down or does not "
+                               "acknowledge them", ErrorCode.LIMIT_EXCEEDED)
         ts = self.tok_out.get(request_id)
         if ts is None:
             self._evict_token_streams()
@@ -187,19 +250,105 @@ class TokenRelay:
             raise PddWireError(f"over {MAX_UNACKED_TOKENS} unacknowledged tokens for request {request_id!r}",
                                ErrorCode.LIMIT_EXCEEDED)
         first = ts.next_seq
-        # A token ID takes at most 9 bytes of msgpack; the rest of the body is the request id.
-        room = (self.s.peer_max_body - 64 - len(request_id.encode())) // 9
-        step = max(1, min(self.s.cfg.limits.max_tokens_per_frame, room))
+        ts.next_seq += len(tokens)
+        ts.pending += len(tokens)
+        self.backlog += len(tokens)
+        i = 0
+        if ts.queued and len(ts.queued[-1][1]) < step:
+            # The stream's last frame is not written yet (the connection is down or full): the
+            # tokens join it. Safe even if an earlier connection carried it: the receiver delivers
+            # only the indexes past what it has.
+            tail = ts.queued[-1][1]
+            i = min(len(tokens), step - len(tail))
+            tail.extend(tokens[:i])
         now = time.monotonic()
-        for i in range(0, len(tokens), step):
+        while i < len(tokens):
             part = tokens[i:i + step]
-            seq = ts.next_seq
-            ts.next_seq += len(part)
-            ts.pending += len(part)
-            ts.unacked.append((seq, part, now))
-            self.s.send_frame(FrameType.TOKENS, m.Tokens(request_id, seq, part, ts.handoff), lane=Lane.TOKEN)
+            ts.unacked.append(frame := (first + i, part, now))
+            ts.queued.append(frame)
+            self.backlog += FRAME_COST
+            i += len(part)
+        if ts.queued:
+            self.ready[request_id] = None  # (a stream already waiting keeps its turn)
         self.s.metrics.child(self.s.metrics.tokens, self.s.key, "tx").inc(len(tokens))
+        self.pump()
         return first
+
+    def pump(self) -> None:
+        """Write queued frames while the control connection has room, one frame per stream in
+        turn (each stream's in ``seq`` order); the rest waits for the connection to drain."""
+        conn = self.s.control
+        if conn is None or conn.closed or self._pumping:
+            return  # down: everything waits for the reconnect (resend_unacked)
+        self._pumping = True
+        try:
+            while self.ready:
+                if conn.paced_room() <= 0:
+                    self._watch(conn)
+                    return
+                rid = next(iter(self.ready))
+                ts = self.tok_out.get(rid)
+                if ts is None or not ts.queued:
+                    del self.ready[rid]
+                    continue
+                seq, part, _ = ts.queued[0]
+                if not self.s.send_frame(FrameType.TOKENS, m.Tokens(rid, seq, part, ts.handoff), lane=Lane.TOKEN):
+                    return  # the connection failed: the reconnect resends
+                ts.queued.popleft()
+                if ts.queued:
+                    self.ready.move_to_end(rid)
+                else:
+                    del self.ready[rid]
+            self._unwatch()
+        finally:
+            self._pumping = False
+
+    def _watch(self, conn: PacedConn) -> None:
+        """Wait for ``conn`` to drain; if it takes nothing for ``timeouts.dead_after_s`` the peer
+        does not read (it may still send: its silence would be caught by the heartbeat)."""
+        if self._waiting_on is not conn:
+            self._unwatch()
+            self._waiting_on = conn
+            conn.on_drain = self._drained
+        if self._stall is None:
+            loop = asyncio.get_running_loop()
+            wait = self.s.cfg.timeouts.dead_after_s
+            self._stall = loop.call_later(wait, self._stalled, conn, conn.unsent, loop.time() + wait)
+
+    def _unwatch(self) -> None:
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        if self._waiting_on is not None:
+            self._waiting_on.on_drain = None
+            self._waiting_on = None
+
+    def _drained(self) -> None:
+        """The connection took bytes (below its low-water mark, or a write without filling it)."""
+        if self._stall is not None:
+            self._stall.cancel()
+            self._stall = None
+        self.pump()
+
+    def _stalled(self, conn: PacedConn, unsent: int, due: float) -> None:
+        self._stall = None
+        if conn is not self.s.control or conn.closed or conn is not self._waiting_on:
+            return
+        if not self.ready:  # acknowledged or dropped meanwhile: nothing waits
+            self._unwatch()
+            return
+        wait = self.s.cfg.timeouts.dead_after_s
+        late = asyncio.get_running_loop().time() - due
+        if conn.unsent < unsent or late > max(self.s.cfg.timeouts.heartbeat_s, 1.0):
+            self._watch(conn)  # it took some; or this process did not run (as the dead-peer check)
+            return
+        exc = TransportError(f"{conn.unsent} bytes unsent and none taken in {wait}s while token frames wait: "
+                             "the peer does not read", ErrorCode.PEER_NOT_READING)
+        self.s.metrics.error(exc.code)
+        self.s.log.warning("control connection failed: the peer does not read", error=str(exc), code=exc.code.name)
+        self._unwatch()
+        conn.fail(exc)
+        conn.abort()  # what waits goes now: the ERROR frame would only queue behind it
 
     def _evict_token_streams(self) -> None:
         """Bound the streams kept: forget the least recently used ones with nothing unacknowledged."""
@@ -245,10 +394,16 @@ class TokenRelay:
         while ts.unacked and ts.unacked[0][0] + len(ts.unacked[0][1]) <= msg.next_seq:
             _, part, sent = ts.unacked.popleft()
             ts.pending -= len(part)
+            self.backlog -= len(part) + FRAME_COST
             self.s.metrics.token_seconds.observe(now - sent)
+        while ts.queued and ts.queued[0][0] + len(ts.queued[0][1]) <= msg.next_seq:
+            ts.queued.popleft()  # delivered on an earlier connection: not written again
+        if not ts.queued:
+            self.ready.pop(msg.request_id, None)
         if msg.resend and ts.unacked:
             if now - ts.resent_at < max(RESEND_MIN_INTERVAL_S, self.s.rtt_s or 0.0):
                 return  # the last resend is still on its way: this request asks for nothing new
             ts.resent_at = now
-            for seq, part, _ in ts.unacked:
-                self.s.send_frame(FrameType.TOKENS, m.Tokens(msg.request_id, seq, part, ts.handoff), lane=Lane.TOKEN)
+            ts.queued = collections.deque(ts.unacked)
+            self.ready[msg.request_id] = None
+            self.pump()

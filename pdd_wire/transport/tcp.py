@@ -276,6 +276,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         #: Called when the turn's frames are about to be written (also by fail/close/abort), while
         #: the connection is open; it may send more (a session's ranged acks, :meth:`flush_soon`).
         self.on_flush: Callable[[], None] | None = None
+        #: Set by a paced writer waiting for :meth:`paced_room`: called, while the connection is
+        #: open, after each write that left the transport below its high-water mark and when a
+        #: full one drained to its low-water mark (a control connection's marks are 1/4 and 1/8 of
+        #: ``max_unsent``, below the paced share: a writer that ran out of room is always called).
+        self.on_drain: Callable[[], None] | None = None
+        self._writing_paused = False
 
     def _sink(self, header, body):
         if self.payload_sink is None:
@@ -303,6 +309,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._fd = (sock.fileno() if self.bulk and sock is not None and transport.get_extra_info("ssl_object") is None
                     else -1)
         self.peer_names = peer_certificate_names(transport)
+        if self.max_unsent and self.coalesce:  # see on_drain
+            transport.set_write_buffer_limits(high=self.max_unsent // 4, low=self.max_unsent // 8)
         if not self.connected.done():
             self.connected.set_result(None)
 
@@ -336,6 +344,20 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def eof_received(self) -> bool:
         return False
 
+    def pause_writing(self) -> None:
+        self._writing_paused = True
+
+    def resume_writing(self) -> None:
+        self._writing_paused = False
+        self._drained()
+
+    def _drained(self) -> None:
+        if self.on_drain is not None and not self._writing_paused and self._open():
+            try:
+                self.on_drain()
+            except Exception:  # a bug there must not stop this connection's writes
+                _log.exception("control connection: drain callback failed")
+
     def connection_lost(self, exc) -> None:
         first = not self.closed
         self.closed = True
@@ -350,6 +372,17 @@ class FrameProtocol(asyncio.BufferedProtocol):
             cb()
 
     # use ------------------------------------------------------------------------------
+    @property
+    def unsent(self) -> int:
+        """Bytes sent and not yet taken by the kernel: this turn's queue and the transport's buffer."""
+        return self._queued + (self.transport.get_write_buffer_size() if self.transport is not None else 0)
+
+    def paced_room(self) -> int:
+        """Bytes a paced writer (resent and queued TOKENS) may still send now: up to half of
+        ``max_unsent``, the other half left to the frames that are not paced, so that pacing
+        alone never trips ``PEER_NOT_READING``. No cap: unbounded."""
+        return self.max_unsent // 2 - self.unsent if self.max_unsent else 1 << 62
+
     def send(self, buffers, *, now: bool = False) -> None:
         """Queue a frame's buffers (from :func:`pdd_wire.wire.encode`); memoryviews are not copied
         on bulk connections. There is no drain: what a session queues on its bulk connections is
@@ -412,8 +445,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def _open(self) -> bool:
         return self.transport is not None and not self.closed and not self.transport.is_closing()
 
-    def _flush(self) -> None:
-        """Hand this turn's frames to the transport as one write (a no-op once flushed)."""
+    def _flush(self, drain: bool = True) -> None:
+        """Hand this turn's frames to the transport as one write (a no-op once flushed); ``drain``:
+        then call ``on_drain`` if the transport took them (not before the connection ends)."""
         if self.on_flush is not None and self._open():
             self._flush_due = True  # what on_flush sends joins this write (no second flush)
             try:
@@ -429,6 +463,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             return  # closed with nothing flushed: what fail/close/abort did not flush is dropped
         assert self.transport is not None
         self.transport.write(queue[0] if len(queue) == 1 else b"".join(queue))
+        if drain:
+            self._drained()
 
     def fail(self, exc: BaseException) -> None:
         """Send an ERROR frame naming ``exc`` (best effort) and abort the connection."""
@@ -439,7 +475,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.closed = True
             return
         code = getattr(exc, "code", ErrorCode.INTERNAL)
-        self._flush()  # what was sent before the failure goes first
+        self._flush(drain=False)  # what was sent before the failure goes first
         try:
             self.transport.write(error_frame(code, str(exc)))
         except Exception:
@@ -455,12 +491,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         if self.transport is None:
             self.closed = True
         elif not self.closed:
-            self._flush()  # handed to the kernel as far as it takes it, as an unqueued send was
+            self._flush(drain=False)  # handed to the kernel as far as it takes it, as an unqueued send was
             self.transport.abort()
 
     def close(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
-            self._flush()
+            self._flush(drain=False)
             self.transport.close()
 
 
