@@ -99,6 +99,9 @@ class Metrics:
                                        ["peer"], registry=r)
         self.compression_saved = Gauge(p + "compression_bytes_saved", "Bytes not sent thanks to lz4 (so far)",
                                        ["peer"], registry=r)
+        self.tokens_unacked = Gauge(p + "tokens_unacked", "Token IDs relayed to a peer and not yet acknowledged, "
+                                    "each frame kept counting 5 more (limits.max_unacked_tokens)", ["peer"],
+                                    registry=r)
         self.handoffs = Counter(p + "handoffs", "Handoffs settled, by role, mode and reason (who owns the output)",
                                 ["role", "mode", "reason"], registry=r)
         self.handoff_modes = Counter(p + "handoff_modes", "Handoff modes chosen by RLD, by reason",

@@ -120,6 +120,7 @@ async def test_the_per_peer_cap_refuses_send_tokens_with_the_named_limit(tmp_soc
         assert f"limits.max_unacked_tokens ({cap})" in str(refused.value) and "B/b1" in str(refused.value)
         assert cap - 2 * 8192 < accepted <= cap  # what was kept stayed within the cap (frames count too)
         assert a.sessions["B/b1"].tokens.backlog <= cap
+        assert metric(a, "pddwire_tokens_unacked", peer="B/b1") == a.sessions["B/b1"].tokens.backlog > cap // 2
         # Another request to the same peer is refused too: the cap is per peer.
         with pytest.raises(EngineRequestError):
             await ea.send_tokens("another", "B", ids(9, 0, 1000))
@@ -127,5 +128,6 @@ async def test_the_per_peer_cap_refuses_send_tokens_with_the_named_limit(tmp_soc
         await eb.expect_tokens("capped-0", "A")
         relay.reject_new(False)
         await until(lambda: a.sessions["B/b1"].tokens.backlog == 0, what="the backlog acknowledged")
+        assert metric(a, "pddwire_tokens_unacked", peer="B/b1") == 0
         assert await ea.send_tokens("another", "B", ids(9, 0, 1000)) == 0
         assert not_reading(a, b) == 0

@@ -120,6 +120,16 @@ class TokenRelay:
         self._waiting_on: PacedConn | None = None  # the connection whose drain the queued frames wait for
         self._stall: asyncio.TimerHandle | None = None  # ... and the check that it drains at all
 
+    @property
+    def backlog(self) -> int:
+        """What ``tok_out`` counts toward ``limits.max_unacked_tokens`` (pddwire_tokens_unacked)."""
+        return self._backlog
+
+    @backlog.setter
+    def backlog(self, n: int) -> None:
+        self._backlog = n
+        self.s.metrics.child(self.s.metrics.tokens_unacked, self.s.key).set(n)
+
     def clear(self) -> None:
         """The peer restarted: its streams are gone, and so are ours to it."""
         self.tok_out.clear()
