@@ -52,9 +52,10 @@ measured here:
   host that learn its address (it carries no secret) and may attach its segments. Between
   agents that both advertise ``ucx-keys.v1`` the transfer id bits of every tag are keyed
   (:class:`TagKey`, with a key that travels only in the TLS handshake), so such a process
-  cannot pre-seed the tags of transfers to come: its messages match no receive and wait
-  unclaimed until drained. It still can if it sees the tags in use (reads the fabric or the
-  shared-memory queues).
+  cannot pre-seed the tags of transfers to come: its messages match no receive and, their tags
+  being of no transfer the peer could be sending, are drained on arrival without taking any of
+  the unclaimed budget the peer's early chunks need (:mod:`.ucx_path`). It still can if it sees
+  the tags in use (reads the fabric or the shared-memory queues).
 """
 
 from __future__ import annotations
@@ -105,16 +106,19 @@ class UcxPeer:
     """One peer agent over UCX. Construct from any thread (the worker is made on the UCX
     loop's thread); its operations run on the :class:`UcxLoop`'s event loop only. The engine
     drives it as a :class:`~.ucx_loop.Driven` (:meth:`poll`, :meth:`arm`, :meth:`sweep`,
-    :meth:`begin_close`). ``max_message``, ``max_unclaimed``, ``max_unclaimed_bytes`` bound
-    the messages that wait for their receive (:class:`~.ucx_recv.Inbox`)."""
+    :meth:`begin_close`). ``admit``, ``max_message``, ``max_unclaimed``, ``max_unclaimed_bytes``
+    bound the messages that wait for their receive (:class:`~.ucx_recv.Inbox`; ``admit(tag)``
+    runs on the UCX loop's thread)."""
 
     def __init__(self, ucx: UcxLoop, name: str = "", *, max_message: int | None = None,
-                 max_unclaimed: int = MAX_UNCLAIMED, max_unclaimed_bytes: int = MAX_UNCLAIMED_BYTES) -> None:
+                 max_unclaimed: int = MAX_UNCLAIMED, max_unclaimed_bytes: int = MAX_UNCLAIMED_BYTES,
+                 admit: Callable[[int], bool] | None = None) -> None:
         if not ucx.running:
             raise TransportError("UCX loop is not running")
         self.ucx = ucx
         self.name = name
         self._limits = (max_message, max_unclaimed, max_unclaimed_bytes)
+        self._admit = admit
         self._m = load()
         self._closed = False
         self._ep = None
@@ -137,7 +141,7 @@ class UcxPeer:
         max_message, max_unclaimed, max_unclaimed_bytes = self._limits
         self._inbox = Inbox(self._worker, self._m, self.ucx, self.stats, self._track, name=self.name,
                             max_message=max_message, max_unclaimed=max_unclaimed,
-                            max_unclaimed_bytes=max_unclaimed_bytes)
+                            max_unclaimed_bytes=max_unclaimed_bytes, admit=self._admit)
         self._any_tag = self._m.Tag(0)
         self._any_mask = self._m.TagMask(0)
         self.ucx.attach(self)

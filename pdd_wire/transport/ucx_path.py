@@ -11,13 +11,28 @@ address is easily forged from the port) and send it tagged messages. ``""`` leav
 to UCX (``UCX_TLS`` from the environment, else every transport). The shared UCX context takes
 the setting of the first session that makes it (every session of an agent has the same).
 
-What may wait for its receive is bounded (:class:`~.ucx_recv.Inbox`): a message larger than
-``MAX_CHUNK`` is drained on arrival, and so is one past ``MAX_UNCLAIMED`` messages or
-``2 x max(credit_bytes, MAX_CHUNK)`` bytes (what a sender can have in flight is one credit
-window, which is at most the larger of the two). A message of the wrong size for a posted chunk
-is never written: the chunk is received again (its receive posted anew, the sender asked with
-``KV_NACK`` as for a checksum failure), and after ``MAX_WRONG_SIZE`` such messages in one
-transfer the transfer fails (``MALFORMED_BODY``).
+What may wait for its receive is bounded (:class:`~.ucx_recv.Inbox`). A chunk often arrives
+before its receive is posted (an offered transfer's chunks leave right behind its KV_BEGIN), so
+it must find room; what a process that is not the peer sends must not take that room:
+
+* only a *plausible* tag may wait (:meth:`UcxDataPath._admit`): its direction bit is the peer's
+  (the tags of the transfers it allocated), and where tags are keyed its transfer id bits invert
+  to a transfer id of 1 .. ``AHEAD_TIDS`` past the highest this path has posted receives for
+  (the peer counts its transfer ids over all its peers, so it may have moved on a good way).
+  Anything else is drained on arrival (``drained_implausible``) and counts toward no budget.
+  Under keys a tag made without the key passes with odds of about ``AHEAD_TIDS / 2^40``
+  (2^-20); with plain tags any tag of the peer's direction does;
+* a message larger than ``MAX_CHUNK`` is drained on arrival, and so is one past
+  :func:`unclaimed_limit` messages (one credit window of the smallest chunks a peer may send,
+  twice: ``2 x credit_bytes / MIN_CHUNK``, at least ``MAX_UNCLAIMED``, at most
+  ``MAX_UNCLAIMED_CAP``) or ``2 x max(credit_bytes, MAX_CHUNK)`` bytes (what a sender can have
+  in flight is one credit window, which is at most the larger of the two).
+
+A message of the wrong size for a posted chunk is never written: the chunk is received again
+(its receive posted anew, the sender asked with ``KV_NACK`` as for a checksum failure, and the
+receiver told why: :attr:`UcxDataPath.nack_reason`), unless its transfer is being forgotten or
+the path closed; after ``MAX_WRONG_SIZE`` such messages in one transfer the transfer fails
+(``MALFORMED_BODY``).
 
 Keyed tags (capability ``ucx-keys.v1``): each UCX worker comes with a random 64-bit key of its
 own (:meth:`UcxDataPath.tag_key`, renewed with the worker), sent to the peer in HELLO/WELCOME
@@ -45,14 +60,26 @@ import structlog
 from ..errors import ErrorCode, TransportError
 from ..memory import scatter
 from ..wire.handshake import MAX_CHUNK
+from ..wire.messages import MIN_CHUNK
 from . import ucx
 from .base import BulkOwner, DataPath
 from .route import Route
 from .tcp_path import PathSettings, TcpDataPath
 
 UCX_LANE = -1
-MAX_UNCLAIMED = 4096   # UCX messages waiting for their receive, per peer
-MAX_WRONG_SIZE = 3     # messages of the wrong size for posted chunks one transfer survives
+MAX_UNCLAIMED = 4096          # UCX messages waiting for their receive, per peer: at least
+MAX_UNCLAIMED_CAP = 1 << 14   # and at most this: UCX holds about 9 KiB per message however small (~150 MiB)
+AHEAD_TIDS = 1 << 20          # how far past the highest transfer id seen a keyed tag may be
+ADMITTED_CACHE = 4096         # transfer-id prefixes whose admission is remembered (keyed tags)
+MAX_WRONG_SIZE = 3            # messages of the wrong size for posted chunks one transfer survives
+WRONG_SIZE = "wrong_size"     # UcxDataPath.nack_reason: a message of another length came for the chunk
+
+
+def unclaimed_limit(credit_bytes: int) -> int:
+    """How many UCX messages may wait for their receive, per peer: a sender may have one credit
+    window in flight before the receives are posted, in chunks no smaller than ``MIN_CHUNK``
+    (a transfer's last chunk may be smaller: hence twice), bounded on both sides."""
+    return max(MAX_UNCLAIMED, min(2 * credit_bytes // MIN_CHUNK, MAX_UNCLAIMED_CAP))
 
 
 def ucx_options(settings: PathSettings) -> dict[str, str]:
@@ -87,6 +114,13 @@ class UcxDataPath(DataPath):
         self.main = asyncio.get_running_loop()
         self.loop = ucx.acquire_loop(self.main, options=ucx_options(settings))
         self._key = 0
+        self._invert_in: Callable[[int], int] | None = None   # incoming tag bits -> transfer id (keyed)
+        self._admitted: dict[int, int] = {}   # tag prefix -> its transfer id, for prefixes admitted (keyed)
+        self._max_in = 0                      # the highest incoming transfer id receives were posted for
+        self._forgetting: set[int] = set()    # transfer ids whose forget() is under way
+        #: Why the chunk being reported (``chunk_arrived``, ``ok`` False) did not land, when that is
+        #: not a bad checksum (:data:`WRONG_SIZE`); read by the receiver during that call only.
+        self.nack_reason: str | None = None
         self.peer = self._new_peer()
         self._peer_key: int | None = None   # the peer's ucx_tag_key where both agreed ucx-keys.v1
         self._wire_out: Callable[[int], int] = ucx.plain   # transfer id -> its tag bits, outgoing
@@ -101,8 +135,9 @@ class UcxDataPath(DataPath):
 
     def _new_peer(self) -> ucx.UcxPeer:
         self._key = secrets.randbits(64) or 1   # a worker's own tag key (ucx-keys.v1)
-        return ucx.UcxPeer(self.loop, name=self.settings.name, max_message=MAX_CHUNK, max_unclaimed=MAX_UNCLAIMED,
-                           max_unclaimed_bytes=2 * max(self.settings.credit_bytes, MAX_CHUNK))
+        return ucx.UcxPeer(self.loop, name=self.settings.name, max_message=MAX_CHUNK,
+                           max_unclaimed=unclaimed_limit(self.settings.credit_bytes),
+                           max_unclaimed_bytes=2 * max(self.settings.credit_bytes, MAX_CHUNK), admit=self._admit)
 
     @property
     def active(self) -> str:
@@ -126,13 +161,39 @@ class UcxDataPath(DataPath):
     def _rekey(self) -> None:
         """Which transfer ids the tags carry: keyed where both agreed ``ucx-keys.v1``, each
         direction under its receiver's key (a peer key of 0: that direction plain)."""
+        self._admitted = {}
         if self._peer_key is None:
             self._wire_out = self._wire_in = ucx.plain
+            self._invert_in = None
             return
         # (cached: a permutation costs a few microseconds, once per transfer rather than per chunk)
         out = ucx.TagKey(self._peer_key, self._dir_out) if self._peer_key else ucx.plain
+        key_in = ucx.TagKey(self._key, self._dir_in)
         self._wire_out = functools.lru_cache(maxsize=1024)(out)
-        self._wire_in = functools.lru_cache(maxsize=1024)(ucx.TagKey(self._key, self._dir_in))
+        self._wire_in = functools.lru_cache(maxsize=1024)(key_in)
+        self._invert_in = key_in.invert
+
+    def _admit(self, tag: int) -> bool:
+        """Whether a message tagged ``tag`` that no receive waits for may wait for one (the UCX
+        loop's thread, once per such arrival): its direction is the peer's, and where tags are
+        keyed its transfer id is 1 .. ``AHEAD_TIDS`` past the highest one receives were posted
+        for. The inverse permutation (4 BLAKE2b) is remembered per admitted transfer (its chunks
+        share the prefix), never for a refused one (a flood of random tags fills nothing)."""
+        if tag >> 63 != self._dir_in:
+            return False
+        invert = self._invert_in
+        if invert is None:   # plain tags: a tag of any transfer id may be the peer's
+            return True
+        prefix = tag >> ucx.INDEX_BITS
+        if prefix in self._admitted:
+            return True
+        tid = invert(prefix & ucx.MAX_TRANSFER_ID)
+        if not 0 < tid <= self._max_in + AHEAD_TIDS:
+            return False
+        if len(self._admitted) >= ADMITTED_CACHE:
+            self._admitted.clear()
+        self._admitted[prefix] = tid
+        return True
 
     def tag_out(self, tid: int, k: int) -> int:
         """The UCX tag of chunk ``k`` of our transfer ``tid`` to the peer."""
@@ -165,7 +226,9 @@ class UcxDataPath(DataPath):
             return
         self._remote = remote
         self.ready = True
-        self.log.info("UCX endpoint up", tags="keyed (ucx-keys.v1)" if self._peer_key is not None else "plain")
+        # (each direction on its own: a peer that sent key 0 gets plain tags, ours stay keyed)
+        self.log.info("UCX endpoint up", tags_out="keyed (ucx-keys.v1)" if self._peer_key else "plain",
+                      tags_in="keyed (ucx-keys.v1)" if self._peer_key is not None else "plain")
         self.owner.lane_up(UCX_LANE)
 
     def _renew(self) -> None:
@@ -213,6 +276,8 @@ class UcxDataPath(DataPath):
         its message comes, and a message that came first is taken at once). No xxh3 here:
         UCX moves the bytes memory to memory (RDMA carries its own link CRC), and the checksum
         pass would cost as much as the copy."""
+        if tid > self._max_in:
+            self._max_in = tid   # the peer's transfer ids this far (and a way past) are plausible
         if not self.ready:
             return
         for k in range(route.n_chunks):
@@ -247,8 +312,15 @@ class UcxDataPath(DataPath):
         """A message of the wrong size came for chunk ``k`` (nothing was written; it was
         drained): post its receive again and ask for the chunk again, as for a checksum
         failure; fail the transfer after ``MAX_WRONG_SIZE`` of them. The route decides what
-        lands, so a chunk still lands exactly once."""
+        lands, so a chunk still lands exactly once. Not while the transfer is being forgotten
+        (this failure can come after :meth:`forget` cancelled the transfer's receives, and before
+        the route closes: nothing would cancel a receive posted now), nor once its route or the
+        path closed."""
         got = getattr(exc, "length", -1)
+        if tid in self._forgetting or route.closed or self._closed or self.peer.closed:
+            self.log.info("UCX message of the wrong size for a chunk of a transfer that is ending (drained, "
+                          "nothing written)", transfer_id=tid, chunk=k, expected=n, got=got)
+            return
         seen = self._wrong_size[tid] = self._wrong_size.get(tid, 0) + 1
         if seen > MAX_WRONG_SIZE:
             self.log.warning("UCX messages of the wrong size for this transfer's chunks again; failing it",
@@ -260,7 +332,11 @@ class UcxDataPath(DataPath):
         views = route.claim(k, n)
         if views is not None:
             self._start_recv(tid, route, k, n, views)
-        self.owner.chunk_arrived(tid, k, False, n, True)
+        self.nack_reason = WRONG_SIZE
+        try:
+            self.owner.chunk_arrived(tid, k, False, n, True)
+        finally:
+            self.nack_reason = None
 
     async def _scatter(self, tid: int, route: Route, k: int, n: int, staging: bytearray,
                        views: list[memoryview]) -> None:
@@ -279,11 +355,15 @@ class UcxDataPath(DataPath):
 
     async def forget(self, tid: int) -> None:
         self._wrong_size.pop(tid, None)
-        if self.loop.running and not self.peer.closed:
-            try:
-                await self.loop.run(self.peer.cancel_transfer(self._dir_in, self._wire_in(tid), drain_s=5.0))
-            except TransportError:
-                pass
+        self._forgetting.add(tid)   # a wrong-size failure that comes meanwhile posts nothing again
+        try:
+            if self.loop.running and not self.peer.closed:
+                try:
+                    await self.loop.run(self.peer.cancel_transfer(self._dir_in, self._wire_in(tid), drain_s=5.0))
+                except TransportError:
+                    pass
+        finally:
+            self._forgetting.discard(tid)
 
     # -- the bulk TCP connections (peers without UCX)
     def adopt_bulk(self, stream, loop, conn) -> None:

@@ -24,13 +24,16 @@ at once). So:
   :meth:`~.ucx.UcxPeer.cancel_transfer` marked them, or after ``unclaimed_ttl_s``, so the
   sender's rendezvous send completes and releases its buffer. A completed ``send`` therefore
   does not mean the peer kept the bytes: delivery is acknowledged on the control lane.
-* what waits unclaimed is bounded (:class:`Inbox`: ``max_message``, ``max_unclaimed``,
-  ``max_unclaimed_bytes``): UCX keeps an eager message's bytes in this process until it is
-  received, and anything that can reach the worker can send messages of any tag. A message
+* what waits unclaimed is bounded (:class:`Inbox`: ``admit``, ``max_message``,
+  ``max_unclaimed``, ``max_unclaimed_bytes``): UCX keeps an eager message's bytes in this
+  process until it is received, and anything that can reach the worker can send messages of
+  any tag. A message whose tag cannot be of a transfer of the peer's (``admit`` says no), one
   larger than ``max_message``, or one that arrives unclaimed while the others fill the budget,
-  is drained at once (counted in ``stats``: ``drained_oversize`` / ``drained_over_budget``,
-  and logged at most every ``WARN_EVERY_S``). The budget must hold what a legitimate sender
-  can have in flight before its receives are posted (one credit window).
+  is drained at once (counted in ``stats``: ``drained_implausible`` / ``drained_oversize`` /
+  ``drained_over_budget``, and logged at most every ``WARN_EVERY_S``); only what ``admit``
+  lets in counts toward the budget, so a flood of tags of no transfer cannot crowd out the
+  peer's chunks. The budget must hold what a legitimate sender can have in flight before its
+  receives are posted (one credit window).
 * :meth:`~.ucx.UcxPeer.close` fails the receives still waiting at once (UCX never had their
   buffers), flushes and closes the endpoint, and then ends whatever UCX still holds: a
   request UCX never finishes (the peer vanished mid-rendezvous) fails with
@@ -154,14 +157,17 @@ class Inbox:
     that say which arrivals nobody will take. ``track`` hands a started receive to the
     peer's in-flight table; ``stats`` is the peer's counter.
 
-    Unclaimed messages are bounded: one larger than ``max_message`` bytes (None: no limit) is
-    drained on arrival, and so is one that would take the unclaimed messages past
-    ``max_unclaimed`` or ``max_unclaimed_bytes`` (each counted at its full length, eager or
-    rendezvous alike)."""
+    Unclaimed messages are bounded: one whose tag ``admit(tag)`` refuses (a tag of no transfer
+    the peer could be sending; None: every tag is admitted) is drained on arrival, and so is one
+    larger than ``max_message`` bytes (None: no limit), and one that would take the unclaimed
+    messages past ``max_unclaimed`` or ``max_unclaimed_bytes`` (each counted at its full
+    length, eager or rendezvous alike). ``admit`` is called on the loop thread for each arrival
+    that has no receive waiting: it must be cheap."""
 
     def __init__(self, worker: Any, mods: SimpleNamespace, loop: UcxLoop, stats: collections.Counter,
                  track: Callable[[Op], None], *, name: str = "", max_message: int | None = None,
-                 max_unclaimed: int = MAX_UNCLAIMED, max_unclaimed_bytes: int = MAX_UNCLAIMED_BYTES) -> None:
+                 max_unclaimed: int = MAX_UNCLAIMED, max_unclaimed_bytes: int = MAX_UNCLAIMED_BYTES,
+                 admit: Callable[[int], bool] | None = None) -> None:
         self.worker = worker
         self._m = mods
         self._loop = loop
@@ -171,6 +177,7 @@ class Inbox:
         self.max_message = max_message
         self.max_unclaimed = max_unclaimed
         self.max_unclaimed_bytes = max_unclaimed_bytes
+        self.admit = admit
         self.unclaimed_bytes = 0
         self._unclaimed = 0
         self._warned_at = -WARN_EVERY_S
@@ -307,6 +314,9 @@ class Inbox:
             # (closing: nobody will claim it, and teardown does not drain the arrived table)
             self.drain(probe)
             return
+        if self.admit is not None and not self.admit(tag):
+            self._refuse(probe, "drained_implausible", now)
+            return
         n = probe.length
         if self.max_message is not None and n > self.max_message:
             self._refuse(probe, "drained_oversize", now)
@@ -325,16 +335,17 @@ class Inbox:
         self.unclaimed_bytes -= probe.length
 
     def _refuse(self, probe: Any, why: str, now: float) -> None:
-        """Drain an arrival nobody waits for at once (too large, or over the budget), and say
-        so now and then."""
+        """Drain an arrival nobody waits for at once (a tag of no transfer, too large, or over
+        the budget), and say so now and then."""
         tag, n = probe.sender_tag.value, probe.length
         self.drain(probe)
         self._stats[why] += 1
         self._refused += 1
         if now - self._warned_at >= WARN_EVERY_S:
-            log.warning("UCX messages nobody asked for drained on arrival (too large, or over the budget for "
-                        "unclaimed messages): a peer sending ahead of its credit, or something that is not the "
-                        "peer reaching this worker", peer=self.name, reason=why, tag=hex(tag), nbytes=n,
+            log.warning("UCX messages nobody asked for drained on arrival (tagged for no transfer of the peer's, "
+                        "too large, or over the budget for unclaimed messages): a peer sending ahead of its "
+                        "credit, or something that is not the peer reaching this worker", peer=self.name,
+                        reason=why, tag=hex(tag), nbytes=n,
                         drained=self._refused, unclaimed=self._unclaimed, unclaimed_bytes=self.unclaimed_bytes,
                         max_message=self.max_message, max_unclaimed=self.max_unclaimed,
                         max_unclaimed_bytes=self.max_unclaimed_bytes)

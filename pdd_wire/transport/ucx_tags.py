@@ -65,8 +65,11 @@ class TagKey:
     process that can reach a UCX worker but is not the peer cannot tell the tags of transfers
     to come (transfer ids count from 1).
 
-    A 4-round Feistel network over two 20-bit halves; round ``r``'s function is BLAKE2b keyed
-    with ``blake2b(key, person="pdd-ucx-tags.v1", data=direction || r)``, cut to 20 bits. Tags of
+    A 4-round Feistel network over two 20-bit halves; round ``r``'s function is a 4-byte BLAKE2b
+    (``digest_size=4``) of the half as 3 bytes little-endian, keyed with the 32-byte
+    ``blake2b(bytes((direction, r)), key=key as 8 bytes little-endian, person="pdd-ucx-tags.v1",
+    digest_size=32)``, read as a little-endian u32 of which the low 20 bits are kept
+    (proto/handshake.md "UCX tag keys" says it byte for byte). Tags of
     the direction ``direction`` (:data:`DIR_DIALER` / :data:`DIR_ACCEPTOR`: who allocated the
     transfer id) are keyed with the ``ucx_tag_key`` of the agent that *receives* them. A
     bijection on 0 .. 2^40-1, so distinct transfer ids keep distinct tags; the chunk index bits
