@@ -240,17 +240,22 @@ async def test_default_agents_listen_on_no_tcp_port_and_move_kv_over_ucx():
 SMALL_CREDIT = "[transfer]\nchunk_bytes = 1048576\ncredit_bytes = 8388608\n"   # a budget of 4096 messages
 
 
+@contextlib.asynccontextmanager
+async def ucx_agents(tmp, extra: str = ""):
+    """Agents a1 and a2 of one site over UCX, both up: ``(agents, a2's data path to a1)``."""
+    async with run_agents(cluster_toml(tmp, NODES, local_transport="ucx", extra=extra), wait_up=False) as ag:
+        await wait_ucx(ag["a1"], "A/a2")
+        await wait_ucx(ag["a2"], "A/a1")
+        yield ag, ag["a2"].sessions["A/a1"].data
+
+
 async def test_a_flood_of_random_tags_takes_no_room_from_early_chunks(tmp_sock_dir, engines):
     """More messages of random tags than the unclaimed budget holds, from a process without the
     key, and then transfers whose chunks may arrive before their receive is posted (offered
     transfers: they leave right behind the KV_BEGIN). Between keyed agents the flood is
     drained on arrival and counts toward no budget, so each transfer completes at once rather
     than after a resend at ``chunk_ack_s`` (15 s)."""
-    async with run_agents(cluster_toml(tmp_sock_dir, NODES, local_transport="ucx", extra=SMALL_CREDIT),
-                          wait_up=False) as ag:
-        await wait_ucx(ag["a1"], "A/a2")
-        await wait_ucx(ag["a2"], "A/a1")
-        path = ag["a2"].sessions["A/a1"].data
+    async with ucx_agents(tmp_sock_dir, SMALL_CREDIT) as (ag, path):
         victim = path.peer
         assert victim.unclaimed_budget()["max_unclaimed"] == 4096
         att = Attacker(victim.local_address())
@@ -286,11 +291,7 @@ async def test_unclaimed_flood_of_plausible_tags_stops_at_the_message_budget(tmp
     """More messages than the session's budget (here 4096) of tags the victim cannot tell from
     its peer's (sent by one who knows the key, or saw the tags): the rest are drained on
     arrival, the inbox never holds more."""
-    async with run_agents(cluster_toml(tmp_sock_dir, NODES, local_transport="ucx", extra=SMALL_CREDIT),
-                          wait_up=False) as ag:
-        await wait_ucx(ag["a1"], "A/a2")
-        await wait_ucx(ag["a2"], "A/a1")
-        path = ag["a2"].sessions["A/a1"].data
+    async with ucx_agents(tmp_sock_dir, SMALL_CREDIT) as (ag, path):
         victim = path.peer
         att = Attacker(victim.local_address())
         try:
@@ -374,10 +375,7 @@ async def test_plain_tags_of_the_peer_direction_wait_and_the_other_direction_is_
 async def test_unclaimed_bytes_and_oversize_messages_are_bounded(tmp_sock_dir, engines):
     """A message larger than any chunk is drained at once; unclaimed bytes stay under their
     budget; legitimate KV still moves (limits made small here to keep the test fast)."""
-    async with run_agents(cluster_toml(tmp_sock_dir, NODES, local_transport="ucx"), wait_up=False) as ag:
-        await wait_ucx(ag["a1"], "A/a2")
-        await wait_ucx(ag["a2"], "A/a1")
-        path = ag["a2"].sessions["A/a1"].data
+    async with ucx_agents(tmp_sock_dir) as (ag, path):
         victim = path.peer
         budget = victim.unclaimed_budget()
         credit = ag["a2"].sessions["A/a1"].cfg.transfer.credit_bytes
@@ -417,10 +415,7 @@ async def test_unclaimed_bytes_and_oversize_messages_are_bounded(tmp_sock_dir, e
 async def _seeded_transfer(tmp_sock_dir, engines, wrong: int):
     """``wrong`` messages of the wrong size for chunk 0 of the next transfer a1 -> a2, sent to
     a2's worker before the transfer starts; then the transfer. Its outcome at both engines."""
-    async with run_agents(cluster_toml(tmp_sock_dir, NODES, local_transport="ucx"), wait_up=False) as ag:
-        await wait_ucx(ag["a1"], "A/a2")
-        await wait_ucx(ag["a2"], "A/a1")
-        path = ag["a2"].sessions["A/a1"].data
+    async with ucx_agents(tmp_sock_dir) as (ag, path):
         victim = path.peer
         prefill = await engines.connect(tmp_sock_dir / "a1.sock", "prefill")
         decode = await engines.connect(tmp_sock_dir / "a2.sock", "decode")
