@@ -59,6 +59,8 @@ async def test_an_agent_that_stops_cancels_its_open_transfers_at_the_peer(tmp_so
         assert ev.code == ErrorCode.SHUTTING_DOWN and ev.direction == direction, ev
         assert "shutting down" in ev.reason, ev
         assert asyncio.get_running_loop().time() - t0 < 5
+        await asyncio.sleep(0.5)
+        assert other.take("s1", kinds=(p.TransferFailed, p.KvSent, p.KvReceived)) == [], "one outcome only"
 
 
 async def test_an_agent_that_stops_withdraws_its_kv_waiting_for_a_post(tmp_sock_dir, engines):
@@ -120,4 +122,25 @@ async def test_a_kv_resume_with_transfer_id_0_gets_no_answer(tmp_sock_dir):
         statuses = [(h.transfer_id, x.state) for t, x, h in [f for f in seen if f is not None]
                     if t == FrameType.KV_STATUS]
         assert statuses == [(7, 0)], seen
+        peer.close()
+
+
+async def test_a_kv_begin_reusing_the_transfer_id_of_one_waiting_for_its_post_is_refused(tmp_sock_dir, engines):
+    """The first KV_BEGIN waits for its post (nothing posted yet): a second one under the same
+    transfer id for another request would take the first one's transfer when both are posted."""
+    async with _agent_b(tmp_sock_dir) as b:
+        eb = await engines.connect(tmp_sock_dir / "B.sock", "b")
+        rb = await eb.register(engines.memory(MiB), block_bytes=64 << 10)
+        peer, _ = await hello(b.wan_address[1])
+        kb = 64 << 10
+        peer.send(FrameType.KV_BEGIN, m.KvBegin("y1", kb, kb, 1, kb, 1, 10_000), transfer_id=60)
+        async with asyncio.timeout(5):
+            while b.kv.unposted_count() != 1:
+                await asyncio.sleep(0.01)
+        peer.send(FrameType.KV_BEGIN, m.KvBegin("y2", kb, kb, 1, kb, 1, 10_000), transfer_id=60)
+        got = [(t, x) for t, x in await peer.until_closed() if t != FrameType.PING]
+        assert [(t, x.code) for t, x in got] == [(FrameType.ERROR, ErrorCode.UNEXPECTED_FRAME)], got
+        assert b.kv.unposted_count() <= 1  # y2 never waited
+        await eb.post_recv("y2", [rb.blocks(1, 1)], from_site="A")
+        assert "y2" in b.posts  # nothing took it
         peer.close()

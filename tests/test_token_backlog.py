@@ -122,8 +122,14 @@ async def test_the_per_peer_cap_refuses_send_tokens_with_the_named_limit(tmp_soc
         assert a.sessions["B/b1"].tokens.backlog <= cap
         assert metric(a, "pddwire_tokens_unacked", peer="B/b1") == a.sessions["B/b1"].tokens.backlog > cap // 2
         # Another request to the same peer is refused too: the cap is per peer.
-        with pytest.raises(EngineRequestError):
+        with pytest.raises(EngineRequestError) as refused:
             await ea.send_tokens("another", "B", ids(9, 0, 1000))
+        assert "limits.max_unacked_tokens" in str(refused.value)
+        # A handoff's relay is not refused (a refused run would put its stream out of step with
+        # the positions MD holds); it counts toward the backlog like any stream.
+        before = a.sessions["B/b1"].tokens.backlog
+        assert a.sessions["B/b1"].tokens.send("handoff-1", ids(8, 0, 1000), handoff=True) == 0
+        assert a.sessions["B/b1"].tokens.backlog > before
         # B back: what was kept is delivered and acknowledged, and there is room again.
         await eb.expect_tokens("capped-0", "A")
         relay.reject_new(False)

@@ -26,6 +26,8 @@ class SessionHost(Protocol[S]):
     metrics: "Metrics"
     incarnation: int
 
+    @property
+    def stopping(self) -> bool: ...  # the agent is shutting down (its sessions close for good)
     def next_transfer_id(self) -> int: ...
     def transfer_ended(self) -> None: ...
     def bulk_loop(self, stream: int) -> "BulkLoop": ...
@@ -56,6 +58,7 @@ class Shell(Protocol):
     data: "DataPath"
     link: "LinkState"
     remote_caps: frozenset[str] | None
+    closing: bool
     control: "FrameProtocol | None"
     acks: "AckBatch"
     chunk_bytes: int

@@ -78,7 +78,7 @@ class PeerSession:
         self.down_since: float | None = time.monotonic()
         self.peer_goodbye: str | None = None  # the reason of the peer's last GOODBYE ("idle": fleet idle close)
         self._tasks: set[asyncio.Task] = set()
-        self._closing = False
+        self.closing = False  # close() began: nothing new opens on this session
         self._last_rx = time.monotonic()
         self.pings = Pings(self)
         self.link = LinkState(self.cfg, self.metrics, self.key, self.log)
@@ -151,19 +151,24 @@ class PeerSession:
         return t
 
     async def close(self, reason: str = "shutdown") -> None:
-        """End the session (GOODBYE ``reason``: "shutdown", or "idle" for a fleet idle close). At
-        shutdown the peer is told of every transfer still open (KV_CANCEL SHUTTING_DOWN) before the
-        GOODBYE: its engines hear now, not after its peer_give_up_s (proto/transfer.md §5)."""
-        self._closing = self.dialer_loop.closing = True
+        """End the session (GOODBYE ``reason``: "shutdown", or "idle" for a fleet idle close). When
+        the agent stops, the peer is told of every transfer still open (KV_CANCEL SHUTTING_DOWN)
+        before the GOODBYE, which gets a moment to leave: its engines hear now, not after its
+        peer_give_up_s (proto/transfer.md §10)."""
+        self.closing = self.dialer_loop.closing = True
         # What is still open: the agent stops, or (a fleet session closed) the session is gone.
-        code, why = ((ErrorCode.SHUTTING_DOWN, "agent shutting down") if reason == "shutdown" else
+        stopping = self.host.stopping
+        code, why = ((ErrorCode.SHUTTING_DOWN, "agent shutting down") if stopping else
                      (ErrorCode.PEER_UNREACHABLE, f"the session with {self.key} was closed ({reason})"))
-        if reason == "shutdown" and self.control is not None and not self.control.closed:
+        if stopping and self.control is not None and not self.control.closed:
             await self._fail_all(code, why, notify_peer=True)
-        if self.control is not None and not self.control.closed:
+        if (c := self.control) is not None and not c.closed:
             try:
-                self.control.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye(reason))))
-            except TransportError:
+                c.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye(reason))), now=True)
+                async with asyncio.timeout(1.0):  # queued frames (a token backlog) go first: bounded
+                    while not c.closed and c.unsent:
+                        await asyncio.sleep(0.01)
+            except (TransportError, TimeoutError):
                 pass
         for t in list(self._tasks):
             t.cancel()

@@ -173,6 +173,10 @@ class Receiver:
         self.inn: dict[int, InTransfer] = {}
         self.routes: dict[int, Route] = {}  # read by data-path threads; mutated only here
         self.ledger = ReceiveLedger(keep=4 * session.cfg.transfer.max_transfers)
+        # The request of every transfer id a KV_BEGIN named (waiting, open, done or failed), so that
+        # a reused id is refused (proto/transfer.md §1); the last 8 x max_transfers of the peer's run.
+        self.begun: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self._begun_keep = 8 * session.cfg.transfer.max_transfers
         self.gate = BeginGate(4 * session.cfg.transfer.max_transfers,
                               lambda outcome: session.metrics.child(session.metrics.chunks_held, session.key,
                                                                     outcome).inc())
@@ -231,8 +235,7 @@ class Receiver:
                 conn.fail(ProtocolError("KV_BEGIN with transfer_id 0 (transfer ids start at 1)",
                                         ErrorCode.OUT_OF_RANGE))
             return
-        t = self.inn.get(tid)
-        known = t.request_id if t is not None else self.ledger.completed.get(tid)
+        known = self.begun.get(tid)
         if known is not None and known != begin.request_id:
             # A resent KV_BEGIN names its transfer's request again; another request under a
             # transfer id still known here would be answered for the first one's bytes.
@@ -241,6 +244,15 @@ class Receiver:
                 conn.fail(ProtocolError(f"KV_BEGIN for transfer {tid} names request {begin.request_id!r}, but that "
                                         f"transfer is request {known!r} (transfer ids are never reused)",
                                         ErrorCode.UNEXPECTED_FRAME))
+            return
+        if known is None:
+            self.begun[tid] = begin.request_id
+            if len(self.begun) > self._begun_keep:
+                self.begun.popitem(last=False)
+        if self.s.closing and tid not in self.inn:  # the session is ending: nothing new opens on it
+            code = ErrorCode.SHUTTING_DOWN if self.s.host.stopping else ErrorCode.PEER_UNREACHABLE
+            self.reject(tid, begin, code, "the receiving agent is closing this session")
+            self.gate.begun(tid)
             return
         self._on_begin(tid, begin)
         self.gate.begun(tid)  # chunks that came before it go on now (into the route, if it matched)
@@ -336,10 +348,17 @@ class Receiver:
                 self.fail_later(t, ErrorCode.MALFORMED_BODY,
                                 f"chunk {k} of {nbytes} bytes does not fit the announced transfer", True)
             case Landing.NACK_CHECKSUM:
-                s.metrics.checksum_failures.labels(peer=s.key).inc()
-                s.count_error(ErrorCode.CHUNK_CHECKSUM)
-                s.log.warning("chunk payload checksum failed; asking for it again", transfer_id=tid,
-                              request_id=t.request_id, chunk=k)
+                # (a data path may say why the chunk did not land when it is not its checksum: the
+                # UCX path got a message of another length for it; KV_NACK's code stays the same)
+                if getattr(s.data, "nack_reason", None) == "wrong_size":
+                    s.count_error(ErrorCode.SIZE_MISMATCH)
+                    s.log.warning("chunk came as a UCX message of the wrong size (nothing written); asking for it "
+                                  "again", transfer_id=tid, request_id=t.request_id, chunk=k)
+                else:
+                    s.metrics.checksum_failures.labels(peer=s.key).inc()
+                    s.count_error(ErrorCode.CHUNK_CHECKSUM)
+                    s.log.warning("chunk payload checksum failed; asking for it again", transfer_id=tid,
+                                  request_id=t.request_id, chunk=k)
                 s.send_frame(FrameType.KV_NACK, m.KvNack(k), tid=tid)
             case Landing.ACK | Landing.ACK_COMPLETE:
                 s.metrics.child(s.metrics.bytes, s.key, "bulk", "rx").inc(nbytes)
@@ -450,4 +469,5 @@ class Receiver:
         for t in list(self.inn.values()):
             self.fail_later(t, ErrorCode.PEER_RESTARTED, f"peer {self.s.key} restarted", False)
         self.ledger.clear()
+        self.begun.clear()  # its transfer ids start again from 1
         self.gate.clear()

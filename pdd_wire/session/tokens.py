@@ -116,19 +116,11 @@ class TokenRelay:
         self._drop_logged_at = 0.0
         self.ready: collections.OrderedDict[str, None] = collections.OrderedDict()  # streams with queued frames
         self.backlog = 0  # what tok_out counts toward limits.max_unacked_tokens
+        # Read when /metrics is scraped, not set per token (the relay's hot path).
+        session.metrics.tokens_unacked.labels(peer=session.key).set_function(lambda: self.backlog)
         self._pumping = False
         self._waiting_on: PacedConn | None = None  # the connection whose drain the queued frames wait for
         self._stall: asyncio.TimerHandle | None = None  # ... and the check that it drains at all
-
-    @property
-    def backlog(self) -> int:
-        """What ``tok_out`` counts toward ``limits.max_unacked_tokens`` (pddwire_tokens_unacked)."""
-        return self._backlog
-
-    @backlog.setter
-    def backlog(self, n: int) -> None:
-        self._backlog = n
-        self.s.metrics.child(self.s.metrics.tokens_unacked, self.s.key).set(n)
 
     def clear(self) -> None:
         """The peer restarted: its streams are gone, and so are ours to it."""
@@ -246,7 +238,9 @@ class TokenRelay:
         room = (self.s.peer_max_body - 64 - len(request_id.encode())) // 9
         step = max(1, min(self.s.cfg.limits.max_tokens_per_frame, room))
         cap = self.s.cfg.limits.max_unacked_tokens
-        if self.backlog + len(tokens) + FRAME_COST * -(-len(tokens) // step) > cap:
+        # A handoff's relay is not refused here: a refused run would leave its stream out of step
+        # with the positions MD holds (it counts, and is bounded per request as any stream).
+        if not handoff and self.backlog + len(tokens) + FRAME_COST * -(-len(tokens) // step) > cap:
             raise PddWireError(f"over limits.max_unacked_tokens ({cap}) token IDs unacknowledged by peer "
                                f"{self.s.key} (each frame kept counts {FRAME_COST} more): it is down or does not "
                                "acknowledge them", ErrorCode.LIMIT_EXCEEDED)
@@ -368,8 +362,8 @@ class TokenRelay:
         for rid in [r for r, ts in self.tok_out.items() if not ts.unacked][: len(self.tok_out) - cap + 1]:
             del self.tok_out[rid]
         if len(self.tok_out) >= cap:
-            raise PddWireError("too many token streams with unacknowledged tokens to this peer",
-                               ErrorCode.LIMIT_EXCEEDED)
+            raise PddWireError(f"over {cap} token streams (8 x transfer.max_transfers) with unacknowledged "
+                               f"tokens to peer {self.s.key}", ErrorCode.LIMIT_EXCEEDED)
 
     def on_tokens(self, msg: m.Tokens) -> None:
         expect = self.tok_in.get(msg.request_id, 0)
