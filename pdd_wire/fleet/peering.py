@@ -306,6 +306,7 @@ class FleetPeering:
         goodbye = "idle" if reason == "idle" and FLEET_CAPABILITY in (s.remote_caps or ()) else "shutdown"
 
         async def end() -> None:
+            s.closing = True  # nothing opens while its transfers are ended (a KV_BEGIN now is refused)
             await s.give_up(why, code)
             await s.close(goodbye)
             if s.key not in self.lazy:  # not opened again meanwhile

@@ -162,11 +162,15 @@ class PeerSession:
                      (ErrorCode.PEER_UNREACHABLE, f"the session with {self.key} was closed ({reason})"))
         if stopping and self.control is not None and not self.control.closed:
             await self._fail_all(code, why, notify_peer=True)
+        self.tokens.close()  # no token frame after the GOODBYE
         if (c := self.control) is not None and not c.closed:
-            try:
+            try:  # what is queued (a token backlog) leaves first, then the close flushes TLS: bounded
                 c.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye(reason))), now=True)
-                async with asyncio.timeout(1.0):  # queued frames (a token backlog) go first: bounded
+                async with asyncio.timeout(1.0):
                     while not c.closed and c.unsent:
+                        await asyncio.sleep(0.01)
+                    c.close()
+                    while not c.closed:
                         await asyncio.sleep(0.01)
             except (TransportError, TimeoutError):
                 pass

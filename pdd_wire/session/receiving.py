@@ -235,7 +235,8 @@ class Receiver:
                 conn.fail(ProtocolError("KV_BEGIN with transfer_id 0 (transfer ids start at 1)",
                                         ErrorCode.OUT_OF_RANGE))
             return
-        known = self.begun.get(tid)
+        t = self.inn.get(tid)  # (an open transfer is known even past the memory's bound)
+        known = self.begun.get(tid) or (t.request_id if t is not None else self.ledger.completed.get(tid))
         if known is not None and known != begin.request_id:
             # A resent KV_BEGIN names its transfer's request again; another request under a
             # transfer id still known here would be answered for the first one's bytes.
@@ -245,11 +246,12 @@ class Receiver:
                                         f"transfer is request {known!r} (transfer ids are never reused)",
                                         ErrorCode.UNEXPECTED_FRAME))
             return
+        self.s.data.saw_tid(tid)
         if known is None:
             self.begun[tid] = begin.request_id
             if len(self.begun) > self._begun_keep:
                 self.begun.popitem(last=False)
-        if self.s.closing and tid not in self.inn:  # the session is ending: nothing new opens on it
+        if self.s.closing and tid not in self.inn and tid not in self.ledger.completed:  # nothing new opens
             code = ErrorCode.SHUTTING_DOWN if self.s.host.stopping else ErrorCode.PEER_UNREACHABLE
             self.reject(tid, begin, code, "the receiving agent is closing this session")
             self.gate.begun(tid)
@@ -283,6 +285,9 @@ class Receiver:
             problem = (ErrorCode.MALFORMED_BODY, "inconsistent chunking in KV_BEGIN")
         elif len(self.inn) >= s.cfg.transfer.max_transfers:
             problem = (ErrorCode.TOO_MANY_TRANSFERS, "receiver has too many open transfers")
+        elif s.closing:  # a post matched a KV_BEGIN that waited, while the session ends
+            problem = (ErrorCode.SHUTTING_DOWN if s.host.stopping else ErrorCode.PEER_UNREACHABLE,
+                       "the receiving agent is closing this session")
         loop = asyncio.get_running_loop()
         budget = begin.deadline_ms / 1000 if begin.deadline_ms else s.cfg.transfer.default_deadline_s
         t = InTransfer(tid, begin.request_id, engine, s.key, dest, begin.chunk_bytes, loop.time() + budget, loop=loop)

@@ -246,7 +246,7 @@ class TokenRelay:
                                "acknowledge them", ErrorCode.LIMIT_EXCEEDED)
         ts = self.tok_out.get(request_id)
         if ts is None:
-            self._evict_token_streams()
+            self._evict_token_streams(handoff)
             ts = self.tok_out[request_id] = TokenStream(handoff)
         else:
             self.tok_out.move_to_end(request_id)
@@ -354,14 +354,14 @@ class TokenRelay:
         conn.fail(exc)
         conn.abort()  # what waits goes now: the ERROR frame would only queue behind it
 
-    def _evict_token_streams(self) -> None:
+    def _evict_token_streams(self, handoff: bool = False) -> None:
         """Bound the streams kept: forget the least recently used ones with nothing unacknowledged."""
         cap = self.s.cfg.transfer.max_transfers * 8  # >= the receiver's: see on_tokens
         if len(self.tok_out) < cap:
             return
         for rid in [r for r, ts in self.tok_out.items() if not ts.unacked][: len(self.tok_out) - cap + 1]:
             del self.tok_out[rid]
-        if len(self.tok_out) >= cap:
+        if len(self.tok_out) >= cap and not handoff:
             raise PddWireError(f"over {cap} token streams (8 x transfer.max_transfers) with unacknowledged "
                                f"tokens to peer {self.s.key}", ErrorCode.LIMIT_EXCEEDED)
 

@@ -122,6 +122,9 @@ class DataPath(abc.ABC):
         the chunk is acknowledged or its transfer ends). Delivery is acknowledged by the peer on
         the control lane; a failure comes back as ``owner.lane_lost`` or ``owner.send_failed``."""
 
+    def saw_tid(self, tid: int) -> None:
+        """The peer announced its transfer ``tid`` (a KV_BEGIN), matched or not."""
+
     def expect(self, tid: int, route: Route) -> None:
         """Receiving: chunks of ``tid`` may arrive now (they land through ``route``)."""
 

@@ -271,6 +271,12 @@ class UcxDataPath(DataPath):
         self.owner.send_failed(tid, k, "ucx_error")
 
     # -- receiving
+    def saw_tid(self, tid: int) -> None:
+        """The peer announced transfer ``tid`` (its KV_BEGIN, on the authenticated control
+        connection): its ids this far, and a way past, are plausible tags (:meth:`_admit`)."""
+        if tid > self._max_in:
+            self._max_in = tid
+
     def expect(self, tid: int, route: Route) -> None:
         """Post a receive for every chunk of ``tid`` (a waiting receive costs nothing until
         its message comes, and a message that came first is taken at once). No xxh3 here:
