@@ -144,3 +144,38 @@ async def test_a_kv_begin_reusing_the_transfer_id_of_one_waiting_for_its_post_is
         await eb.post_recv("y2", [rb.blocks(1, 1)], from_site="A")
         assert "y2" in b.posts  # nothing took it
         peer.close()
+
+
+async def test_a_closing_session_opens_nothing_new(tmp_sock_dir, engines):
+    """While a session closes (its agent stops, or a fleet session ends) a KV_BEGIN is refused,
+    and so is one that waited for its post when the post comes: either would be opened only to
+    be failed without a word to its sender. A resent KV_BEGIN of an open transfer is still
+    answered (KV_ACCEPT)."""
+    async with _agent_b(tmp_sock_dir) as b:
+        eb = await engines.connect(tmp_sock_dir / "B.sock", "b")
+        rb = await eb.register(engines.memory(MiB), block_bytes=64 << 10)
+        await eb.post_recv("c-open", [rb.blocks(0, 1)], from_site="A")
+        await eb.post_recv("c-new", [rb.blocks(1, 1)], from_site="A")
+        peer, _ = await hello(b.wan_address[1])
+        kb = 64 << 10
+        peer.send(FrameType.KV_BEGIN, m.KvBegin("c-open", kb, kb, 1, kb, 1, 10_000), transfer_id=70)
+        assert (await peer.until(FrameType.KV_ACCEPT))[-1] is not None
+        peer.send(FrameType.KV_BEGIN, m.KvBegin("c-wait", kb, kb, 1, kb, 1, 10_000), transfer_id=71)
+        async with asyncio.timeout(5):
+            while b.kv.unposted_count() != 1:
+                await asyncio.sleep(0.01)
+        b.sessions["A/a1"].closing = True  # as close() sets it first (the agent is not stopping)
+        peer.send(FrameType.KV_BEGIN, m.KvBegin("c-new", kb, kb, 1, kb, 1, 10_000), transfer_id=72)
+        peer.send(FrameType.KV_BEGIN, m.KvBegin("c-open", kb, kb, 1, kb, 1, 10_000), transfer_id=70)
+        seen = await peer.until(FrameType.KV_ACCEPT)
+        rejects = [(h.transfer_id, x.code) for f in seen if f is not None for t, x, h in [f]
+                   if t == FrameType.KV_REJECT]
+        assert rejects == [(72, ErrorCode.PEER_UNREACHABLE)], seen
+        assert seen[-1] is not None and seen[-1][2].transfer_id == 70  # the open one: answered again
+        assert "c-new" in b.posts  # not taken
+        await eb.post_recv("c-wait", [rb.blocks(2, 1)], from_site="A")  # matches the waiting KV_BEGIN
+        seen = await peer.until(FrameType.KV_REJECT)
+        assert seen[-1] is not None and (seen[-1][2].transfer_id, seen[-1][1].code) == (71, ErrorCode.PEER_UNREACHABLE)
+        ev = await eb.wait("c-wait", timeout=5)
+        assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.PEER_UNREACHABLE, ev
+        peer.close()
