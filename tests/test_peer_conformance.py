@@ -22,6 +22,7 @@ from support.agents import run_agents, two_site_toml
 from support.raw_peer import hello
 
 MiB = 1 << 20
+KB64 = 64 << 10
 
 
 async def _engines(engines, tmp):
@@ -87,23 +88,34 @@ async def _agent_b(tmp):
         yield ag["B"]
 
 
+async def _receiver_and_peer(b, engines, tmp, *posts: str):
+    """Engine b on agent B with 1 MiB in 64 KiB blocks, a post from site A for each of ``posts``
+    (block i for the i-th), and a raw peer through HELLO as A/a1: ``(engine, region, peer)``."""
+    eb = await engines.connect(tmp / "B.sock", "b")
+    rb = await eb.register(engines.memory(MiB), block_bytes=KB64)
+    for i, rid in enumerate(posts):
+        await eb.post_recv(rid, [rb.blocks(i, 1)], from_site="A")
+    peer, _ = await hello(b.wan_address[1])
+    return eb, rb, peer
+
+
+def _begin(rid: str) -> m.KvBegin:
+    """A KV_BEGIN of one 64 KiB block."""
+    return m.KvBegin(rid, KB64, KB64, 1, KB64, 1, 10_000)
+
+
 async def test_a_kv_begin_reusing_an_open_transfer_id_for_another_request_is_refused(tmp_sock_dir, engines):
     """KV_ACCEPT for the second request would let its chunks land in the first one's blocks, and
     a KV_DONE would tell its sender it was delivered: the control connection ends instead."""
     async with _agent_b(tmp_sock_dir) as b:
-        eb = await engines.connect(tmp_sock_dir / "B.sock", "b")
-        rb = await eb.register(engines.memory(MiB), block_bytes=64 << 10)
-        await eb.post_recv("x1", [rb.blocks(0, 1)], from_site="A")
-        await eb.post_recv("x2", [rb.blocks(1, 1)], from_site="A")
-        peer, _ = await hello(b.wan_address[1])
-        kb = 64 << 10
-        peer.send(FrameType.KV_BEGIN, m.KvBegin("x1", kb, kb, 1, kb, 1, 10_000), transfer_id=50)
+        eb, rb, peer = await _receiver_and_peer(b, engines, tmp_sock_dir, "x1", "x2")
+        peer.send(FrameType.KV_BEGIN, _begin("x1"), transfer_id=50)
         seen = await peer.until(FrameType.KV_ACCEPT)
         assert seen[-1] is not None and seen[-1][1].request_id == "x1", seen
-        peer.send(FrameType.KV_BEGIN, m.KvBegin("x1", kb, kb, 1, kb, 1, 10_000), transfer_id=50)  # a resend: fine
+        peer.send(FrameType.KV_BEGIN, _begin("x1"), transfer_id=50)  # a resend: fine
         seen = await peer.until(FrameType.KV_ACCEPT)
         assert seen[-1] is not None and seen[-1][1].request_id == "x1", seen
-        peer.send(FrameType.KV_BEGIN, m.KvBegin("x2", kb, kb, 1, kb, 1, 10_000), transfer_id=50)
+        peer.send(FrameType.KV_BEGIN, _begin("x2"), transfer_id=50)
         got = [(t, x) for t, x in await peer.until_closed() if t != FrameType.PING]
         assert [(t, x.code) for t, x in got] == [(FrameType.ERROR, ErrorCode.UNEXPECTED_FRAME)], got
         assert "'x2'" in got[0][1].message and "'x1'" in got[0][1].message
@@ -129,15 +141,12 @@ async def test_a_kv_begin_reusing_the_transfer_id_of_one_waiting_for_its_post_is
     """The first KV_BEGIN waits for its post (nothing posted yet): a second one under the same
     transfer id for another request would take the first one's transfer when both are posted."""
     async with _agent_b(tmp_sock_dir) as b:
-        eb = await engines.connect(tmp_sock_dir / "B.sock", "b")
-        rb = await eb.register(engines.memory(MiB), block_bytes=64 << 10)
-        peer, _ = await hello(b.wan_address[1])
-        kb = 64 << 10
-        peer.send(FrameType.KV_BEGIN, m.KvBegin("y1", kb, kb, 1, kb, 1, 10_000), transfer_id=60)
+        eb, rb, peer = await _receiver_and_peer(b, engines, tmp_sock_dir)
+        peer.send(FrameType.KV_BEGIN, _begin("y1"), transfer_id=60)
         async with asyncio.timeout(5):
             while b.kv.unposted_count() != 1:
                 await asyncio.sleep(0.01)
-        peer.send(FrameType.KV_BEGIN, m.KvBegin("y2", kb, kb, 1, kb, 1, 10_000), transfer_id=60)
+        peer.send(FrameType.KV_BEGIN, _begin("y2"), transfer_id=60)
         got = [(t, x) for t, x in await peer.until_closed() if t != FrameType.PING]
         assert [(t, x.code) for t, x in got] == [(FrameType.ERROR, ErrorCode.UNEXPECTED_FRAME)], got
         assert b.kv.unposted_count() <= 1  # y2 never waited
@@ -152,21 +161,16 @@ async def test_a_closing_session_opens_nothing_new(tmp_sock_dir, engines):
     be failed without a word to its sender. A resent KV_BEGIN of an open transfer is still
     answered (KV_ACCEPT)."""
     async with _agent_b(tmp_sock_dir) as b:
-        eb = await engines.connect(tmp_sock_dir / "B.sock", "b")
-        rb = await eb.register(engines.memory(MiB), block_bytes=64 << 10)
-        await eb.post_recv("c-open", [rb.blocks(0, 1)], from_site="A")
-        await eb.post_recv("c-new", [rb.blocks(1, 1)], from_site="A")
-        peer, _ = await hello(b.wan_address[1])
-        kb = 64 << 10
-        peer.send(FrameType.KV_BEGIN, m.KvBegin("c-open", kb, kb, 1, kb, 1, 10_000), transfer_id=70)
+        eb, rb, peer = await _receiver_and_peer(b, engines, tmp_sock_dir, "c-open", "c-new")
+        peer.send(FrameType.KV_BEGIN, _begin("c-open"), transfer_id=70)
         assert (await peer.until(FrameType.KV_ACCEPT))[-1] is not None
-        peer.send(FrameType.KV_BEGIN, m.KvBegin("c-wait", kb, kb, 1, kb, 1, 10_000), transfer_id=71)
+        peer.send(FrameType.KV_BEGIN, _begin("c-wait"), transfer_id=71)
         async with asyncio.timeout(5):
             while b.kv.unposted_count() != 1:
                 await asyncio.sleep(0.01)
         b.sessions["A/a1"].closing = True  # as close() sets it first (the agent is not stopping)
-        peer.send(FrameType.KV_BEGIN, m.KvBegin("c-new", kb, kb, 1, kb, 1, 10_000), transfer_id=72)
-        peer.send(FrameType.KV_BEGIN, m.KvBegin("c-open", kb, kb, 1, kb, 1, 10_000), transfer_id=70)
+        peer.send(FrameType.KV_BEGIN, _begin("c-new"), transfer_id=72)
+        peer.send(FrameType.KV_BEGIN, _begin("c-open"), transfer_id=70)
         seen = await peer.until(FrameType.KV_ACCEPT)
         rejects = [(h.transfer_id, x.code) for f in seen if f is not None for t, x, h in [f]
                    if t == FrameType.KV_REJECT]
