@@ -263,8 +263,10 @@ class Sender:
             return
         s.metrics.retransmits.labels(peer=s.key, reason="checksum").inc()
         t = self.flow.out[tid]
-        s.log.warning("chunk failed its checksum at the receiver; sending it again",
-                      transfer_id=tid, request_id=t.request_id, chunk=k)
+        # (over UCX there is no checksum: the receiver got a message of the wrong size for it)
+        s.log.warning("chunk refused by the receiver (over TCP its checksum failed; over UCX it came in a "
+                      "message of the wrong size); sending it again", transfer_id=tid, request_id=t.request_id,
+                      chunk=k, path=s.data.active)
         self.requeue(tid, k)
 
     def send_failed(self, tid: int, k: int, why: str) -> None:
