@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from conftest import fill_random, metric, same_bytes
+from conftest import fill_random, metric, same_bytes, until
 from pdd_tools.harness import AgentPair
 from pdd_wire import config as cfgmod
 from pdd_wire import transport
@@ -98,15 +98,6 @@ async def wait_ucx(agent, peer: str) -> None:
     async with asyncio.timeout(15):
         while not agent.sessions[peer].over_ucx:
             await asyncio.sleep(0.01)
-
-
-async def until(pred, timeout: float = 10, what: str = "") -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not pred():
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout} s: {what}") from None
 
 
 def junk_tags(n: int, seed: int = 7) -> list[int]:

@@ -13,13 +13,13 @@ import random
 
 import pytest
 
-from conftest import fill_random, metric, same_bytes, wait_rx_chunks
+from conftest import fill_random, metric, same_bytes, until, wait_rx_chunks
 from pdd_wire.engine import protocol as p
 from pdd_wire.session.peer import PeerSession
 from pdd_wire.transport import ucx
 from pdd_wire.wire.handshake import CAPABILITIES
 from support.agents import cluster_toml, run_agents
-from test_ucx_hardening import Said, bare_pair
+from test_ucx_hardening import Attacker, Said, bare_pair, wait_ucx
 
 MiB = 1 << 20
 NODES = [("A", "a1"), ("A", "a2")]   # a1 dials and sends, a2 receives, over UCX
@@ -124,40 +124,9 @@ def test_the_capability_is_advertised():
 
 
 # -- helpers for agents over UCX ---------------------------------------------------------------
-class Attacker:
-    """A UCX worker that is not the peer, on a context and a thread of its own, with an
-    endpoint to a victim worker's address."""
-
-    def __init__(self, address: bytes) -> None:
-        self.loop = ucx.UcxLoop("attacker", options={"TLS": "sm,self"}, unclaimed_ttl_s=30)
-        self.loop.start()
-        self.peer = ucx.UcxPeer(self.loop, "attacker")
-        self.loop.submit(self.peer.connect(address)).result(10)
-
-    def send_all(self, messages: list[tuple[int, bytes]]) -> asyncio.Future:
-        """Start sending every (tag, payload); the future is done once each send completed (the
-        victim took or drained it)."""
-        async def go() -> None:
-            await asyncio.gather(*(self.peer.send(tag, buf) for tag, buf in messages))
-        return asyncio.wrap_future(self.loop.submit(go()))
-
-    def close(self) -> None:
-        self.peer.close()
-        self.loop.stop()
-
-
-async def until(pred, timeout: float = 15, what: str = "") -> None:
-    try:
-        async with asyncio.timeout(timeout):
-            while not pred():
-                await asyncio.sleep(0.01)
-    except TimeoutError:
-        raise AssertionError(f"not within {timeout} s: {what}") from None
-
-
 async def up_over_ucx(ag) -> None:
-    await until(lambda: ag["a1"].sessions["A/a2"].over_ucx and ag["a2"].sessions["A/a1"].over_ucx,
-                what="both sessions over UCX")
+    await wait_ucx(ag["a1"], "A/a2")
+    await wait_ucx(ag["a2"], "A/a1")
 
 
 def record_tags(path) -> dict[str, list[int]]:
@@ -215,10 +184,9 @@ async def test_a_message_preseeded_for_the_plain_tag_of_the_next_transfer_does_n
         att = Attacker(victim.local_address())
         sent_tags, recv_tags = record_tags(tx), record_tags(rx)
         try:
-            seeded = att.send_all([(tag, b"EVIL" * (MiB // 4)) for tag in plain])
             # keyed, these are tags of no transfer the peer could be sending: drained on arrival, the
             # sends complete at once, and none of them waits (nor takes the unclaimed budget)
-            await asyncio.wait_for(seeded, 15)
+            await att.send_all([(tag, b"EVIL" * (MiB // 4)) for tag in plain], timeout=15)
             assert victim.stats["drained_implausible"] == len(plain) and victim.pending()["unclaimed"] == 0
             for i in range(2):
                 assert await move(engines, tmp_sock_dir, f"r{i}", 4 * MiB), "the engine got other bytes"
