@@ -55,7 +55,7 @@ class Owner:
     def send_failed(self, tid: int, k: int, why: str) -> None:
         self.failed.append((tid, k, why))
 
-    def chunk_arrived(self, tid, k, ok, nbytes, claimed, invalid=False) -> None:
+    def chunk_arrived(self, tid, k, ok, nbytes, claimed, invalid=False, wrong_size=False) -> None:
         self.arrived.put_nowait((tid, k, ok, nbytes, claimed, invalid))
 
     def chunk_early(self, tid: int, wake) -> bool:

@@ -327,9 +327,10 @@ class PeerSession:
     def send_failed(self, tid: int, k: int, why: str) -> None:
         self.sender.send_failed(tid, k, why)
 
-    def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False) -> None:
+    def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False,
+                      wrong_size: bool = False) -> None:
         """A data path finished reading chunk ``k`` (main loop)."""
-        self.receiver.chunk_arrived(tid, k, ok, nbytes, claimed, invalid)
+        self.receiver.chunk_arrived(tid, k, ok, nbytes, claimed, invalid, wrong_size)
 
     def chunk_early(self, tid: int, wake) -> bool:
         """Any thread: hold a chunk of ``tid`` (no transfer open) until its KV_BEGIN was handled?"""

@@ -327,7 +327,8 @@ class Receiver:
         self.s.count_error(err.code)
         conn.fail(err)
 
-    def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False) -> None:
+    def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False,
+                      wrong_size: bool = False) -> None:
         s = self.s
         t = self.inn.get(tid)
         # Complete: every chunk's arrival handled here, not only written (a report may be on its way).
@@ -355,7 +356,7 @@ class Receiver:
             case Landing.NACK_CHECKSUM:
                 # (a data path may say why the chunk did not land when it is not its checksum: the
                 # UCX path got a message of another length for it; KV_NACK's code stays the same)
-                if getattr(s.data, "nack_reason", None) == "wrong_size":
+                if wrong_size:
                     s.count_error(ErrorCode.SIZE_MISMATCH)
                     s.log.warning("chunk came as a UCX message of the wrong size (nothing written); asking for it "
                                   "again", transfer_id=tid, request_id=t.request_id, chunk=k)

@@ -54,9 +54,12 @@ class DataPathOwner(Protocol):
         """Sending chunk ``k`` of ``tid`` failed (``why``: a short label for metrics); the
         lane stays. The owner sends it again a little later."""
 
-    def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False) -> None:
+    def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False,
+                      wrong_size: bool = False) -> None:
         """Chunk ``k`` of ``tid`` was read: ``claimed``: into the transfer's blocks (through its
-        route); ``ok``: its checksum held; ``invalid``: it does not fit the transfer."""
+        route); ``ok``: its checksum held; ``invalid``: it does not fit the transfer;
+        ``wrong_size`` (with ``ok`` False): not a checksum, a UCX message of another length came
+        for it (nothing written)."""
 
     def chunk_early(self, tid: int, wake: Callable[[], None]) -> bool:
         """Any thread: a chunk of ``tid`` arrived and no transfer ``tid`` is open. True: it may

@@ -30,7 +30,7 @@ it must find room; what a process that is not the peer sends must not take that 
 
 A message of the wrong size for a posted chunk is never written: the chunk is received again
 (its receive posted anew, the sender asked with ``KV_NACK`` as for a checksum failure, and the
-receiver told why: :attr:`UcxDataPath.nack_reason`), unless its transfer is being forgotten or
+receiver told why: ``chunk_arrived(..., wrong_size=True)``), unless its transfer is being forgotten or
 the path closed; after ``MAX_WRONG_SIZE`` such messages in one transfer the transfer fails
 (``MALFORMED_BODY``).
 
@@ -72,7 +72,6 @@ MAX_UNCLAIMED_CAP = 1 << 14   # and at most this: UCX holds about 9 KiB per mess
 AHEAD_TIDS = 1 << 20          # how far past the highest transfer id seen a keyed tag may be
 ADMITTED_CACHE = 4096         # transfer-id prefixes whose admission is remembered (keyed tags)
 MAX_WRONG_SIZE = 3            # messages of the wrong size for posted chunks one transfer survives
-WRONG_SIZE = "wrong_size"     # UcxDataPath.nack_reason: a message of another length came for the chunk
 
 
 def unclaimed_limit(credit_bytes: int) -> int:
@@ -118,9 +117,6 @@ class UcxDataPath(DataPath):
         self._admitted: dict[int, int] = {}   # tag prefix -> its transfer id, for prefixes admitted (keyed)
         self._max_in = 0                      # the highest incoming transfer id receives were posted for
         self._forgetting: set[int] = set()    # transfer ids whose forget() is under way
-        #: Why the chunk being reported (``chunk_arrived``, ``ok`` False) did not land, when that is
-        #: not a bad checksum (:data:`WRONG_SIZE`); read by the receiver during that call only.
-        self.nack_reason: str | None = None
         self.peer = self._new_peer()
         self._peer_key: int | None = None   # the peer's ucx_tag_key where both agreed ucx-keys.v1
         self._wire_out: Callable[[int], int] = ucx.plain   # transfer id -> its tag bits, outgoing
@@ -282,8 +278,7 @@ class UcxDataPath(DataPath):
         its message comes, and a message that came first is taken at once). No xxh3 here:
         UCX moves the bytes memory to memory (RDMA carries its own link CRC), and the checksum
         pass would cost as much as the copy."""
-        if tid > self._max_in:
-            self._max_in = tid   # the peer's transfer ids this far (and a way past) are plausible
+        self.saw_tid(tid)
         if not self.ready:
             return
         for k in range(route.n_chunks):
@@ -338,11 +333,7 @@ class UcxDataPath(DataPath):
         views = route.claim(k, n)
         if views is not None:
             self._start_recv(tid, route, k, n, views)
-        self.nack_reason = WRONG_SIZE
-        try:
-            self.owner.chunk_arrived(tid, k, False, n, True)
-        finally:
-            self.nack_reason = None
+        self.owner.chunk_arrived(tid, k, False, n, True, wrong_size=True)
 
     async def _scatter(self, tid: int, route: Route, k: int, n: int, staging: bytearray,
                        views: list[memoryview]) -> None:
