@@ -191,7 +191,7 @@ def test_md_failure_before_commit_keeps_rld():
     assert rld.on_token_generated(T(3)) == [Emit(3, T(3))]
 
 
-def test_rld_giving_up_tells_md_before_the_commit_and_nothing_after():
+def test_rld_giving_up_tells_md_before_the_commit_and_only_its_engine_after():
     rld, md = rld_(ONE_SHOT), md_()
     feed(md, relayed(gen(rld, 3)))
     assert rld.on_rld_failed("engine_gone") == [Send(HandoffAbort(RID, EP, "engine_gone")), Done("RLD", "rld_failed")]
@@ -200,8 +200,14 @@ def test_rld_giving_up_tells_md_before_the_commit_and_nothing_after():
     committed = rld_(ONE_SHOT)
     gen(committed, 2)
     assert [type(a) for a in committed.on_message(Progress(0))] == [ModeChosen, Send, StopGenerating]
-    assert committed.on_rld_failed("engine_gone") == []  # MD owns the output: nothing to say
-    assert committed.owner == "MD"
+    assert committed.on_token_generated(T(2)) == []  # held
+    # MD owns the output: nothing to say to it, but RLD's engine hears that the handoff is over
+    # (it keeps the KV until handoff_done), and nothing held is emitted.
+    assert committed.on_rld_failed("x", done_reason="aborted") == [Done("MD", "aborted", "one-shot", 2)]
+    assert committed.owner == "MD" and committed.on_rld_failed("again") == []
+    assert committed.on_message(HandoffRelease(RID, EP, "deadline")) == []  # too late: nobody resumes
+    assert committed.on_message(HandoffTaken(RID, EP, 2)) == []
+    assert committed.on_reconnect() == [] and committed.on_token_generated(T(3)) == []
 
 
 def test_md_release_before_commit_keeps_rld():

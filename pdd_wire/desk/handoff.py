@@ -27,7 +27,11 @@ MD's engine may learn of a request after RLD started relaying it, and after its 
 desk keeps relayed tokens, messages and the KV outcome of requests with no MD entry yet, bounded
 and least recently used first out, and feeds them in when ``handoff_md`` comes. A settled entry
 lingers for ``timeouts.peer_give_up_s`` so that a copy of a message lost in a reconnect is still
-answered, then it is forgotten.
+answered, then it is forgotten (or earlier, oldest first, when ``4 x max_transfers`` are kept).
+RLD waits for MD's answer to its commit at most ``timeouts.peer_give_up_s`` after it last sent
+it: an MD agent that is up but forgot the request (or never answers) ends the handoff as an MD
+lost after the commit. After a peer restart nothing more is sent for that peer's handoffs: its
+new incarnation never knew them.
 """
 
 from __future__ import annotations
@@ -58,9 +62,11 @@ from .handoff_protocol import (
     ModeChosen,
     RelayTokens,
     RldHandoff,
+    RldState,
     Send,
     StartGenerating,
     StopGenerating,
+    reason_label,
 )
 
 if TYPE_CHECKING:
@@ -75,7 +81,8 @@ MAX_EARLY_TOTAL = 1 << 20  # ... and for all of one peer's requests together (it
 
 
 class Entry:
-    __slots__ = ("role", "sm", "engine", "session", "timer", "timer_at", "ready_at", "settled", "linger", "log")
+    __slots__ = ("role", "sm", "engine", "session", "timer", "timer_at", "ready_at", "settled", "linger", "answer",
+                 "peer_gone", "log")
 
     def __init__(self, role: str, sm: RldHandoff | MdHandoff, engine: "EngineConn", session: "PeerSession") -> None:
         self.role = role
@@ -87,6 +94,8 @@ class Entry:
         self.ready_at: float | None = None  # RLD: MD's first progress; MD: the KV arrived
         self.settled = False  # no more own output to emit: lingers, then is forgotten
         self.linger: asyncio.TimerHandle | None = None
+        self.answer: asyncio.TimerHandle | None = None  # RLD: its commit's answer is due
+        self.peer_gone = False  # the peer restarted: nothing more goes to it for this request
         self.log = log.bind(request_id=sm.request_id, role=role, peer=session.key, epoch=sm.epoch)
 
 
@@ -122,7 +131,7 @@ class HandoffDesk:
 
     # ------------------------------------------------------------------ engine requests
     def start_rld(self, ec: "EngineConn", msg: p.HandoffRld) -> dict:
-        session = self._start_checks(ec, msg.request_id, msg.to)
+        session = self._start_checks(ec, msg.request_id, msg.to, msg.epoch)
         if session.relaying_tokens(msg.request_id):
             raise EngineRequestError(f"request {msg.request_id!r} already relayed tokens to {session.key} outside a "
                                      f"handoff; its positions would not match", ErrorCode.DUPLICATE_TRANSFER)
@@ -136,7 +145,7 @@ class HandoffDesk:
         return {"peer": session.key}
 
     def start_md(self, ec: "EngineConn", msg: p.HandoffMd) -> dict:
-        session = self._start_checks(ec, msg.request_id, msg.from_site)
+        session = self._start_checks(ec, msg.request_id, msg.from_site, msg.epoch)
         to = self.cfg.timeouts
         deadline = self._deadline(msg.deadline_s, to.handoff_s + to.handoff_md_margin_s)
         sm = MdHandoff(msg.request_id, msg.epoch, deadline=deadline)
@@ -199,7 +208,7 @@ class HandoffDesk:
         e = self.live.get(request_id)
         if e is None or e.engine is not ec:
             return 0
-        self._engine_failed(e, reason or "aborted")
+        self._engine_failed(e, reason or "aborted", "rld_failed")
         self._forget(request_id)
         return 1
 
@@ -211,14 +220,14 @@ class HandoffDesk:
             return None
         self.kv_outcome.pop(request_id, None)
         if e.sm.done is None:
-            self._engine_failed(e, "aborted")
+            self._engine_failed(e, "aborted", "aborted")
         self._forget(request_id)
         return e.engine
 
     def engine_gone(self, ec: "EngineConn") -> None:
         for rid, e in list(self.live.items()):
             if e.engine is ec:
-                self._engine_failed(e, "engine_gone")
+                self._engine_failed(e, "engine_gone", "engine_gone")
                 self._forget(rid)
 
     def owns_relay(self, request_id: str) -> bool:
@@ -282,20 +291,28 @@ class HandoffDesk:
     def session_up(self, session: "PeerSession") -> None:
         """The control connection is back: resend each handoff's latest message."""
         for e in list(self.live.values()):
-            if e.session is session:
+            if e.session is session and not e.peer_gone:
                 self._feed(e, e.sm.on_reconnect)
 
     def peer_lost(self, session: "PeerSession", reason: str) -> None:
-        """The peer's agent restarted (its state is gone) or stayed unreachable too long."""
-        for e in list(self.live.values()):
-            if e.session is session and e.sm.done is None:
+        """The peer's agent restarted (its state is gone) or stayed unreachable too long. After a
+        restart nothing more is sent for these handoffs (the new incarnation never knew them) and
+        the settled ones are dropped; an RLD that keeps the output goes on emitting."""
+        restarted = reason == "peer_restarted"
+        for rid, e in list(self.live.items()):
+            if e.session is not session:
+                continue
+            e.peer_gone = e.peer_gone or restarted
+            if e.sm.done is None:
                 self._feed(e, lambda e=e: e.sm.on_md_failed(reason))
+            if restarted and e.settled:
+                self._forget(rid)
 
     def shutdown(self) -> None:
         """The agent stops: tell the peers, so that RLD keeps (or MD takes) what it can."""
         for rid, e in list(self.live.items()):
             if e.sm.done is None:
-                self._engine_failed(e, "shutting_down")
+                self._engine_failed(e, "shutting_down", "shutting_down")
             self._forget(rid)
         self.early.clear()
         self.kv_outcome.clear()
@@ -314,9 +331,11 @@ class HandoffDesk:
     def _deadline(self, given: float | None, default: float) -> float:
         return self._now() + check_duration("deadline_s", default if given is None else given)
 
-    def _start_checks(self, ec: "EngineConn", request_id: str, peer: str) -> "PeerSession":
+    def _start_checks(self, ec: "EngineConn", request_id: str, peer: str, epoch: int) -> "PeerSession":
         self.gate.check()
         check_request_id(request_id)
+        if not 0 <= epoch < 1 << 63:
+            raise EngineRequestError(f"epoch must be 0..2^63-1, got {epoch}", ErrorCode.BAD_REQUEST)
         session = self.peers.session_for(peer)
         if session.remote_caps is not None and CAPABILITY not in session.remote_caps:
             raise EngineRequestError(f"peer {session.key} does not speak {CAPABILITY}", ErrorCode.UNSUPPORTED_BY_PEER)
@@ -375,9 +394,11 @@ class HandoffDesk:
             mine.move_to_end(request_id)
         return early
 
-    def _engine_failed(self, e: Entry, reason: str) -> None:
+    def _engine_failed(self, e: Entry, reason: str, label: str) -> None:
+        """This side gives the request up: ``reason`` for the peer (ABORT, RELEASE), ``label``
+        for RLD's ``handoff_done``."""
         if e.role == "RLD":
-            self._feed(e, lambda: e.sm.on_rld_failed(reason))
+            self._feed(e, lambda: e.sm.on_rld_failed(reason, done_reason=label))
         else:
             self._feed(e, lambda: e.sm.on_md_failed(reason))
 
@@ -433,7 +454,14 @@ class HandoffDesk:
                 continue
             flush()
             if isinstance(a, Send):
+                if e.peer_gone:
+                    continue
                 e.session.send_message(a.message)
+                if isinstance(a.message, m.HandoffCommit):  # (re)sent: its answer is due within peer_give_up_s
+                    if e.answer is not None:
+                        e.answer.cancel()
+                    e.answer = asyncio.get_running_loop().call_later(self.cfg.timeouts.peer_give_up_s,
+                                                                     self._unanswered, e)
             elif isinstance(a, Extend):
                 ec.send(p.Extend(request_id=rid, first=a.first, tokens=list(a.tokens)))
             elif isinstance(a, StopGenerating):
@@ -455,7 +483,7 @@ class HandoffDesk:
     def _done(self, e: Entry, d: Done) -> None:
         rid = e.sm.request_id
         e.engine.send(p.HandoffDone(request_id=rid, owner=d.owner, reason=d.reason, mode=d.mode, position=d.position))
-        self.metrics.handoffs.labels(role=e.role, mode=d.mode or "none", reason=d.reason).inc()
+        self.metrics.handoffs.labels(role=e.role, mode=d.mode or "none", reason=reason_label(d.reason)).inc()
         if d.owner == "MD" and e.ready_at is not None:
             self.metrics.handoff_seconds.labels(role=e.role, mode=d.mode or "none").observe(self._now() - e.ready_at)
         e.log.info("handoff settled", owner=d.owner, reason=d.reason, mode=d.mode, position=d.position)
@@ -479,7 +507,7 @@ class HandoffDesk:
         e = self.live.pop(rid, None)
         if e is None:
             return
-        for timer in (e.timer, e.linger):
+        for timer in (e.timer, e.linger, e.answer):
             if timer is not None:
                 timer.cancel()
         self.metrics.handoffs_open.labels(role=e.role).dec()
@@ -494,6 +522,13 @@ class HandoffDesk:
         e.timer_at = at
         if at is not None:
             e.timer = asyncio.get_running_loop().call_at(at, self._fire, e)
+
+    def _unanswered(self, e: Entry) -> None:
+        e.answer = None
+        if self.live.get(e.sm.request_id) is e and e.sm.state is RldState.COMMITTED:
+            e.log.warning("no answer to the commit; MD is taken as lost after the commit",
+                          waited_s=self.cfg.timeouts.peer_give_up_s)
+            self._feed(e, lambda: e.sm.on_md_failed("commit_unanswered"))
 
     def _fire(self, e: Entry) -> None:
         e.timer = None

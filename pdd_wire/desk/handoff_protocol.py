@@ -31,6 +31,7 @@ How (details in the spec):
   and tells MD with :class:`HandoffAbort`. After committing, a failure RLD is told about (MD's
   agent lost, without a release) ends the handoff with ``Done(owner="MD",
   reason="md_failed_after_commit")``: RLD cannot know whether MD emitted, so it never resumes.
+  RLD giving the request up itself after committing ends it with ``Done(owner="MD", reason)``.
 
 Every message names the request and its handoff ``epoch`` (messages of another epoch are ignored)
 and is idempotent, so the control lane may deliver a message again after a reconnect, in any
@@ -139,8 +140,10 @@ class Done(msgspec.Struct, frozen=True):
     * RLD side: ``one_shot``, ``catch_up_converged``, ``catch_up_forced`` (MD took over);
       ``md_failed_after_commit`` (owner MD, but RLD was told MD failed after it committed: whether
       MD emits the rest is unknown here; RLD never resumes); ``finished_on_rld``, ``deadline``,
-      ``md_failed``, ``md_released``, ``rld_failed`` (owner RLD; for ``rld_failed`` RLD gave the
-      request up and nobody emits the rest).
+      ``md_failed``, ``md_released`` (owner RLD); RLD gave the request up (its engine's abort
+      ``rld_failed``, its disconnect ``engine_gone``, a REQUEST_ABORT ``aborted``, the agent
+      stopping ``shutting_down``): owner RLD before the commit, MD after it (with ``p``), and
+      nobody here emits the rest.
     * MD side: ``took_over``; or owner RLD with RLD's abort reason or MD's own release reason.
     """
 
@@ -151,6 +154,21 @@ class Done(msgspec.Struct, frozen=True):
 
 
 Action = Emit | RelayTokens | Send | StopGenerating | StartGenerating | Extend | ModeChosen | Done
+
+
+#: The ``Done`` reasons this code gives. Others (a peer's ABORT or RELEASE reason, an engine's
+#: own text) reach the engine as they are, but are counted as ``other``: no peer or engine
+#: grows a metric's label set.
+REASONS = frozenset({
+    "one_shot", "catch_up_converged", "catch_up_forced", "md_failed_after_commit", "finished_on_rld",
+    "finished", "deadline", "md_failed", "md_released", "rld_failed", "engine_gone", "aborted", "shutting_down",
+    "took_over", "protocol_error", "kv_cancelled", "post_expired", "peer_restarted", "peer_unreachable",
+})
+
+
+def reason_label(reason: str) -> str:
+    """``reason`` as a metric label: itself if this code gives it, else ``other``."""
+    return reason if reason in REASONS else "other"
 
 
 # ----------------------------------------------------------------------------- RLD
@@ -193,6 +211,7 @@ class RldHandoff:
         self.commit_reason: str | None = None
         self.done: Done | None = None
         self.lost = False  # told MD failed after the commit: MD's fate unknown here
+        self.gave_up = False  # RLD gave the request up after the commit (on_rld_failed)
         self._held: list[int] = []  # generated after the commit: positions p, p+1, ...
         self._last_sent: HandoffCommit | HandoffAbort | None = None
 
@@ -257,12 +276,20 @@ class RldHandoff:
             return [self._settle("MD", "md_failed_after_commit")]
         return []
 
-    def on_rld_failed(self, reason: str = "rld_failed") -> list[Action]:
-        """RLD itself gives the request up (its engine aborted it or disconnected, the agent
-        stops). Before the commit MD is told to drop it (nobody emits any more); after the
-        commit MD owns the output and nothing needs saying."""
+    def on_rld_failed(self, reason: str = "rld_failed", *, done_reason: str = "rld_failed") -> list[Action]:
+        """RLD itself gives the request up (its engine aborted it or disconnected, MD's site
+        aborted it, the agent stops). Before the commit MD is told to drop it (ABORT ``reason``)
+        and nobody emits any more: ``Done(RLD, done_reason)``. After the commit MD owns the
+        output and nothing needs saying, but RLD's engine still learns that the handoff is over:
+        ``Done(MD, done_reason, p)``; nothing held is emitted and RLD never resumes (a late
+        RELEASE finds nobody to resume)."""
         if self.state is RldState.RELAYING:
-            return self._abort(reason, done_reason="rld_failed")
+            return self._abort(reason, done_reason=done_reason)
+        if self.state is RldState.COMMITTED:
+            self.state = RldState.MD_OWNS
+            self.gave_up = True
+            self._held.clear()
+            return [self._settle("MD", done_reason)]
         return []
 
     def on_timeout(self, now: float) -> list[Action]:
@@ -347,9 +374,9 @@ class RldHandoff:
             if not self.finished:
                 out.append(StartGenerating(self.generated))
             return out
-        if self.state is RldState.MD_OWNS and not self.lost:
+        if self.state is RldState.MD_OWNS and not (self.lost or self.gave_up):
             raise HandoffProtocolError(f"{self.request_id}: MD released after it took over")
-        return []  # a copy; or too late (RLD already gave the request up: md_failed_after_commit)
+        return []  # a copy; or too late (RLD already settled: md_failed_after_commit, or it gave up)
 
     def _abort(self, reason: str, *, done_reason: str) -> list[Action]:
         self.state = RldState.RLD_OWNS

@@ -16,7 +16,6 @@ import msgspec
 
 from ..errors import ErrorCode, ProtocolError
 
-Epoch = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # sent to the peer in HANDOFF_* (proto/messages.md)
 U64 = Annotated[int, msgspec.Meta(ge=0)]  # a block hash (proto/engine.md: [uint64]; msgpack ints end at 2^64-1)
 
 LENGTH = struct.Struct(">I")
@@ -163,7 +162,7 @@ class HandoffRld(Msg, tag="handoff_rld"):
 
     request_id: str
     to: str
-    epoch: Epoch = 0
+    epoch: int = 0  # 0..2^63-1 (sent to the peer in HANDOFF_*); out of range: BAD_REQUEST
     deadline_s: float | None = None  # commit by then or keep the output (timeouts.handoff_s)
 
 
@@ -174,7 +173,7 @@ class HandoffMd(Msg, tag="handoff_md"):
 
     request_id: str
     from_site: str
-    epoch: Epoch = 0
+    epoch: int = 0  # 0..2^63-1 (sent to the peer in HANDOFF_*); out of range: BAD_REQUEST
     deadline_s: float | None = None  # start by then or release (handoff_s + handoff_md_margin_s)
 
 
