@@ -42,7 +42,8 @@ class Metrics:
                                          ["peer"], registry=r)
         self.offers = Counter(p + "kv_offers", "KV_OFFERs: sent (a receive posted for the peer), taken by a send, "
                               "unfit (sizes differ: sent the normal way), stale (for a request already being sent), "
-                              "dropped (over the per-peer bound)", ["peer", "event"], registry=r)
+                              "dropped (over the per-peer bound), ignored (offers not agreed: a side did not advertise "
+                              "offer.v1)", ["peer", "event"], registry=r)
         self.chunks_held = Counter(p + "chunks_held", "Chunks of offered transfers that arrived before their KV_BEGIN "
                                    "was handled: held (their bulk connection paused), expired (dropped after the wait)",
                                    ["peer", "outcome"], registry=r)

@@ -6,8 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
+import os
+
+import pytest
 
 from conftest import metric, until
+from pdd_wire import log
 from pdd_wire.errors import ErrorCode
 from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL
 from pdd_wire.wire import FrameType, Lane, encode_body, encode_bytes
@@ -165,3 +170,75 @@ async def test_a_listener_that_speaks_before_welcome_is_refused_by_the_dialer(tm
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_an_empty_kv_chunk_fails_its_transfer_and_an_empty_lz4_one_is_asked_again(tmp_sock_dir, engines):
+    """No chunk is empty. An empty payload (the frame reader calls no payload sink for it) was
+    answered KV_NACK CHUNK_BUSY, which a sender resends without counting: a loop for ever. It is
+    a chunk of the wrong size: the transfer fails MALFORMED_BODY (proto/transfer.md §7); with
+    LZ4 it does not decode: KV_NACK CHUNK_CHECKSUM."""
+    from pdd_wire.engine import protocol as p
+    from pdd_wire.wire import Flags
+
+    async with agent_b(tmp_sock_dir) as b:
+        eb = await engines.connect(tmp_sock_dir / "B.sock", "b")
+        rb = await eb.register(engines.memory(1 << 20), block_bytes=64 << 10)
+        for i, rid in enumerate(("e1", "e2")):
+            await eb.post_recv(rid, [rb.blocks(i, 1)], from_site="A")
+        peer, welcome = await hello_as_a(b)
+        bulk = await RawPeer.dial(b.wan_address[1], KIND_BULK)
+        bulk.send(FrameType.BULK_HELLO, m.BulkHello(session=welcome.session, stream=0, site="A", node="a1"))
+        assert (await bulk.next())[0] == FrameType.BULK_WELCOME
+        for tid, rid in ((11, "e1"), (12, "e2")):
+            peer.send(FrameType.KV_BEGIN, m.KvBegin(rid, 64 << 10, 64 << 10, 1, 64 << 10, 1, 10_000), transfer_id=tid)
+            seen = await peer.until(FrameType.KV_ACCEPT)
+            assert seen[-1] is not None, seen
+        checked = int(Flags.PAYLOAD_CHECKSUM)  # (a KV_CHUNK on TCP must say so, empty or not)
+        bulk.send(FrameType.KV_CHUNK, b"", transfer_id=12, flags=checked | int(Flags.LZ4), payload=[])
+        seen = await peer.until(FrameType.KV_NACK)
+        assert seen[-1] is not None and seen[-1][2].transfer_id == 12, seen
+        assert seen[-1][1].code == ErrorCode.CHUNK_CHECKSUM, seen
+        bulk.send(FrameType.KV_CHUNK, b"", transfer_id=11, flags=checked, payload=[])
+        seen = await peer.until(FrameType.KV_CANCEL)
+        assert seen[-1] is not None and seen[-1][2].transfer_id == 11, seen
+        assert (seen[-1][1].code, seen[-1][1].by_receiver) == (ErrorCode.MALFORMED_BODY, True), seen
+        assert not [f for f in seen if f is not None and f[0] == FrameType.KV_NACK], seen
+        ev = await eb.wait("e1", timeout=5)
+        assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.MALFORMED_BODY, ev
+        # The bulk connection and the other transfer go on: its real chunk lands.
+        bulk.send(FrameType.KV_CHUNK, b"", transfer_id=12, payload=[b"z" * (64 << 10)])
+        ev = await eb.wait("e2", timeout=5)
+        assert isinstance(ev, p.KvReceived), ev
+        # Without the checksum flag it is the rule above's offender: that bulk connection closes.
+        bulk.send(FrameType.KV_CHUNK, b"", transfer_id=11, payload=[])
+        got = await bulk.until_closed()
+        assert all(t == FrameType.ERROR and x.code == ErrorCode.MALFORMED_BODY for t, x in got), got
+        assert await peer.pong(5)
+        bulk.close()
+        peer.close()
+
+
+@pytest.fixture
+def info_logs():
+    """What the agents started in the test log at info (the suite's level is warning), as text."""
+    out = io.StringIO()
+    log.configure("info", "json", stream=out)
+    yield out
+    log.configure(os.environ.get("PDD_TEST_LOG", "warning"), "console")
+
+
+async def test_request_aborts_tied_to_nothing_are_counted_and_logged_once_per_period(tmp_sock_dir, info_logs):
+    """A REQUEST_ABORT tied to nothing here is ignored (proto/transfer.md §10). It wrote one log
+    line each: some 200 bytes of log for 60 on the wire, several MB/s from one peer. Now one
+    line per 30 s per peer; the counter has them all."""
+    async with agent_b(tmp_sock_dir) as b:
+        peer, _ = await hello_as_a(b)
+        info_logs.seek(0)
+        info_logs.truncate()
+        for i in range(2000):
+            peer.send(FrameType.REQUEST_ABORT, m.RequestAbort(f"nobody-{i}", "gone"))
+        assert await peer.pong(6)
+        assert metric(b, "pddwire_request_aborts_total", direction="rx") == 2000
+        ignored = [ln for ln in info_logs.getvalue().splitlines() if "REQUEST_ABORT" in ln]
+        assert len(ignored) == 1 and "A/a1" in ignored[0], ignored
+        peer.close()

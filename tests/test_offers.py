@@ -241,6 +241,23 @@ async def test_an_old_peer_is_offered_nothing(tmp_sock_dir, engines):
         peer.close()
 
 
+async def test_an_offer_from_a_peer_without_the_capability_is_ignored(tmp_sock_dir, engines):
+    """A KV_BEGIN ``offered`` goes only to a peer that advertised offer.v1 (it reads the field):
+    a KV_OFFER from one that did not is ignored and counted, and its send goes the normal way."""
+    async with _agent_b(tmp_sock_dir) as b:
+        peer, _ = await hello(b.wan_address[1])  # no offer.v1
+        eb = await engines.connect(tmp_sock_dir / "B.sock", "prefill")
+        rb = await eb.register(engines.memory(4 * BLOCK), block_bytes=BLOCK)
+        peer.send(FrameType.KV_OFFER, m.KvOffer("unasked", 2 * BLOCK, BLOCK, 60_000))
+        assert await peer.pong(5)
+        await eb.send_kv("unasked", [rb.blocks(0, 2)], to=["A"])
+        seen = await peer.until(FrameType.KV_BEGIN)
+        assert seen[-1] is not None and seen[-1][1].offered is False, seen
+        assert metric(b, "pddwire_kv_offers_total", peer="A/a1", event="ignored") == 1
+        assert metric(b, "pddwire_kv_offers_total", peer="A/a1", event="taken") == 0
+        peer.close()
+
+
 async def test_a_hostile_peers_offers_and_early_chunks_reach_nothing_of_anyone_else(tmp_sock_dir, engines,
                                                                                    monkeypatch):
     monkeypatch.setattr(receiving, "PARK_S", 0.2)

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from ..config import Config
 from ..engine import protocol as p
 from ..errors import EngineRequestError, ErrorCode, check_duration
+from ..log import limited
 from ..metrics import Metrics
 from ..wire import messages as m
 from .admission import Gate, check_request_id
@@ -207,11 +208,11 @@ class KvDesk:
                                   f"{skip} prefix blocks matched for {begin.request_id!r}, but its receive allows "
                                   f"at most {post.max_skip}")
                 return
-            if lease is None or lease.broken or len(lease.hashes) < skip or skip >= post.blocks.n_blocks:
-                # The prefix this sender was promised is gone: it sends every block instead;
-                # the post stays for that transfer.
-                session.reject_in(tid, begin, ErrorCode.PREFIX_LOST,
-                                  f"the {skip} prefix blocks matched for {begin.request_id!r} are no longer held")
+            held = 0 if lease is None or lease.broken else len(lease.hashes)  # (a broken lease holds nothing)
+            if held < skip or skip >= post.blocks.n_blocks:  # the sender sends every block instead; the post stays
+                why = f"only {held} are leased to {session.key}" if held < skip else "at least one block is sent"
+                session.reject_in(tid, begin, ErrorCode.PREFIX_LOST, f"{skip} prefix blocks skipped of the "
+                                  f"{post.blocks.n_blocks} posted for {begin.request_id!r}: {why}")
                 return
             dest = post.blocks.after_blocks(skip)
         self.drop_post(begin.request_id, settled=session)
@@ -286,8 +287,7 @@ class KvDesk:
             raise EngineRequestError(f"request {request_id!r} belongs to another engine here: {what} refused",
                                      ErrorCode.BAD_REQUEST)
 
-    def own(self, request_id: str, ec: "EngineConn", sites: frozenset[str] | None, *,
-            widen: bool = True) -> int:
+    def own(self, request_id: str, ec: "EngineConn", sites: frozenset[str] | None, *, widen: bool = True) -> int:
         """``ec`` owns ``request_id``, tied to ``sites`` (None: any). The same engine's ties add
         up; ``widen`` false: None keeps the ties it has (``expect_tokens`` without a site). Tokens
         held for the request from those sites are delivered now; returns how many frames."""
@@ -527,8 +527,8 @@ class KvDesk:
             del self.owners[rid]
             told.add(owner.engine)
         elif not told and not later:
-            self.log.info("REQUEST_ABORT from a site not tied to the request; ignored", request_id=rid,
-                          peer=session.key)
+            limited(session, self.log.info, "REQUEST_ABORT from a site not tied to its request; ignored (logged "
+                    "once per 30 s per peer)", peer=session.key)
         self._tell_aborted(told - later, rid, reason, session)
         if told or later:
             self.log.info("request aborted by a peer", request_id=rid, peer=session.key, reason=reason,

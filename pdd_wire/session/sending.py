@@ -58,6 +58,11 @@ class Sender:
         if isinstance(msg, m.KvWithdraw):
             self.offers.pop(msg.request_id, None)
             return
+        if not (s.cfg.transfer.offers and "offer.v1" in (s.remote_caps or ())):
+            # Offers were not agreed (one side did not advertise offer.v1): a KV_BEGIN `offered`
+            # would go to a peer that never said it reads the field.
+            s.metrics.child(s.metrics.offers, s.key, "ignored").inc()
+            return
         if self._sending[msg.request_id]:
             s.metrics.child(s.metrics.offers, s.key, "stale").inc()
             return

@@ -165,11 +165,27 @@ class BulkHandler:
         self._claim = (route, header.seq) if views is not None else None
         return views
 
+    def _empty_chunk(self, conn: FrameProtocol, s: "BulkOwner", h: Header) -> bool:
+        """A KV_CHUNK with no payload: the reader calls no sink for it, so its checks run here.
+        No chunk is empty: it is a chunk of the wrong size (the transfer fails MALFORMED_BODY),
+        or an lz4 one that does not decode (KV_NACK). False: the connection failed."""
+        if not h.flags & F_CHECKSUM:
+            self._fail(conn, ProtocolError("KV_CHUNK without its payload checksum (flag bit 0)",
+                                           ErrorCode.MALFORMED_BODY))
+            return False
+        self._claim, self._lz, self._invalid = None, None, False
+        route = s.routes.get(h.transfer_id)
+        if route is not None:
+            self._land(route, h)
+        return True
+
     def _decode_lz4(self, frame: Frame) -> bool:
         """Decode an lz4 chunk into its claimed blocks and check the chunk's xxh3."""
         assert self._lz is not None  # claimed in sink() for this frame
         views, n = self._lz
         self._lz = None
+        if not frame.payload:
+            return False  # nothing to decode (an empty payload)
         shuffle = bool(frame.header.flags & F_SHUFFLE16)
         try:
             if len(views) == 1:
@@ -201,6 +217,8 @@ class BulkHandler:
             s = self.session
             if s is None:
                 self._fail(conn, ProtocolError("KV_CHUNK before BULK_HELLO", ErrorCode.UNEXPECTED_FRAME))
+                return
+            if h.payload_len == 0 and not self._empty_chunk(conn, s, h):
                 return
             claim, self._claim = self._claim, None
             ok, nbytes = frame.payload_ok, h.payload_len
