@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from ._version import __version__
 from .config import parse_hostport
-from .errors import PddWireError
+from .errors import ErrorCode, PddWireError
 
 
 class AdminSource(Protocol):
@@ -98,8 +98,9 @@ class AdminServer:
         req = await _probe_request(request)
         try:
             res = await self.source.probe(req.peer, req.seconds, req.streams)
-        except PddWireError as exc:
-            return web.json_response({"error": str(exc), "code": exc.code.name}, status=409)
+        except PddWireError as exc:  # the request's own values (400), else the agent's state (409)
+            status = 400 if exc.code == ErrorCode.BAD_REQUEST else 409
+            return web.json_response({"error": str(exc), "code": exc.code.name}, status=status)
         except RuntimeError as exc:  # the measurement itself failed (link down mid-probe, ...)
             return web.json_response({"error": str(exc), "code": "PROBE_FAILED"}, status=409)
         return web.json_response(res)

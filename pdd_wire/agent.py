@@ -52,6 +52,7 @@ from .inbound import Inbound
 from .metrics import Metrics
 from .peers import Peers
 from .pki import Pki, cert_fingerprint, log_tls_mode, tls_files
+from .rundir import engine_access_problems
 from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
 from .transport.tcp import BulkLoop, client_tls_context, server_tls_context
@@ -174,12 +175,16 @@ class Agent:
                                           handler=self.requests.handle, on_gone=self.requests.engine_gone,
                                           now_handler=self.requests.handle_now, now_types=EngineRequests.NOW,
                                           max_engines=cfg.limits.max_engines, max_message=16 << 20,
-                                          allowed_uids=uids, allowed_gids=gids, on_error=self.metrics.error,
+                                          allowed_uids=uids, allowed_gids=gids, socket_gid=cfg.listen.engine_gid,
+                                          on_error=self.metrics.error,
                                           max_out=cfg.limits.engine_queue_bytes,
                                           read_deadline_s=cfg.timeouts.engine_read_s,
                                           max_per_uid=min(cfg.limits.max_engines_per_uid, cfg.limits.max_engines))
         self.requests.engines = self.engine_server
         await self.engine_server.start()
+        for problem in engine_access_problems(cfg.listen.engine_socket, cfg.listen.engine_socket_mode,
+                                              cfg.listen.engine_uid, cfg.listen.engine_gid):
+            self.log.warning("engines of another user cannot reach the engine socket", problem=problem)
         if cfg.listen.admin:
             self.admin = AdminServer(cfg.listen.admin, self)
             await self.admin.start()

@@ -22,6 +22,7 @@ from . import placement
 from ._version import __version__
 from .errors import ConfigError
 from .progress import Progress, bar
+from .rundir import engine_access_problems
 
 
 def _load_config(args) -> cfgmod.Config:
@@ -53,6 +54,9 @@ def daemon_main(argv: list[str] | None = None) -> int:
 
             check_files(cfg.tls.cert, cfg.tls.key, cfg.tls.ca)
         if args.check:  # on the node it will run on: the CPUs it names are there (the agent checks at start too)
+            from .pki import check_dirs
+
+            check_dirs(cfg)  # the directories the agent would refuse at start (exit 1), named now, created not
             placement.check_allowed(cfg.cpus.main_set, "cpus.main")
             placement.check_allowed(cfg.cpus.bulk_set, "cpus.bulk")
             if cfg.fleet.enabled:  # what the agent would refuse at start (exit 1), named now (exit 2)
@@ -63,6 +67,9 @@ def daemon_main(argv: list[str] | None = None) -> int:
         print(f"pdd-wired: {exc}", file=sys.stderr)
         return 2
     if args.check:
+        for problem in engine_access_problems(cfg.listen.engine_socket, cfg.listen.engine_socket_mode,
+                                              cfg.listen.engine_uid, cfg.listen.engine_gid):
+            print(f"pdd-wired: warning: {problem}", file=sys.stderr)
         print(f"pdd-wired: config OK (site {cfg.site}, node {cfg.node}, {len(cfg.peers)} peers)")
         return 0
     from . import log
@@ -119,7 +126,8 @@ def _admin_target(args, site: str | None) -> tuple[str, str]:
         return args.admin, "--admin"
     if not args.config and not site:
         raise ConfigError("--site", "name the agent: --site S (embedded default), --config FILE or --admin HOST:PORT")
-    cfg = _load_config(argparse.Namespace(site=None if args.config else site, config=args.config, node=None))
+    # With --config, a --site (--from) that contradicts the file is the flags' error (exit 2).
+    cfg = _load_config(argparse.Namespace(site=site, config=args.config, node=None))
     if not cfg.listen.admin:
         raise ConfigError("listen.admin", f"is empty in {args.config}: that agent serves no admin address")
     where = f"listen.admin in {args.config}" if args.config else f"the embedded default of site {cfg.site}"
@@ -300,7 +308,7 @@ def tool_main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "config":
-            print(cfgmod.default_toml(args.site), end="")
+            print(cfgmod.default_toml(args.site, for_file=True), end="")
             return 0
         if args.cmd == "status":
             if not (args.site or args.config or args.admin):

@@ -26,6 +26,7 @@ from .policy import HandoffPolicy, PipelineConfig
 from .rundir import default_socket_dir
 
 MiB = 1 << 20
+MAX_TOKENS_PER_FRAME = 1 << 20  # limits.max_tokens_per_frame; frames are split to the peer's max_body anyway
 
 
 class Listen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):
@@ -277,6 +278,14 @@ def _positive(key: str, value: float) -> None:
         raise ConfigError(key, f"must be > 0, got {value}")
 
 
+def _duration(key: str, value: float, zero: bool = False) -> None:
+    """Every duration of the config: more than 0 (or 0, where 0 means off) and at most a week,
+    what an engine may ask for too (so neither inf nor nan)."""
+    if not (value >= 0 if zero else value > 0) or not value <= MAX_DURATION_S:
+        raise ConfigError(key, f"must be {'>= 0' if zero else '> 0'} and at most {MAX_DURATION_S} s "
+                               f"(a week), got {value}")
+
+
 def validate(cfg: Config) -> Config:
     """Checks msgspec's types cannot express; raises ConfigError naming the key."""
     for key, name in (("site", cfg.site), ("node", cfg.node)):
@@ -333,30 +342,29 @@ def validate(cfg: Config) -> Config:
     for key in ("max_transfers",):
         _positive(f"transfer.{key}", getattr(t, key))
     for key in ("unposted_wait_s", "default_deadline_s", "post_ttl_s", "prefix_lease_s", "prefix_query_s"):
-        _positive(f"transfer.{key}", getattr(t, key))
-    for key, value in (("transfer.default_deadline_s", t.default_deadline_s), ("transfer.post_ttl_s", t.post_ttl_s),
-                       ("transfer.prefix_lease_s", t.prefix_lease_s),  # sent as PREFIX_QUERY lease_ms
-                       ("timeouts.handoff_s", cfg.timeouts.handoff_s)):
-        if value > MAX_DURATION_S:  # what an engine could not ask for either
-            raise ConfigError(key, f"must be at most {MAX_DURATION_S} s, got {value}")
+        _duration(f"transfer.{key}", getattr(t, key))
     for f in msgspec.structs.fields(Limits):
         _positive(f"limits.{f.name}", getattr(cfg.limits, f.name))
     if not 4096 <= cfg.limits.max_body <= 16 * MiB:
         raise ConfigError("limits.max_body", "must be 4 KiB..16 MiB")
     if cfg.limits.control_buffer_bytes < 4 * cfg.limits.max_body:
         raise ConfigError("limits.control_buffer_bytes", "must be at least 4 x limits.max_body")
+    if cfg.limits.max_tokens_per_frame > MAX_TOKENS_PER_FRAME:
+        raise ConfigError("limits.max_tokens_per_frame", f"must be 1..{MAX_TOKENS_PER_FRAME}, "
+                                                         f"got {cfg.limits.max_tokens_per_frame}")
     if cfg.limits.max_unacked_tokens < 2 * cfg.limits.max_tokens_per_frame:
         raise ConfigError("limits.max_unacked_tokens", "must be at least 2 x limits.max_tokens_per_frame")
-    for f in msgspec.structs.fields(Timeouts):
-        if f.name != "loop_stall_warn_s":  # 0: not watched
-            _positive(f"timeouts.{f.name}", getattr(cfg.timeouts, f.name))
-    if not cfg.timeouts.loop_stall_warn_s >= 0:  # nan too
-        raise ConfigError("timeouts.loop_stall_warn_s",
-                          f"must be >= 0 (0: not watched), got {cfg.timeouts.loop_stall_warn_s}")
+    for f in msgspec.structs.fields(Timeouts):  # loop_stall_warn_s 0: not watched
+        _duration(f"timeouts.{f.name}", getattr(cfg.timeouts, f.name), zero=f.name == "loop_stall_warn_s")
+    _duration("policy.pipeline.ttft_budget_s", cfg.policy.pipeline.ttft_budget_s, zero=True)
     if cfg.timeouts.dead_after_s <= cfg.timeouts.heartbeat_s:
         raise ConfigError("timeouts.dead_after_s", "must be longer than timeouts.heartbeat_s")
     _validate_fleet(cfg)
     tls = cfg.tls
+    for key in ("key", "ca"):
+        if getattr(tls, key) and not tls.cert:
+            raise ConfigError(f"tls.{key}", "set without tls.cert: mutual TLS with files takes tls.cert, tls.key "
+                                            "and tls.ca together (none of them: the generated PKI of tls.auto_dir)")
     if tls.enabled:
         for key in ("cert", "key", "ca"):
             path = getattr(tls, key)
@@ -497,8 +505,13 @@ def loads(text: str | bytes, *, overrides: dict | None = None) -> Config:
         cfg = msgspec.convert(raw, Config)
     except msgspec.ValidationError as exc:
         msg = str(exc)
-        key = _key_of(msg)
-        raise ConfigError(key, msg.split(" - at ")[0] + _hint(key, msg)) from exc
+        key, problem = _key_of(msg), msg.split(" - at ")[0]
+        # A struct's own check ("ttft_budget_s: must be ...", pdd_wire.policy) names its field.
+        field = re.match(r"([a-z_]+): (.*)", problem, re.S)
+        t = _type_at(key) if field else None
+        if field and isinstance(t, type) and issubclass(t, msgspec.Struct) and field.group(1) in t.__struct_fields__:
+            key, problem = f"{key}.{field.group(1)}", field.group(2)
+        raise ConfigError(key, problem + _hint(key, msg)) from exc
     return validate(cfg)
 
 
@@ -523,6 +536,8 @@ node = "{node}"
 [listen]
 wan = "127.0.0.1:{wan}"
 admin = "127.0.0.1:{admin}"
+# /run/pdd-wire: the systemd unit's RuntimeDirectory (docs/operator.md). pdd-wired run without
+# --config puts it in $XDG_RUNTIME_DIR (else /tmp/pdd-wire-<uid>) instead.
 engine_socket = "{sock}"
 
 {peers}
@@ -553,16 +568,19 @@ def default_engine_socket(site: str) -> str:
     return os.path.join(default_socket_dir(), f"pdd-wire-{site}.sock")
 
 
-def default_toml(site: str) -> str:
+def default_toml(site: str, *, for_file: bool = False) -> str:
+    """The embedded default of ``site``; ``for_file`` (``pdd-wire config``): a starting point for
+    a file, its engine socket where the systemd unit and the guide put it (/run/pdd-wire)."""
     if site not in DEFAULT_SITES:
-        raise ConfigError("site", f"{site!r} has no embedded default (known: {sorted(DEFAULT_SITES)}); "
-                                  "pass --config FILE")
+        raise ConfigError("site", f"{site!r} has no embedded default (known: {sorted(DEFAULT_SITES)}); " + (
+            "start from one of them (pdd-wire config --site A > FILE) and run pdd-wired --config FILE"
+            if for_file else "pass --config FILE"))
     node, wan, admin = DEFAULT_SITES[site]
     peers = "".join(
         f'[[peers]]\nsite = "{s}"\nnode = "{n}"\naddress = "127.0.0.1:{w}"\ntransport = "tcp"\n\n'
         for s, (n, w, _) in DEFAULT_SITES.items() if s != site)
-    return DEFAULT_TEMPLATE.format(site=site, node=node, wan=wan, admin=admin, sock=default_engine_socket(site),
-                                   peers=peers)
+    sock = f"/run/pdd-wire/pdd-wire-{site}.sock" if for_file else default_engine_socket(site)
+    return DEFAULT_TEMPLATE.format(site=site, node=node, wan=wan, admin=admin, sock=sock, peers=peers)
 
 
 def default_config(site: str, **overrides) -> Config:

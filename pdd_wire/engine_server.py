@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import array
 import asyncio
+import ctypes
+import errno
 import os
 import socket
 import struct
@@ -20,8 +22,8 @@ from typing import TYPE_CHECKING
 import structlog
 
 from .engine import protocol as p
-from .errors import EngineRequestError, ErrorCode, PddWireError
-from .rundir import secure_dir
+from .errors import ConfigError, EngineRequestError, ErrorCode, PddWireError
+from .rundir import secure_dir, socket_dir_key
 
 if TYPE_CHECKING:
     from .memory import Region
@@ -35,6 +37,30 @@ MAX_PENDING_REGISTERS = 16  # registers read and waiting their turn (each holds 
 MAX_QUEUED = 1024  # requests of one engine decoded and waiting; more stay in the socket
 NOW_PER_READ = 32  # requests answered within one read (EngineServer.now_types); the rest are queued
 _END = object()  # queued after the last request read before a protocol error: the worker then sends the err
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13: the peer's supplementary groups
+NGROUPS_MAX = 65536  # Linux's limit on a process's supplementary groups
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def peer_groups(sock: socket.socket) -> tuple[int, ...]:
+    """The supplementary groups of the process at the other end (``SO_PEERGROUPS``, as they were
+    when it connected). Python's ``getsockopt`` takes at most 1024 bytes, so libc's is called with
+    a buffer grown on ``ERANGE`` (the kernel then says how much it needs). () where the kernel
+    has no ``SO_PEERGROUPS``."""
+    n = 64
+    while True:
+        buf = (ctypes.c_uint32 * n)()
+        size = ctypes.c_uint32(ctypes.sizeof(buf))
+        if _libc.getsockopt(sock.fileno(), socket.SOL_SOCKET, SO_PEERGROUPS, buf, ctypes.byref(size)) == 0:
+            return tuple(buf[: size.value // 4])
+        err = ctypes.get_errno()
+        if err == errno.ERANGE and n < NGROUPS_MAX:
+            n = min(NGROUPS_MAX, max(2 * n, size.value // 4))
+            continue
+        if err in (errno.ENOPROTOOPT, errno.EINVAL):
+            return ()
+        raise OSError(err, os.strerror(err))
+
 
 class EngineConn:
     """One connected engine."""
@@ -305,6 +331,7 @@ class EngineServer:
     def __init__(self, path: str, mode: int, *, handler: Callable[..., Awaitable[dict | None]],
                  on_gone: Callable[[EngineConn], Awaitable[None]], max_engines: int, max_message: int,
                  allowed_uids: set[int], allowed_gids: set[int] | frozenset[int] = frozenset(),
+                 socket_gid: int | None = None,
                  on_error=lambda code: None,
                  max_out: int = 64 << 20, max_per_uid: int | None = None, read_deadline_s: float = 5.0,
                  now_handler: Callable[..., dict | None] | None = None,
@@ -325,6 +352,7 @@ class EngineServer:
         self.max_out = max_out  # bytes of unread events before an engine is cut off
         self.allowed_uids = allowed_uids
         self.allowed_gids = allowed_gids
+        self.socket_gid = socket_gid  # the socket's group (listen.engine_gid): 0o660 then admits it
         self.engines: dict[int, EngineConn] = {}
         self._sock: socket.socket | None = None
         self._accept_task: asyncio.Task | None = None
@@ -334,7 +362,7 @@ class EngineServer:
     async def start(self) -> None:
         # Whoever can write the socket's directory can rename the socket and bind their own, and
         # be handed the engines' memfds: refuse a directory another user owns or can write.
-        secure_dir(os.path.dirname(os.path.abspath(self.path)), "listen.engine_socket")
+        secure_dir(os.path.dirname(os.path.abspath(self.path)), socket_dir_key(self.path))
         if os.path.exists(self.path):
             # A stale socket from a previous run; refuse to steal one a live agent is using.
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -347,11 +375,21 @@ class EngineServer:
             finally:
                 probe.close()
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        old = os.umask(0o777 & ~self.mode)
+        # Bound owner-only, given its group, then its mode: the agent's own group never gets in.
+        old = os.umask(0o777 & ~(self.mode & 0o700))
         try:
             sock.bind(self.path)
         finally:
             os.umask(old)
+        if self.socket_gid is not None:
+            try:  # root may; another uid only for a group it is a member of (chown(2))
+                os.chown(self.path, -1, self.socket_gid)
+            except OSError as exc:
+                sock.close()
+                os.unlink(self.path)
+                raise ConfigError("listen.engine_gid", f"cannot give the engine socket {self.path} the group "
+                                  f"{self.socket_gid}: {exc.strerror} (an agent not run as root must be a member "
+                                  f"of that group: SupplementaryGroups= in its unit, or usermod -aG)") from None
         os.chmod(self.path, self.mode)
         sock.listen(128)
         sock.setblocking(False)
@@ -365,8 +403,8 @@ class EngineServer:
             conn.setblocking(False)
             creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
             pid, uid, gid = struct.unpack("3i", creds)
-            if uid not in self.allowed_uids and uid != 0 and gid not in self.allowed_gids:
-                log.warning("engine refused: neither its uid nor its gid is allowed (listen.engine_uid, "
+            if not self._admits(conn, uid, gid):
+                log.warning("engine refused: neither its uid nor any of its groups is allowed (listen.engine_uid, "
                             "listen.engine_gid)", uid=uid, gid=gid, pid=pid)
                 self.on_error(ErrorCode.BAD_REQUEST)
                 conn.close()
@@ -392,6 +430,18 @@ class EngineServer:
             ec = EngineConn(self, conn, self._count, uid, pid)
             self.engines[ec.number] = ec
             ec.log.info("engine connected", uid=uid)
+
+    def _admits(self, conn: socket.socket, uid: int, gid: int) -> bool:
+        """Its uid is allowed (or root), or its primary or a supplementary group is."""
+        if uid in self.allowed_uids or uid == 0 or gid in self.allowed_gids:
+            return True
+        if not self.allowed_gids:
+            return False
+        try:
+            return not self.allowed_gids.isdisjoint(peer_groups(conn))
+        except OSError as exc:
+            log.warning("cannot read an engine's groups (SO_PEERGROUPS)", uid=uid, error=exc.strerror)
+            return False
 
     def gone(self, ec: EngineConn) -> None:
         self.engines.pop(ec.number, None)

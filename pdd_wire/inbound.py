@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from .config import Config
 from .errors import ErrorCode, FatalHandshakeError, PddWireError, ProtocolError, TransportError
+from .log import limited
 from .metrics import Metrics
 from .pki import peer_fingerprint
 from .transport.bulk import BulkHandler
@@ -245,14 +246,17 @@ class Inbound:
                 await _wait_closed(conn, bulk)
         except FatalHandshakeError as exc:
             self.metrics.error(exc.code)
-            self.log.warning("inbound connection refused", remote=str(h.addr), error=str(exc), code=exc.code.name)
+            limited(self, self.log.warning, "inbound connection refused", remote=_host(h.addr), error=str(exc),
+                    code=exc.code.name)
             h.close()
         except ProtocolError as exc:  # the preamble (BAD_MAGIC, UNSUPPORTED_FRAME_VERSION): no reply, no TLS yet
             self.metrics.error(exc.code)
-            self.log.info("inbound connection failed", remote=str(h.addr), error=str(exc), code=exc.code.name)
+            limited(self, self.log.info, "inbound connection failed", remote=_host(h.addr), error=str(exc),
+                    code=exc.code.name)
             h.close()
         except (PddWireError, TimeoutError, OSError) as exc:  # transport; a config error of a session
-            self.log.info("inbound connection failed", remote=str(h.addr), error=str(exc) or repr(exc))
+            limited(self, self.log.info, "inbound connection failed", remote=_host(h.addr),
+                    error=str(exc) or repr(exc))
             h.close()
         finally:
             if established:
@@ -289,7 +293,7 @@ class Inbound:
 
     def _refuse(self, conn: FrameProtocol, exc: ProtocolError | PddWireError) -> None:
         self.metrics.error(exc.code)
-        self.log.warning("handshake refused", error=str(exc), code=exc.code.name)
+        limited(self, self.log.warning, "handshake refused", error=str(exc), code=exc.code.name)
         conn.fail(exc)
 
     def _on_hello(self, conn: FrameProtocol, frame) -> None:
@@ -324,7 +328,8 @@ class Inbound:
                                       ErrorCode.IDENTITY_MISMATCH)
         pinned = session.peer.fingerprint  # a fleet member's registered certificate
         if pinned and conn.transport is not None and (got := peer_fingerprint(conn.transport)) != pinned:
-            raise FatalHandshakeError(f"{session.key}'s certificate {got} is not the one it registered ({pinned})",
+            raise FatalHandshakeError(f"{session.key}'s certificate {got} is not the pinned {pinned} "
+                                      "(peers[].fingerprint, or the fleet member's registered one)",
                                       ErrorCode.IDENTITY_MISMATCH)
 
     async def _adopt_bulk(self, h: Handshaking, bulk: BulkLoop, main, attached: asyncio.Future) -> FrameProtocol:
@@ -385,3 +390,8 @@ async def _wait_closed(conn: FrameProtocol, bulk: BulkLoop | None = None) -> Non
     else:
         bulk.call(conn.add_close_callback, on_close)
     await ended
+
+
+def _host(addr) -> str:
+    """A peer address's host: the port changes with every attempt (a log line's repeat key)."""
+    return str(addr[0]) if isinstance(addr, tuple) and addr else str(addr)

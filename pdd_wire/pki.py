@@ -35,7 +35,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .errors import ConfigError
-from .rundir import secure_dir
+from .rundir import secure_dir, socket_dir_key
 
 CA_DAYS = 3650
 LEAF_DAYS = 825
@@ -54,12 +54,13 @@ def default_dir(engine_socket: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(engine_socket)), f"pdd-wire-pki-{os.geteuid()}")
 
 
-def private_dir(path: str) -> Path:
-    """``path`` as a directory only this uid can enter; created 0700 when missing."""
+def private_dir(path: str, parent_key: str = "tls.auto_dir") -> Path:
+    """``path`` as a directory only this uid can enter; created 0700 when missing. ``parent_key``:
+    what chose its parent (the engine socket's directory by default), named when that is unsafe."""
     p = Path(os.path.abspath(path))
     # The parent too: whoever can write it can swap this directory for their own. It is the
     # engine socket's directory by default, created 0700 here when missing (pdd_wire.rundir).
-    secure_dir(str(p.parent), "tls.auto_dir")
+    secure_dir(str(p.parent), parent_key)
     try:
         p.mkdir(mode=0o700, exist_ok=True)
         st = os.lstat(p)
@@ -166,10 +167,10 @@ def _leaf_ok(d: Path, stem: str, name: str, ca: x509.Certificate) -> bool:
             and cert.not_valid_after_utc - _now() >= RENEW_BEFORE)
 
 
-def ensure(dirpath: str, site: str, node: str) -> Pki:
+def ensure(dirpath: str, site: str, node: str, parent_key: str = "tls.auto_dir") -> Pki:
     """The CA and this node's certificate in ``dirpath``, generated where missing or unusable.
     Safe to call from several agents at once (one ``flock`` serialises them)."""
-    d = private_dir(dirpath)
+    d = private_dir(dirpath, parent_key)
     stem = f"{site}.{node}"
     created: list[str] = []
     fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -279,7 +280,34 @@ def tls_files(config) -> Pki | None:
         return Pki(cert=tls.cert, key=tls.key, ca=tls.ca)
     if tls.mode == "plaintext":
         return None
-    return ensure(tls.auto_dir or default_dir(config.listen.engine_socket), config.site, config.node)
+    path, key = _auto_dir(config)
+    return ensure(path, config.site, config.node, parent_key=key)
+
+
+def _auto_dir(config) -> tuple[str, str]:
+    """The generated PKI's directory, and what chose its parent (named when that is unsafe)."""
+    if config.tls.auto_dir:
+        return config.tls.auto_dir, "tls.auto_dir"
+    return default_dir(config.listen.engine_socket), socket_dir_key(config.listen.engine_socket)
+
+
+def check_dirs(config) -> None:
+    """``--check``: the directory rule the agent applies at start (pdd_wire.rundir) to the engine
+    socket's directory and the generated PKI's, read only (nothing is created); a ConfigError
+    names the key or environment variable that chose the unsafe directory."""
+    sock = config.listen.engine_socket
+    secure_dir(os.path.dirname(os.path.abspath(sock)), socket_dir_key(sock), create=False)
+    if config.tls.mode != "auto":
+        return
+    path, key = _auto_dir(config)
+    secure_dir(os.path.dirname(os.path.abspath(path)), key, create=False)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise ConfigError("tls.auto_dir", f"{path!r} must be a directory (not a symlink) owned by uid {os.geteuid()} "
+                                          f"with mode 0700, not uid {st.st_uid} mode {stat.S_IMODE(st.st_mode):o}")
 
 
 def log_tls_mode(log, config, pki: Pki | None) -> None:

@@ -46,14 +46,28 @@ def _owner(uid: int) -> str:
         return f"uid {uid}"
 
 
-def secure_dir(path: str, key: str) -> None:
+def socket_dir_key(engine_socket: str) -> str:
+    """What put the engine socket in its directory, for an error about that directory:
+    ``XDG_RUNTIME_DIR`` (the embedded default's, or a configured path in it), else the key."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    here = os.path.dirname(os.path.abspath(engine_socket))
+    return "XDG_RUNTIME_DIR" if xdg and os.path.abspath(xdg) == here else "listen.engine_socket"
+
+
+def secure_dir(path: str, key: str, *, create: bool = True) -> None:
     """Create ``path`` (0700) when missing; raise ``ConfigError(key, ...)`` unless it is safe by
-    the rule above (strict for the private fallback)."""
+    the rule above (strict for the private fallback). ``create=False`` (``--check``): read
+    only; a missing directory passes (the agent will create it 0700)."""
     path = os.path.abspath(path)
     private = path == os.path.abspath(private_fallback())
     try:
-        os.makedirs(path, mode=0o700, exist_ok=True)
+        if create:
+            os.makedirs(path, mode=0o700, exist_ok=True)
         st = os.lstat(path)
+    except FileNotFoundError:
+        if create:
+            raise ConfigError(key, f"cannot create the directory {path!r}") from None
+        return
     except OSError as exc:
         raise ConfigError(key, f"cannot create the directory {path!r}: {exc.strerror}") from exc
     me = os.geteuid()
@@ -61,7 +75,7 @@ def secure_dir(path: str, key: str) -> None:
     fix = ("remove it (as its owner or root) so that the agent creates it 0700, or set XDG_RUNTIME_DIR "
            "or listen.engine_socket to a directory only this user can write" if private else
            f"make it owned by uid {me} or root and not writable by group or others (or sticky), or choose "
-           "another directory (listen.engine_socket, tls.auto_dir, XDG_RUNTIME_DIR)")
+           f"another directory ({key})")
     if stat.S_ISLNK(st.st_mode):
         raise ConfigError(key, f"{what} {path!r} is a symlink (to {os.readlink(path)!r}): refusing to start, "
                                "as whoever owns the link can point it elsewhere; give the real directory's path"
@@ -79,3 +93,28 @@ def secure_dir(path: str, key: str) -> None:
         raise ConfigError(key, f"{what} {path!r} belongs to {_owner(st.st_uid)} with mode 0{mode:03o}, "
                                f"but must be {rule} (this agent runs as uid {me}): another local user could "
                                f"replace the engine socket or the keys in it. Refusing to start; {fix}")
+
+
+def engine_access_problems(path: str, mode: int, uid: int | None, gid: int | None) -> list[str]:
+    """Why ``listen.engine_uid`` / ``listen.engine_gid`` could not reach the engine socket
+    ``path`` of ``mode`` (connecting takes write permission on it, and search permission on its
+    directory); [] when they can. Read only: a missing directory is the agent's to create 0700."""
+    out = []
+    if uid is not None and uid not in (0, os.geteuid()) and not mode & 0o002 and not (gid is not None and mode & 0o020):
+        out.append(f"listen.engine_uid {uid} cannot connect: listen.engine_socket_mode {mode:#o} does not let other "
+                   "users write the socket; set 0o666 (the agent's own uid check stays the gate), or put that "
+                   "user in a group, set listen.engine_gid to it and listen.engine_socket_mode = 0o660")
+    if gid is not None and not mode & 0o022:
+        out.append(f"listen.engine_gid {gid} cannot connect: listen.engine_socket_mode {mode:#o} gives the group "
+                   "no write permission; set 0o660")
+    if uid is not None or gid is not None:
+        here = os.path.dirname(os.path.abspath(path))
+        try:
+            dmode = stat.S_IMODE(os.stat(here).st_mode)
+        except OSError:
+            dmode = 0o700  # created 0700 by the agent
+        if not dmode & 0o011:
+            out.append(f"the engine socket's directory {here} (mode 0{dmode:03o}) lets no other user reach the "
+                       "socket: put it in a directory others may search, e.g. /run/pdd-wire (0755, the unit's "
+                       "RuntimeDirectory=)")
+    return out

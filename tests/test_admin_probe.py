@@ -27,3 +27,15 @@ async def test_a_probe_without_a_json_content_type_is_refused(tmp_sock_dir):
                 assert r.status == 200, await r.text()
                 res = await r.json()
                 assert res["peer"] == "B/b1"
+
+
+async def test_a_probe_with_values_out_of_range_is_a_bad_request(tmp_sock_dir):
+    """400 for what the request itself gets wrong; 409 only for what the agent cannot do now."""
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        url = f"http://{agents['A'].admin.address}/v1/probe"
+        async with aiohttp.ClientSession() as s:
+            for body in ({"peer": "B", "seconds": -1}, {"peer": "B", "seconds": 1e9},
+                         {"peer": "B", "seconds": 1, "streams": 0}):
+                async with s.post(url, json=body) as r:
+                    assert r.status == 400, (body, await r.text())
+                    assert (await r.json())["code"] == "BAD_REQUEST"

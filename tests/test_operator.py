@@ -6,6 +6,7 @@ from "peers up", the first connect not logged as resumed, and identical warnings
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import threading
@@ -22,6 +23,7 @@ from test_daemon import (  # noqa: F401
     cli,
     daemons,
     get,
+    http_get,
     json_lines,
     pair_configs,
     short_dir,
@@ -158,6 +160,47 @@ def test_identical_lines_are_held_back_and_counted():
     assert out == [("peer not reachable", {"error": "refused"}),
                    ("peer not reachable", {"error": "timed out"}),
                    ("peer not reachable", {"error": "refused", "repeated": 19})]
+
+
+WRONG = "sha256:" + "0" * 64
+REFUSALS = ("handshake refused", "inbound connection refused", "inbound connection failed", "peer reported an error")
+
+
+@pytest.mark.parametrize("pins", ["B", "A"], ids=["listener-pins-a-wrong-fingerprint",
+                                                  "dialer-pins-a-wrong-fingerprint"])
+async def test_a_refused_handshake_retried_for_seconds_is_logged_once(daemons, short_dir, pins):
+    """A (the dialer) retries every 0.1 s against a peer whose certificate is not the pinned one:
+    each refusal line is written once per 30 s, not once per attempt."""
+    cfg = pair_configs(short_dir, extra="[timeouts]\nreconnect_max_backoff_s = 0.1\n")
+    path = cfg[pins]
+    path.write_text(path.read_text().replace("streams = 2\n[transfer]", f'streams = 2\nfingerprint = "{WRONG}"\n'
+                                                                         "[transfer]", 1))
+    b = daemons(["--site", "B", "--config", str(cfg["B"])], name="B")
+    a = daemons(["--site", "A", "--config", str(cfg["A"])], name="A")
+    for admin, d in ((cfg["admin"]["B"], b), (cfg["admin"]["A"], a)):
+        await wait_ready(admin, d)
+    async with asyncio.timeout(30):  # many attempts refused, on both sides
+        while min(_errors(cfg["admin"][s], "IDENTITY_MISMATCH" if s == pins or s == "A" else "") for s in "AB") < 8:
+            await asyncio.sleep(0.1)
+    for d in (a, b):
+        d.terminate()
+        assert await d.wait() == 0
+    lines = {s: [r for r in json_lines(d.text()) if r["event"] in REFUSALS] for s, d in (("A", a), ("B", b))}
+    assert sorted(r["event"] for r in lines["A"]) == (["handshake refused"] if pins == "A" else
+                                                      ["handshake refused", "peer reported an error"]), lines
+    assert WRONG in lines["A" if pins == "A" else "B"][0]["error"] and "not the registered" not in str(lines), lines
+    events = [r["event"] for r in lines["B"]]
+    assert events and len(events) == len(set(events)), lines  # each at most once
+
+
+def _errors(admin: str, code: str) -> float:
+    """pddwire_errors_total{code=...} of the agent at ``admin`` (any code's connections: "")."""
+    _, body = http_get(f"http://{admin}/metrics")
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith("pddwire_errors_total{") and f'code="{code}"' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total if code else float("inf")
 
 
 # ---------------------------------------------------------------------------------- progress

@@ -81,7 +81,7 @@ class Dialer:
                 backoff = FIRST_BACKOFF_S
                 await self.lost.wait()
             except FatalHandshakeError as exc:
-                self.log.error("handshake refused", error=str(exc), code=exc.code.name)
+                limited(self, self.log.error, "handshake refused", error=str(exc), code=exc.code.name)
                 if hs is None or not hs.refusal_counted:
                     self.count_error(exc.code)
                 backoff = to.reconnect_max_backoff_s
@@ -108,7 +108,8 @@ class Dialer:
         got = peer_fingerprint(conn.transport)
         if got != want:
             conn.abort()
-            raise FatalHandshakeError(f"certificate {got or '(none)'} is not the registered {want}",
+            raise FatalHandshakeError(f"certificate {got or '(none)'} is not the pinned {want} "
+                                      "(peers[].fingerprint, or the fleet member's registered one)",
                                       ErrorCode.IDENTITY_MISMATCH)
 
     async def knock(self) -> bool:

@@ -23,6 +23,7 @@ import structlog
 from .. import policy, transport
 from ..config import Peer, parse_hostport
 from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError
+from ..log import limited
 from ..loopwatch import LateTicks
 from ..memory import BlockMap
 from ..transfer import InTransfer, OutTransfer
@@ -403,7 +404,8 @@ class PeerSession:
                 self.tokens.drop(msg.request_id)
                 self.host.request_aborted(self, msg)
             case m.Error():
-                self.log.warning("peer reported an error", code=code_name(msg.code), message=msg.message)
+                # A refused handshake repeats with every attempt: one line per 30 s (docs/operator.md)
+                limited(self, self.log.warning, "peer reported an error", code=code_name(msg.code), message=msg.message)
                 self.metrics.error(code_name(msg.code))
                 if self.control is None:
                     self.dialer_loop.refused(msg.code, msg.message)

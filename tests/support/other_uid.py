@@ -9,17 +9,17 @@ from collections.abc import Callable
 NOBODY = 65534
 
 
-def run_as(uid: int, fn: Callable[[], bytes], gid: int | None = None) -> bytes:
-    """``fn()`` in a child with uid ``uid`` (and gid ``gid``, default the same number, no
-    supplementary groups); returns its bytes (b"" if it raised). The child leaves with
-    ``os._exit``, never through pytest's clean-up."""
+def run_as(uid: int, fn: Callable[[], bytes], gid: int | None = None, groups: list[int] | None = None) -> bytes:
+    """``fn()`` in a child with uid ``uid`` (and gid ``gid``, default the same number, and the
+    supplementary ``groups``, default none); returns its bytes (b"" if it raised). The child
+    leaves with ``os._exit``, never through pytest's clean-up."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         out = b""
         try:
             os.close(r)
-            os.setgroups([])
+            os.setgroups(groups or [])
             os.setgid(uid if gid is None else gid)
             os.setuid(uid)
             out = fn()
