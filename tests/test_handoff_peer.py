@@ -17,7 +17,7 @@ import pytest
 from conftest import metric
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import EngineRequestError, ErrorCode
-from pdd_wire.wire import FrameType
+from pdd_wire.wire import FrameType, Lane
 from pdd_wire.wire import messages as m
 from support.agents import run_agents, two_site_toml
 from support.raw_peer import hello
@@ -28,9 +28,9 @@ HANDOFF_FRAMES = {FrameType.HANDOFF_PROGRESS, FrameType.HANDOFF_COMMIT, FrameTyp
 
 
 @contextlib.asynccontextmanager
-async def _agent_b(tmp, give_up_s: float = 30.0):
+async def _agent_b(tmp, timeouts: str = ""):
     tomls = two_site_toml(tmp, plaintext=True)
-    tomls["B"] = tomls["B"].replace("dead_after_s = 1.5", f"dead_after_s = 1.5\npeer_give_up_s = {give_up_s}")
+    tomls["B"] = tomls["B"].replace("dead_after_s = 1.5", f"dead_after_s = 1.5\n{timeouts}")
     async with run_agents(tomls, sites=("B",), wait_up=False) as ag:
         yield ag["B"]
 
@@ -74,16 +74,31 @@ async def test_rld_giving_up_after_its_commit_still_ends_the_handoff_for_its_eng
         peer.close()
 
 
-async def test_a_commit_nobody_answers_ends_within_peer_give_up_s(tmp_sock_dir, engines):
+async def test_a_commit_nobody_answers_ends_once_a_live_md_would_have_answered(tmp_sock_dir, engines):
     """An MD agent that is up but never answers (it forgot the request, or never knew it): RLD
-    settles as for an MD lost after the commit, ``timeouts.peer_give_up_s`` after its COMMIT."""
-    async with _agent_b(tmp_sock_dir, give_up_s=2.0) as b:
+    settles as for an MD lost after the commit once MD's own deadline (handoff_s +
+    handoff_md_margin_s) and peer_give_up_s have passed since its COMMIT, not before: until MD's
+    deadline a live MD may still release, and RLD must then resume."""
+    async with _agent_b(tmp_sock_dir, "handoff_s = 1.5\nhandoff_md_margin_s = 0.5\npeer_give_up_s = 2") as b:
         eb, peer = await _committed_rld(b, engines, tmp_sock_dir, "h2")
+        committed = asyncio.get_running_loop().time()
         alive = asyncio.create_task(peer.keepalive(0.2))
         try:
-            done = await eb.wait("h2", kinds=(p.HandoffDone,), timeout=10)
+            # Another request, whose MD releases at its deadline (2 s after its handoff_md, which
+            # came before the commit; 2.5 s here): RLD resumes it.
+            await eb.handoff_rld("h2b", "A")
+            await eb.handoff_tokens("h2b", [21, 22])
+            peer.send(FrameType.HANDOFF_PROGRESS, m.HandoffProgress("h2b", 0, 0))
+            await eb.wait("h2b", kinds=(p.StopGenerating,), timeout=5)
+            await asyncio.sleep(2.5)
+            peer.send(FrameType.HANDOFF_RELEASE, m.HandoffRelease("h2b", 0, "deadline"))
+            resumed = await eb.wait("h2b", kinds=(p.HandoffDone,), timeout=5)
+            assert (resumed.owner, resumed.reason) == ("RLD", "md_released")
+            assert (await eb.wait("h2b", kinds=(p.StartGenerating,), timeout=5)).position == 2
+            done = await eb.wait("h2", kinds=(p.HandoffDone,), timeout=15)
         finally:
             alive.cancel()
+        assert asyncio.get_running_loop().time() - committed >= 1.5 + 0.5 + 2 - 0.1
         assert (done.owner, done.reason, done.position) == ("MD", "md_failed_after_commit", 3)
         assert [type(e) for e in eb.take("h2")] == [p.Emit]  # [0, 3), before the commit; nothing resumes
         peer.close()
@@ -110,6 +125,22 @@ async def test_nothing_more_goes_to_a_restarted_peer_for_its_handoffs(tmp_sock_d
         assert await eb.handoff_tokens("h3", [13]) == "RLD"
         emitted = [t for e in eb.take("h3", kinds=(p.Emit,)) for t in e.tokens]
         assert emitted == [11, 12, 13]
+        peer.close()
+
+
+async def test_a_restarted_peers_early_relay_is_forgotten(tmp_sock_dir):
+    """Relayed tokens kept for a request MD's engine has not registered yet belong to the peer's
+    incarnation that sent them: after its restart, the new one's relay for the same request id
+    (epoch 0 again) starts afresh rather than being dropped as out of step with the old one's."""
+    async with _agent_b(tmp_sock_dir) as b:
+        peer, _ = await hello(b.wan_address[1], capabilities=CAPS)
+        peer.send(FrameType.TOKENS, m.Tokens("h6", 0, [1, 2, 3], handoff=True), lane=Lane.TOKEN)
+        assert await peer.pong(1)
+        peer.close()
+        peer, _ = await hello(b.wan_address[1], incarnation=78, capabilities=CAPS)
+        peer.send(FrameType.TOKENS, m.Tokens("h6", 0, [7, 8], handoff=True), lane=Lane.TOKEN)
+        assert await peer.pong(2)
+        assert metric(b, "pddwire_tokens_dropped_total", peer="A/a1", reason="over_bounds") == 0
         peer.close()
 
 

@@ -28,9 +28,10 @@ desk keeps relayed tokens, messages and the KV outcome of requests with no MD en
 and least recently used first out, and feeds them in when ``handoff_md`` comes. A settled entry
 lingers for ``timeouts.peer_give_up_s`` so that a copy of a message lost in a reconnect is still
 answered, then it is forgotten (or earlier, oldest first, when ``4 x max_transfers`` are kept).
-RLD waits for MD's answer to its commit at most ``timeouts.peer_give_up_s`` after it last sent
-it: an MD agent that is up but forgot the request (or never answers) ends the handoff as an MD
-lost after the commit. After a peer restart nothing more is sent for that peer's handoffs: its
+RLD waits for MD's answer to its commit at most :meth:`HandoffDesk.answer_window_s` after it last
+sent it (longer than a live MD may take to release: MD's default deadline, plus
+``timeouts.peer_give_up_s``): an MD agent that is up but forgot the request (or never answers)
+ends the handoff as an MD lost after the commit. After a peer restart nothing more is sent for that peer's handoffs: its
 new incarnation never knew them.
 """
 
@@ -307,6 +308,9 @@ class HandoffDesk:
                 self._feed(e, lambda e=e: e.sm.on_md_failed(reason))
             if restarted and e.settled:
                 self._forget(rid)
+        if restarted:  # what its old incarnation relayed ahead of handoff_md belongs to nothing now
+            self.early.pop(session.key, None)
+            self._early_total.pop(session.key, None)
 
     def shutdown(self) -> None:
         """The agent stops: tell the peers, so that RLD keeps (or MD takes) what it can."""
@@ -457,11 +461,10 @@ class HandoffDesk:
                 if e.peer_gone:
                     continue
                 e.session.send_message(a.message)
-                if isinstance(a.message, m.HandoffCommit):  # (re)sent: its answer is due within peer_give_up_s
+                if isinstance(a.message, m.HandoffCommit):  # (re)sent: its answer is due within the window
                     if e.answer is not None:
                         e.answer.cancel()
-                    e.answer = asyncio.get_running_loop().call_later(self.cfg.timeouts.peer_give_up_s,
-                                                                     self._unanswered, e)
+                    e.answer = asyncio.get_running_loop().call_later(self.answer_window_s, self._unanswered, e)
             elif isinstance(a, Extend):
                 ec.send(p.Extend(request_id=rid, first=a.first, tokens=list(a.tokens)))
             elif isinstance(a, StopGenerating):
@@ -523,11 +526,21 @@ class HandoffDesk:
         if at is not None:
             e.timer = asyncio.get_running_loop().call_at(at, self._fire, e)
 
+    @property
+    def answer_window_s(self) -> float:
+        """How long RLD waits for TAKEN or RELEASE after sending a COMMIT. A live MD answers a
+        commit at the latest when its own deadline passes, and that deadline (``handoff_s +
+        handoff_md_margin_s`` from its ``handoff_md``, which came before the commit) is over by
+        then; ``peer_give_up_s`` on top for the answer's way back. Shorter, RLD could take MD as
+        lost while MD still waits to release: then nobody would emit the rest."""
+        t = self.cfg.timeouts
+        return t.handoff_s + t.handoff_md_margin_s + t.peer_give_up_s
+
     def _unanswered(self, e: Entry) -> None:
         e.answer = None
         if self.live.get(e.sm.request_id) is e and e.sm.state is RldState.COMMITTED:
             e.log.warning("no answer to the commit; MD is taken as lost after the commit",
-                          waited_s=self.cfg.timeouts.peer_give_up_s)
+                          waited_s=self.answer_window_s)
             self._feed(e, lambda: e.sm.on_md_failed("commit_unanswered"))
 
     def _fire(self, e: Entry) -> None:
