@@ -175,8 +175,8 @@ async def test_a_listener_that_speaks_before_welcome_is_refused_by_the_dialer(tm
 async def test_an_empty_kv_chunk_fails_its_transfer_and_an_empty_lz4_one_is_asked_again(tmp_sock_dir, engines):
     """No chunk is empty. An empty payload (the frame reader calls no payload sink for it) was
     answered KV_NACK CHUNK_BUSY, which a sender resends without counting: a loop for ever. It is
-    a chunk of the wrong size: the transfer fails MALFORMED_BODY (proto/transfer.md §7); with
-    LZ4 it does not decode: KV_NACK CHUNK_CHECKSUM."""
+    a chunk of the wrong size, checksum flag or not: the transfer fails MALFORMED_BODY
+    (proto/transfer.md §7); with LZ4 it does not decode: KV_NACK CHUNK_CHECKSUM."""
     from pdd_wire.engine import protocol as p
     from pdd_wire.wire import Flags
 
@@ -193,7 +193,7 @@ async def test_an_empty_kv_chunk_fails_its_transfer_and_an_empty_lz4_one_is_aske
             peer.send(FrameType.KV_BEGIN, m.KvBegin(rid, 64 << 10, 64 << 10, 1, 64 << 10, 1, 10_000), transfer_id=tid)
             seen = await peer.until(FrameType.KV_ACCEPT)
             assert seen[-1] is not None, seen
-        checked = int(Flags.PAYLOAD_CHECKSUM)  # (a KV_CHUNK on TCP must say so, empty or not)
+        checked = int(Flags.PAYLOAD_CHECKSUM)
         bulk.send(FrameType.KV_CHUNK, b"", transfer_id=12, flags=checked | int(Flags.LZ4), payload=[])
         seen = await peer.until(FrameType.KV_NACK)
         assert seen[-1] is not None and seen[-1][2].transfer_id == 12, seen
@@ -209,10 +209,13 @@ async def test_an_empty_kv_chunk_fails_its_transfer_and_an_empty_lz4_one_is_aske
         bulk.send(FrameType.KV_CHUNK, b"", transfer_id=12, payload=[b"z" * (64 << 10)])
         ev = await eb.wait("e2", timeout=5)
         assert isinstance(ev, p.KvReceived), ev
-        # Without the checksum flag it is the rule above's offender: that bulk connection closes.
-        bulk.send(FrameType.KV_CHUNK, b"", transfer_id=11, payload=[])
-        got = await bulk.until_closed()
-        assert all(t == FrameType.ERROR and x.code == ErrorCode.MALFORMED_BODY for t, x in got), got
+        # Without the checksum flag (a frame with no payload has flag 0, proto/frames.md): the same.
+        await eb.post_recv("e3", [rb.blocks(2, 1)], from_site="A")
+        peer.send(FrameType.KV_BEGIN, m.KvBegin("e3", 64 << 10, 64 << 10, 1, 64 << 10, 1, 10_000), transfer_id=13)
+        assert (await peer.until(FrameType.KV_ACCEPT))[-1] is not None
+        bulk.send(FrameType.KV_CHUNK, b"", transfer_id=13, payload=[])
+        seen = await peer.until(FrameType.KV_CANCEL)
+        assert seen[-1] is not None and (seen[-1][2].transfer_id, seen[-1][1].code) == (13, ErrorCode.MALFORMED_BODY)
         assert await peer.pong(5)
         bulk.close()
         peer.close()

@@ -165,19 +165,15 @@ class BulkHandler:
         self._claim = (route, header.seq) if views is not None else None
         return views
 
-    def _empty_chunk(self, conn: FrameProtocol, s: "BulkOwner", h: Header) -> bool:
-        """A KV_CHUNK with no payload: the reader calls no sink for it, so its checks run here.
-        No chunk is empty: it is a chunk of the wrong size (the transfer fails MALFORMED_BODY),
-        or an lz4 one that does not decode (KV_NACK). False: the connection failed."""
-        if not h.flags & F_CHECKSUM:
-            self._fail(conn, ProtocolError("KV_CHUNK without its payload checksum (flag bit 0)",
-                                           ErrorCode.MALFORMED_BODY))
-            return False
+    def _empty_chunk(self, s: "BulkOwner", h: Header) -> None:
+        """A KV_CHUNK with no payload: the reader calls no sink for it, so where it lands is
+        decided here. No chunk is empty: it is a chunk of the wrong size (the transfer fails
+        MALFORMED_BODY), or an lz4 one that does not decode (KV_NACK). (A frame without payload
+        carries flag 0 by frames.md, so the checksum flag is not asked for.)"""
         self._claim, self._lz, self._invalid = None, None, False
         route = s.routes.get(h.transfer_id)
         if route is not None:
             self._land(route, h)
-        return True
 
     def _decode_lz4(self, frame: Frame) -> bool:
         """Decode an lz4 chunk into its claimed blocks and check the chunk's xxh3."""
@@ -218,8 +214,8 @@ class BulkHandler:
             if s is None:
                 self._fail(conn, ProtocolError("KV_CHUNK before BULK_HELLO", ErrorCode.UNEXPECTED_FRAME))
                 return
-            if h.payload_len == 0 and not self._empty_chunk(conn, s, h):
-                return
+            if h.payload_len == 0:
+                self._empty_chunk(s, h)
             claim, self._claim = self._claim, None
             ok, nbytes = frame.payload_ok, h.payload_len
             if h.flags & F_LZ4:
