@@ -56,7 +56,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
         if args.check:  # on the node it will run on: the CPUs it names are there (the agent checks at start too)
             from .pki import check_dirs
 
-            check_dirs(cfg)  # the directories the agent would refuse at start (exit 1), named now, created not
+            dir_warnings = check_dirs(cfg)  # the directories the agent would refuse at start (exit 1), named now
             placement.check_allowed(cfg.cpus.main_set, "cpus.main")
             placement.check_allowed(cfg.cpus.bulk_set, "cpus.bulk")
             if cfg.fleet.enabled:  # what the agent would refuse at start (exit 1), named now (exit 2)
@@ -67,7 +67,7 @@ def daemon_main(argv: list[str] | None = None) -> int:
         print(f"pdd-wired: {exc}", file=sys.stderr)
         return 2
     if args.check:
-        for problem in engine_access_problems(cfg.listen.engine_socket, cfg.listen.engine_socket_mode,
+        for problem in dir_warnings + engine_access_problems(cfg.listen.engine_socket, cfg.listen.engine_socket_mode,
                                               cfg.listen.engine_uid, cfg.listen.engine_gid):
             print(f"pdd-wired: warning: {problem}", file=sys.stderr)
         print(f"pdd-wired: config OK (site {cfg.site}, node {cfg.node}, {len(cfg.peers)} peers)")

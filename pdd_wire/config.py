@@ -35,7 +35,7 @@ class Listen(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
     admin: str  # host:port of the admin HTTP server (/metrics, /v1/status); "" disables
     engine_socket_mode: int = 0o600
     engine_uid: int | None = None  # extra uid allowed on the engine socket besides our own (SO_PEERCRED)
-    engine_gid: int | None = None  # processes of this group are allowed too (SO_PEERCRED gid)
+    engine_gid: int | None = None  # processes in this group (primary or supplementary) are allowed too
 
 
 class Peer(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=True):

@@ -12,6 +12,7 @@ import array
 import asyncio
 import ctypes
 import errno
+import functools
 import os
 import socket
 import struct
@@ -39,7 +40,11 @@ NOW_PER_READ = 32  # requests answered within one read (EngineServer.now_types);
 _END = object()  # queued after the last request read before a protocol error: the worker then sends the err
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13: the peer's supplementary groups
 NGROUPS_MAX = 65536  # Linux's limit on a process's supplementary groups
-_libc = ctypes.CDLL(None, use_errno=True)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def peer_groups(sock: socket.socket) -> tuple[int, ...]:
@@ -51,7 +56,7 @@ def peer_groups(sock: socket.socket) -> tuple[int, ...]:
     while True:
         buf = (ctypes.c_uint32 * n)()
         size = ctypes.c_uint32(ctypes.sizeof(buf))
-        if _libc.getsockopt(sock.fileno(), socket.SOL_SOCKET, SO_PEERGROUPS, buf, ctypes.byref(size)) == 0:
+        if _libc().getsockopt(sock.fileno(), socket.SOL_SOCKET, SO_PEERGROUPS, buf, ctypes.byref(size)) == 0:
             return tuple(buf[: size.value // 4])
         err = ctypes.get_errno()
         if err == errno.ERANGE and n < NGROUPS_MAX:
@@ -401,8 +406,8 @@ class EngineServer:
         while True:
             conn, _ = await loop.sock_accept(sock)
             conn.setblocking(False)
-            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            pid, uid, gid = struct.unpack("3i", creds)
+            creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+            pid, uid, gid = struct.unpack("iII", creds)  # struct ucred: pid_t, uid_t, gid_t (unsigned)
             if not self._admits(conn, uid, gid):
                 log.warning("engine refused: neither its uid nor any of its groups is allowed (listen.engine_uid, "
                             "listen.engine_gid)", uid=uid, gid=gid, pid=pid)

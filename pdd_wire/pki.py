@@ -291,23 +291,27 @@ def _auto_dir(config) -> tuple[str, str]:
     return default_dir(config.listen.engine_socket), socket_dir_key(config.listen.engine_socket)
 
 
-def check_dirs(config) -> None:
+def check_dirs(config) -> list[str]:
     """``--check``: the directory rule the agent applies at start (pdd_wire.rundir) to the engine
     socket's directory and the generated PKI's, read only (nothing is created); a ConfigError
-    names the key or environment variable that chose the unsafe directory."""
+    names the key or environment variable that chose the unsafe directory. Returns warnings: a
+    safe directory of another (non-root) uid, which the agent must then run as."""
     sock = config.listen.engine_socket
-    secure_dir(os.path.dirname(os.path.abspath(sock)), socket_dir_key(sock), create=False)
+    out = secure_dir(os.path.dirname(os.path.abspath(sock)), socket_dir_key(sock), create=False)
     if config.tls.mode != "auto":
-        return
+        return out
     path, key = _auto_dir(config)
-    secure_dir(os.path.dirname(os.path.abspath(path)), key, create=False)
+    out += secure_dir(os.path.dirname(os.path.abspath(path)), key, create=False)
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        return
+        return out
+    if stat.S_ISDIR(st.st_mode) and st.st_uid not in (0, os.geteuid()) and not st.st_mode & 0o077:
+        return out + [f"tls.auto_dir: {path!r} belongs to uid {st.st_uid}: the agent must run as that user"]
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise ConfigError("tls.auto_dir", f"{path!r} must be a directory (not a symlink) owned by uid {os.geteuid()} "
                                           f"with mode 0700, not uid {st.st_uid} mode {stat.S_IMODE(st.st_mode):o}")
+    return out
 
 
 def log_tls_mode(log, config, pki: Pki | None) -> None:

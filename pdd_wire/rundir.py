@@ -54,10 +54,12 @@ def socket_dir_key(engine_socket: str) -> str:
     return "XDG_RUNTIME_DIR" if xdg and os.path.abspath(xdg) == here else "listen.engine_socket"
 
 
-def secure_dir(path: str, key: str, *, create: bool = True) -> None:
+def secure_dir(path: str, key: str, *, create: bool = True) -> list[str]:
     """Create ``path`` (0700) when missing; raise ``ConfigError(key, ...)`` unless it is safe by
     the rule above (strict for the private fallback). ``create=False`` (``--check``): read
-    only; a missing directory passes (the agent will create it 0700)."""
+    only; a missing directory passes (the agent will create it 0700), and one that is safe but
+    owned by another (non-root) uid is a warning, returned, not an error: ``--check`` run as
+    root for a service that runs as that uid (the unit's ``RuntimeDirectory=``)."""
     path = os.path.abspath(path)
     private = path == os.path.abspath(private_fallback())
     try:
@@ -67,7 +69,7 @@ def secure_dir(path: str, key: str, *, create: bool = True) -> None:
     except FileNotFoundError:
         if create:
             raise ConfigError(key, f"cannot create the directory {path!r}") from None
-        return
+        return []
     except OSError as exc:
         raise ConfigError(key, f"cannot create the directory {path!r}: {exc.strerror}") from exc
     me = os.geteuid()
@@ -89,10 +91,15 @@ def secure_dir(path: str, key: str, *, create: bool = True) -> None:
     else:
         ok = st.st_uid in (me, 0) and not (mode & 0o022 and not mode & stat.S_ISVTX)
         rule = f"owned by uid {me} or root, not writable by group or others unless sticky"
+    if not ok and not create and st.st_uid != 0 and not (mode & 0o022 and not mode & stat.S_ISVTX) and not (
+            private and mode & 0o077):
+        return [f"{key}: {what} {path!r} belongs to {_owner(st.st_uid)}: the agent must run as that user (as "
+                f"the systemd unit does), not as uid {me}, which ran this check"]
     if not ok:
         raise ConfigError(key, f"{what} {path!r} belongs to {_owner(st.st_uid)} with mode 0{mode:03o}, "
                                f"but must be {rule} (this agent runs as uid {me}): another local user could "
                                f"replace the engine socket or the keys in it. Refusing to start; {fix}")
+    return []
 
 
 def engine_access_problems(path: str, mode: int, uid: int | None, gid: int | None) -> list[str]:
@@ -104,7 +111,7 @@ def engine_access_problems(path: str, mode: int, uid: int | None, gid: int | Non
         out.append(f"listen.engine_uid {uid} cannot connect: listen.engine_socket_mode {mode:#o} does not let other "
                    "users write the socket; set 0o666 (the agent's own uid check stays the gate), or put that "
                    "user in a group, set listen.engine_gid to it and listen.engine_socket_mode = 0o660")
-    if gid is not None and not mode & 0o022:
+    if gid is not None and not mode & 0o020:  # the socket has that group: its members get the group bits only
         out.append(f"listen.engine_gid {gid} cannot connect: listen.engine_socket_mode {mode:#o} gives the group "
                    "no write permission; set 0o660")
     if uid is not None or gid is not None:

@@ -55,6 +55,20 @@ def test_an_unsafe_xdg_runtime_dir_is_named_by_check_and_at_start(short_dir):
     assert r.returncode == 1 and "XDG_RUNTIME_DIR" in r.stderr and "tls.auto_dir" not in r.stderr, r.stderr
 
 
+def test_check_run_as_root_accepts_the_services_own_runtime_directory(short_dir):
+    """The unit's RuntimeDirectory= leaves /run/pdd-wire owned by the service's user, 0755: a
+    --check run as root (the guide's install steps) names who the agent must run as, as a
+    warning, rather than refusing a directory that is right for the service. A directory that
+    is unsafe for anyone is still refused (above)."""
+    run = short_dir / "run"
+    run.mkdir(mode=0o755)
+    os.chown(run, 65534, 65534)
+    text = _good(short_dir).replace(f'engine_socket = "{short_dir}/A.sock"', f'engine_socket = "{run}/A.sock"')
+    r = cli("--site", "A", "--config", str(write(short_dir, "a.toml", text)), "--check")
+    assert r.returncode == 0 and "config OK" in r.stdout, r.stderr
+    assert "warning" in r.stderr and str(run) in r.stderr and "must run as that user" in r.stderr, r.stderr
+
+
 def test_check_creates_nothing(short_dir):
     new = short_dir / "not-yet"
     text = _good(short_dir).replace(f'engine_socket = "{short_dir}/A.sock"', f'engine_socket = "{new}/A.sock"')
