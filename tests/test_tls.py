@@ -18,7 +18,7 @@ from pdd_tools.shaper import Shaper
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as p
-from pdd_wire.errors import ConfigError
+from pdd_wire.errors import ConfigError, ErrorCode
 from support.agents import free_port, run_agents, two_site_toml, wait_links
 from support.certs import make_pki
 
@@ -254,3 +254,36 @@ async def test_allowed_plaintext_off_loopback_warns_at_start_and_works(tmp_sock_
             assert ag["A"].sessions["B/b1"].control.transport.get_extra_info("ssl_object") is None
     warnings = [e for e in logs if e["log_level"] == "warning" and "PLAINTEXT" in e["event"]]
     assert sorted(w["site"] for w in warnings) == ["A", "B"], logs
+
+
+async def test_a_refused_handshake_releases_its_connection_at_once(tmp_sock_dir, pki):
+    """A HELLO refused under TLS (here: a node no agent lists, with a good certificate) is
+    answered with ERROR and closed; once closed, nothing holds its connection. fail()'s bound on
+    a peer that does not read (abort after 1 s) held the protocol, its TLS transport and buffers
+    (~300 KB) for that second: a flood of refusals (every fleet knock is one) grew the agent by
+    ~110 KB each."""
+    import gc
+    import ssl
+
+    from pdd_wire.transport.tcp import KIND_CONTROL, FrameProtocol, preamble
+    from pdd_wire.wire import FrameType
+    from pdd_wire.wire import messages as m
+    from support.raw_peer import RawPeer
+
+    tomls = two_site_toml(tmp_sock_dir, tls=tls_for(pki))
+    ctx = ssl.create_default_context(cafile=str(pki["ca"]))
+    ctx.load_cert_chain(*map(str, pki["a1"]))
+    async with agent(tomls["B"]) as b:
+        for i in range(40):
+            r, w = await asyncio.open_connection("127.0.0.1", b.wan_address[1])
+            w.write(preamble(KIND_CONTROL))
+            await w.start_tls(ctx, server_hostname="b1")
+            peer = RawPeer(r, w)
+            peer.send(FrameType.HELLO, m.Hello(versions=[1], site="A", node=f"x{i}", incarnation=5))
+            got = await peer.until_closed()
+            assert [(t, x.code) for t, x in got] == [(FrameType.ERROR, ErrorCode.UNKNOWN_PEER)], got
+            peer.close()
+        await asyncio.sleep(0.1)  # well within the second the old bound held each one
+        gc.collect()
+        alive = [o for o in gc.get_objects() if isinstance(o, FrameProtocol) and o.closed]
+        assert len(alive) <= 2, f"{len(alive)} closed connections still held"

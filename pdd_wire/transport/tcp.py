@@ -282,6 +282,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         #: ``max_unsent``, below the paced share: a writer that ran out of room is always called).
         self.on_drain: Callable[[], None] | None = None
         self._writing_paused = False
+        self._abort_later: asyncio.TimerHandle | None = None  # fail()'s bound on a peer that does not read
 
     def _sink(self, header, body):
         if self.payload_sink is None:
@@ -361,6 +362,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc) -> None:
         first = not self.closed
         self.closed = True
+        if self._abort_later is not None:
+            # Not needed any more, and it would hold this protocol (its transport, a TLS one's
+            # buffers: ~300 KB) for the rest of the second: a flood of refused handshakes then
+            # kept hundreds alive at once (the RSS grew by about 110 KB per refusal).
+            self._abort_later.cancel()
+            self._abort_later = None
         self._queue, self._queued = [], 0  # unsent: gone with the connection, as the transport's own buffer
         if not self.connected.done():
             self.connected.set_exception(TransportError("connection lost before it was made"))
@@ -483,7 +490,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.error = exc
         # close() flushes the ERROR frame (under TLS too); a peer that does not read gets aborted.
         self.transport.close()
-        asyncio.get_event_loop().call_later(1.0, self.abort)
+        self._abort_later = asyncio.get_event_loop().call_later(1.0, self.abort)
 
     def abort(self) -> None:
         """End it now, unsent bytes dropped, also after :meth:`close` / :meth:`fail` (a closing
