@@ -311,7 +311,7 @@ class Inbound:
                 # A knock (proto/handshake.md §8): the peer needs the session, and this agent is
                 # the one that dials it.
                 session.dialer_loop.wake()
-                self.log.info("knocked: dialing back", peer=session.key)
+                limited(self, self.log.info, "knocked: dialing back", peer=session.key)
                 conn.fail(PddWireError(f"{self.config.site}/{self.config.node} dials you: dialing now",
                                        ErrorCode.DIAL_BACK))
                 return

@@ -41,9 +41,10 @@ class Repeats:
         self._clock = clock
         self._seen: dict[tuple, list] = {}  # key -> [last emitted at, held back since]
 
-    def __call__(self, method, event: str, **fields) -> bool:
+    def __call__(self, method, event: str, *, detail: dict | None = None, **fields) -> bool:
         """Log ``event`` with ``method`` (e.g. ``logger.warning``) unless it is a repeat; True
-        when it went out."""
+        when it went out. ``detail``: fields written with the line but not part of what makes
+        it a repeat (text that differs every time, e.g. naming a request or a key)."""
         key = (getattr(method, "__name__", ""), event, tuple(sorted((k, repr(v)) for k, v in fields.items())))
         now = self._clock()
         seen = self._seen.get(key)
@@ -55,17 +56,17 @@ class Repeats:
         if len(self._seen) >= 64:  # bounded: forget the oldest
             self._seen.pop(next(iter(self._seen)))
         self._seen[key] = [now, 0]
-        method(event, **fields)
+        method(event, **fields, **(detail or {}))
         return True
 
 
 _repeats: "weakref.WeakKeyDictionary[object, Repeats]" = weakref.WeakKeyDictionary()
 
 
-def limited(owner, method, event: str, *, every_s: float = 30.0, **fields) -> bool:
+def limited(owner, method, event: str, *, every_s: float = 30.0, detail: dict | None = None, **fields) -> bool:
     """``Repeats`` kept per ``owner`` (a session, a listener): one line per ``every_s`` for the
     same event and fields from the same owner, the next one counting those held back."""
     rep = _repeats.get(owner)
     if rep is None:
         rep = _repeats[owner] = Repeats(every_s)
-    return rep(method, event, **fields)
+    return rep(method, event, detail=detail, **fields)

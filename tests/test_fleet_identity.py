@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import itertools
 import os
 import ssl
@@ -26,6 +27,7 @@ import pytest
 
 from conftest import Engines, metric, until
 from pdd_wire import config as cfgmod
+from pdd_wire import log
 from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as ev
 from pdd_wire.errors import EngineRequestError, ErrorCode
@@ -273,3 +275,40 @@ async def test_records_that_are_not_valid_are_ignored(tmp_sock_dir, pki, etcd, c
             await until(lambda: "B/bx" in a1.membership.members, 5, "a valid record after them is used")
             for node in [*bad, "bx"]:
                 await client.delete(member_key(cluster_name, "B", node))
+
+
+async def test_knocks_cannot_make_an_agent_hammer_a_records_address(tmp_sock_dir, pki, etcd, cluster_name):
+    """A member's record names the address dialed back (here a listener of the test's: a third
+    party). Knocks as fast as one member can send them make b1 dial it at most one attempt per
+    0.25 s (the backoff is cut short, not removed), and log the knock once, not per knock."""
+    from pdd_wire.fleet.record import MemberRecord
+
+    hits: list[float] = []
+
+    async def third_party(r, w):
+        hits.append(time.monotonic())
+        w.close()
+
+    srv = await asyncio.start_server(third_party, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    lines = io.StringIO()
+    log.configure("info", "json", stream=lines)  # before the agent binds its loggers
+    try:
+        async with running(toml(tmp_sock_dir, pki, "B", "b1", etcd=etcd, cluster=cluster_name)) as (b1,):
+            record = MemberRecord(site="Z", node="x9", incarnation=5, wan=f"127.0.0.1:{port}",
+                                  fingerprint=cert_fingerprint(str(pki["x9"][0])))
+            async with etcd_client(etcd) as client:
+                await client.put(member_key(cluster_name, "Z", "x9"), encode(record))
+                await until(lambda: "Z/x9" in b1.membership.members, 5, "x9 listed")
+                t0, knocks = time.monotonic(), 0
+                while time.monotonic() - t0 < 1.5:
+                    assert await refusal(await tls_hello(b1.wan_address[1], pki, "x9", "Z", "x9", "b1")) == \
+                        ErrorCode.DIAL_BACK
+                    knocks += 1
+                elapsed = time.monotonic() - t0
+                dials = len([h for h in hits if h <= t0 + elapsed])
+                assert knocks > 20 and dials <= 2 + elapsed / 0.25, (knocks, dials, elapsed)
+        assert lines.getvalue().count("knocked: dialing back") == 1
+    finally:
+        log.configure(os.environ.get("PDD_TEST_LOG", "warning"), "console")
+        srv.close()

@@ -528,7 +528,7 @@ class KvDesk:
             told.add(owner.engine)
         elif not told and not later:
             limited(session, self.log.info, "REQUEST_ABORT from a site not tied to its request; ignored (logged "
-                    "once per 30 s per peer)", peer=session.key)
+                    "once per 30 s per peer)", peer=session.key, detail={"request_id": rid})
         self._tell_aborted(told - later, rid, reason, session)
         if told or later:
             self.log.info("request aborted by a peer", request_id=rid, peer=session.key, reason=reason,

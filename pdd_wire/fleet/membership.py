@@ -93,6 +93,9 @@ class Membership:
         self.members: dict[str, rec.MemberRecord] = {}  # "site/node" -> record, this member excluded
         self.live: dict[str, rec.Live] = {}  # "site/node" -> figures (with watch_live)
         self._revs: dict[str, int] = {}  # "site/node" -> mod_revision of the record held in members
+        # fingerprint -> the member holding it: one certificate is one member (a node's key cannot
+        # stand for more: several records under it would each get a session, and their connections)
+        self._by_fp: dict[str, str] = {}
         self.views = ([View("members", self.prefix, self._put, self._delete, self._reconcile)] if watch else []) + \
             ([View("live", self.live_prefix, self._put_live, self._delete_live, self._reconcile_live)]
              if watch_live else [])
@@ -461,7 +464,8 @@ class Membership:
             return rec.decode(kv.key, kv.value, self.prefix if kind is rec.MemberRecord else self.live_prefix, kind)
         except rec.RecordError as exc:
             self.metrics.ignored.labels(reason="invalid").inc()
-            limited(self, self.log.warning, "ignoring a record under the fleet prefix", error=str(exc))
+            limited(self, self.log.warning, "ignoring a record under the fleet prefix (one line per 30 s; "
+                    "pddwire_fleet_records_ignored_total counts them all)", detail={"error": str(exc)})
             return None
 
     def _notify(self, kind: str, r: rec.MemberRecord, old: rec.MemberRecord | None) -> None:
@@ -510,9 +514,18 @@ class Membership:
         if kv.mod_revision and kv.mod_revision <= self._revs.get(r.key, 0):
             return  # older than what a lookup already read
         old = self.members.get(r.key)
+        holder = self._by_fp.get(r.fingerprint, r.key) if r.fingerprint else r.key
+        if holder != r.key or (r.fingerprint and self.me is not None and r.fingerprint == self.me.fingerprint):
+            self.metrics.ignored.labels(reason="duplicate_fingerprint").inc()
+            if old is not None:  # it now claims another member's certificate: no longer a member
+                self._delete(kv)
+            return
         if old is None and len(self.members) >= self.fleet.max_members:
             self.metrics.ignored.labels(reason="max_members").inc()
             return
+        self._unindex(r.key, old)
+        if r.fingerprint:
+            self._by_fp[r.fingerprint] = r.key
         self.members[r.key] = r
         self._revs[r.key] = kv.mod_revision
         self.metrics.members.set(len(self.members))
@@ -527,10 +540,15 @@ class Membership:
             return  # the record a lookup read is newer than this delete
         old = self.members.pop(name, None)
         self._revs.pop(name, None)
+        self._unindex(name, old)
         if old is None:
             return
         self.metrics.members.set(len(self.members))
         self._notify("leave", old, old)
+
+    def _unindex(self, key: str, old: rec.MemberRecord | None) -> None:
+        if old is not None and old.fingerprint and self._by_fp.get(old.fingerprint) == key:
+            del self._by_fp[old.fingerprint]
 
     def _reconcile(self, kvs: list[KeyValue], revision: int, reset: bool) -> None:
         """A full listing at ``revision``: joins and updates for what it holds, leaves for what it

@@ -26,6 +26,9 @@ from ..wire import messages as m
 from ..wire.handshake import refusal
 
 FIRST_BACKOFF_S = 0.05
+#: Knocks cut a backoff short, but start at most one attempt per this long: a member's record
+#: names the address dialed, and knocks must not make this agent dial it as fast as they come.
+KNOCK_SPACING_S = 0.25
 
 
 @dataclass
@@ -63,6 +66,7 @@ class Dialer:
         while not self.closing:
             self.lost.clear()
             self._wake.clear()  # here, not before the backoff: a wake during this attempt cuts the next wait
+            started = asyncio.get_running_loop().time()
             hs: Handshake | None = None
             try:
                 conn = self.new_conn()
@@ -92,6 +96,7 @@ class Dialer:
             try:
                 async with asyncio.timeout(backoff * (0.5 + random.random() / 2)):
                     await self._wake.wait()
+                await asyncio.sleep(started + KNOCK_SPACING_S - asyncio.get_running_loop().time())
             except TimeoutError:
                 pass
             backoff = min(backoff * 2, to.reconnect_max_backoff_s)
