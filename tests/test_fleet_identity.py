@@ -214,6 +214,18 @@ async def test_hellos_naming_listed_members_open_nothing(tmp_sock_dir, pki, etcd
         reads = metric(a1, "pddwire_fleet_etcd_requests_total", kind="get")
         assert 1 <= reads <= 1 + (time.monotonic() - t0), reads
         assert metric(a1, "pddwire_fleet_admissions_total", outcome="unknown") == 10
+        # Nor does a name etcd has under another member's certificate (b1's: no member).
+        async with etcd_client(etcd) as client:
+            twin = msgspec.structs.replace(b1.membership.me, site="C", node="x9")
+            await client.put(member_key(cluster_name, "C", "x9"), encode(twin))
+            await until(lambda: metric(a1, "pddwire_fleet_records_ignored_total", reason="duplicate_fingerprint")
+                        == 1, 5, "the twin ignored")
+            t0, before = time.monotonic(), metric(a1, "pddwire_fleet_etcd_requests_total", kind="get")
+            for _ in range(10):
+                assert await refusal(await tls_hello(port, pki, "x9", "C", "x9", "a1")) == ErrorCode.UNKNOWN_PEER
+            reads = metric(a1, "pddwire_fleet_etcd_requests_total", kind="get") - before
+            assert 1 <= reads <= 1 + (time.monotonic() - t0), reads
+            assert "C/x9" not in a1.membership.members
 
 
 async def test_no_new_member_is_admitted_while_etcd_is_away(tmp_sock_dir, pki, etcd, cluster_name):

@@ -195,15 +195,17 @@ class Membership:
             kv = await self.client.get(f"{self.prefix}{key}")
         except EtcdError:
             return None
-        if kv is None:
-            if len(self._misses) >= MAX_MISSES:
-                self._misses = {k: t for k, t in self._misses.items() if now - t < LOOKUP_MISS_S}
-            if len(self._misses) < MAX_MISSES:
-                self._misses[key] = now
-            return None
-        self._misses.pop(key, None)
-        self._put(kv)
-        return self.members.get(key)
+        if kv is not None:
+            self._misses.pop(key, None)
+            self._put(kv)
+            if key in self.members:
+                return self.members[key]
+        # Not there, or no member (invalid, or another member's certificate): not read again for a while.
+        if len(self._misses) >= MAX_MISSES:
+            self._misses = {k: t for k, t in self._misses.items() if now - t < LOOKUP_MISS_S}
+        if len(self._misses) < MAX_MISSES:
+            self._misses[key] = now
+        return None
 
     @property
     def revision(self) -> int:
