@@ -181,10 +181,9 @@ async def test_idle_close_then_reopen(tmp_sock_dir, etcd, cluster_name):
 
 
 async def test_certificate_not_the_registered_one_is_refused(tmp_sock_dir, etcd, cluster_name):
-    """b1's record names another certificate than the one b1 presents (one no member holds: a
-    record naming another member's is no member at all, test_fleet_etcd; put under another
-    lease, so b1 waits for it as for a duplicate): a1 refuses the handshake, and the send fails
-    after fleet.dial_wait_s."""
+    """b1's record names another certificate than the one b1 presents (put under another lease,
+    so b1 waits for it as for a duplicate): a1 refuses the handshake, and the send fails after
+    fleet.dial_wait_s."""
     async with agents(tmp_sock_dir, etcd, cluster_name, [("A", "a1"), ("B", "b1")],
                       fleet="dial_wait_s = 1.5") as ag, etcd_client(etcd) as client:
         a, b1 = ag["a1"], ag["b1"]

@@ -352,33 +352,6 @@ async def test_an_invalid_update_of_a_member_is_its_leave(etcd, cluster_name):
         await client.delete(key)
 
 
-async def test_one_certificate_is_one_member(etcd, cluster_name):
-    """A record whose fingerprint another member's record (or the agent's own) holds is no
-    member: one node's key registered under many names would get a session, and its
-    connections, under each. Its holder's record changing its certificate frees it."""
-    registry, seen = CollectorRegistry(), Events()
-    watcher = Membership(fleet(etcd, cluster_name), FleetMetrics(registry), me=record("b1"), on_event=seen)
-    fp = record("b2").fingerprint
-    async with memberships(watcher), etcd_client(etcd.endpoints) as client:
-        await asyncio.wait_for(watcher.listed.wait(), 10)
-        await client.put(member_key(cluster_name, "B", "b2"), encode(record("b2")))
-        await until(lambda: "B/b2" in watcher.members, 10, "b2 joined")
-        for node, fingerprint in (("b3", fp), ("b4", record("b1").fingerprint)):  # b2's, and the agent's own
-            await client.put(member_key(cluster_name, "B", node),
-                             encode(msgspec.structs.replace(record(node), fingerprint=fingerprint)))
-        await until(lambda: sample(registry, "pddwire_fleet_records_ignored_total", reason="duplicate_fingerprint")
-                    == 2, 10, "both ignored")
-        assert set(watcher.members) == {"B/b2"}
-        # b3 rewritten with a certificate of its own: a member.
-        await client.put(member_key(cluster_name, "B", "b3"), encode(record("b3")))
-        await until(lambda: "B/b3" in watcher.members, 10, "b3 joined with its own certificate")
-        # b2 now claiming b3's certificate: no longer a member (a leave).
-        taking = msgspec.structs.replace(record("b2", incarnation=2), fingerprint=record("b3").fingerprint)
-        await client.put(member_key(cluster_name, "B", "b2"), encode(taking))
-        await until(lambda: "B/b2" not in watcher.members, 10, "b2 left")
-        assert ("leave", "B/b2", 1) in seen and "B/b3" in watcher.members
-
-
 async def test_a_watch_moves_off_a_member_that_stopped_answering(etcd, cluster_name):
     """etcd member 0 is SIGSTOPped (a frozen process: its connections stay open, silent). A
     member leaves meanwhile: an agent's membership (its keep-alive finds member 0 mute) and a

@@ -214,18 +214,38 @@ async def test_hellos_naming_listed_members_open_nothing(tmp_sock_dir, pki, etcd
         reads = metric(a1, "pddwire_fleet_etcd_requests_total", kind="get")
         assert 1 <= reads <= 1 + (time.monotonic() - t0), reads
         assert metric(a1, "pddwire_fleet_admissions_total", outcome="unknown") == 10
-        # Nor does a name etcd has under another member's certificate (b1's: no member).
-        async with etcd_client(etcd) as client:
-            twin = msgspec.structs.replace(b1.membership.me, site="C", node="x9")
-            await client.put(member_key(cluster_name, "C", "x9"), encode(twin))
-            await until(lambda: metric(a1, "pddwire_fleet_records_ignored_total", reason="duplicate_fingerprint")
-                        == 1, 5, "the twin ignored")
-            t0, before = time.monotonic(), metric(a1, "pddwire_fleet_etcd_requests_total", kind="get")
-            for _ in range(10):
-                assert await refusal(await tls_hello(port, pki, "x9", "C", "x9", "a1")) == ErrorCode.UNKNOWN_PEER
-            reads = metric(a1, "pddwire_fleet_etcd_requests_total", kind="get") - before
-            assert 1 <= reads <= 1 + (time.monotonic() - t0), reads
-            assert "C/x9" not in a1.membership.members
+
+
+async def test_one_certificate_backs_one_session(tmp_sock_dir, pki, etcd, cluster_name):
+    """x9's key registered under two names (the certificate binds the node, not the site): its
+    HELLO as 0a/x9 opens a session, as 0b/x9 meanwhile is refused IDENTITY_MISMATCH (one key
+    would otherwise take a session, and its connections, under every name it registers). Once
+    the first is down, the other name is admitted. (0a, 0b sort before A: x9 dials, a1 adopts.)"""
+    from pdd_wire.fleet.record import MemberRecord
+
+    async with running(toml(tmp_sock_dir, pki, "A", "a1", etcd=etcd, cluster=cluster_name)) as (a1,), \
+            etcd_client(etcd) as client:
+        fp = cert_fingerprint(str(pki["x9"][0]))
+        for site in ("0a", "0b"):
+            record = MemberRecord(site=site, node="x9", incarnation=5, wan=f"127.0.0.1:{free_port()}", fingerprint=fp)
+            await client.put(member_key(cluster_name, site, "x9"), encode(record))
+        await until(lambda: {"0a/x9", "0b/x9"} <= set(a1.membership.members), 5, "both listed")
+        port = a1.wan_address[1]
+        first = await tls_hello(port, pki, "x9", "0a", "x9", "a1")
+        t, welcome, _ = await first.next()
+        assert t == FrameType.WELCOME, welcome
+        second = await tls_hello(port, pki, "x9", "0b", "x9", "a1")
+        frames = await second.until_closed()
+        second.close()
+        assert [(t, b.code) for t, b in frames] == [(FrameType.ERROR, ErrorCode.IDENTITY_MISMATCH)], frames
+        assert "one certificate" in frames[0][1].message and "0a/x9" in frames[0][1].message
+        assert metric(a1, "pddwire_fleet_admissions_total", outcome="certificate_in_use") == 1
+        first.close()
+        await until(lambda: not a1.peers.get("0a/x9").is_up, 5, "the first session down")
+        third = await tls_hello(port, pki, "x9", "0b", "x9", "a1")
+        t, welcome, _ = await third.next()
+        assert t == FrameType.WELCOME, welcome
+        third.close()
 
 
 async def test_no_new_member_is_admitted_while_etcd_is_away(tmp_sock_dir, pki, etcd, cluster_name):

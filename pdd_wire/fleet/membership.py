@@ -93,9 +93,6 @@ class Membership:
         self.members: dict[str, rec.MemberRecord] = {}  # "site/node" -> record, this member excluded
         self.live: dict[str, rec.Live] = {}  # "site/node" -> figures (with watch_live)
         self._revs: dict[str, int] = {}  # "site/node" -> mod_revision of the record held in members
-        # fingerprint -> the member holding it: one certificate is one member (a node's key cannot
-        # stand for more: several records under it would each get a session, and their connections)
-        self._by_fp: dict[str, str] = {}
         self.views = ([View("members", self.prefix, self._put, self._delete, self._reconcile)] if watch else []) + \
             ([View("live", self.live_prefix, self._put_live, self._delete_live, self._reconcile_live)]
              if watch_live else [])
@@ -200,7 +197,7 @@ class Membership:
             self._put(kv)
             if key in self.members:
                 return self.members[key]
-        # Not there, or no member (invalid, or another member's certificate): not read again for a while.
+        # Not there, or not a valid record: not read again for a while.
         if len(self._misses) >= MAX_MISSES:
             self._misses = {k: t for k, t in self._misses.items() if now - t < LOOKUP_MISS_S}
         if len(self._misses) < MAX_MISSES:
@@ -516,18 +513,9 @@ class Membership:
         if kv.mod_revision and kv.mod_revision <= self._revs.get(r.key, 0):
             return  # older than what a lookup already read
         old = self.members.get(r.key)
-        holder = self._by_fp.get(r.fingerprint, r.key) if r.fingerprint else r.key
-        if holder != r.key or (r.fingerprint and self.me is not None and r.fingerprint == self.me.fingerprint):
-            self.metrics.ignored.labels(reason="duplicate_fingerprint").inc()
-            if old is not None:  # it now claims another member's certificate: no longer a member
-                self._delete(kv)
-            return
         if old is None and len(self.members) >= self.fleet.max_members:
             self.metrics.ignored.labels(reason="max_members").inc()
             return
-        self._unindex(r.key, old)
-        if r.fingerprint:
-            self._by_fp[r.fingerprint] = r.key
         self.members[r.key] = r
         self._revs[r.key] = kv.mod_revision
         self.metrics.members.set(len(self.members))
@@ -542,15 +530,10 @@ class Membership:
             return  # the record a lookup read is newer than this delete
         old = self.members.pop(name, None)
         self._revs.pop(name, None)
-        self._unindex(name, old)
         if old is None:
             return
         self.metrics.members.set(len(self.members))
         self._notify("leave", old, old)
-
-    def _unindex(self, key: str, old: rec.MemberRecord | None) -> None:
-        if old is not None and old.fingerprint and self._by_fp.get(old.fingerprint) == key:
-            del self._by_fp[old.fingerprint]
 
     def _reconcile(self, kvs: list[KeyValue], revision: int, reset: bool) -> None:
         """A full listing at ``revision``: joins and updates for what it holds, leaves for what it

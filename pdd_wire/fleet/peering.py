@@ -70,6 +70,7 @@ class Lazy:
     unlisted: bool = False  # its record left etcd while the session was up
     knocking: asyncio.Task | None = None
     busy_at: float = field(default_factory=time.monotonic)
+    admitted: bool = False  # opened for a HELLO whose certificate was this member's (proven)
 
 
 def peer_of(record: MemberRecord, my_site: str) -> Peer:
@@ -197,12 +198,32 @@ class FleetPeering:
             raise FatalHandshakeError(f"{record.key}'s certificate {fingerprint or '(none)'} is not the one it "
                                       f"registered ({record.fingerprint or 'none'})", ErrorCode.IDENTITY_MISMATCH)
         if self.peers.get(record.key) is None:  # another connection may have opened it meanwhile
-            if self._open(record) is None:
+            if names is not None and (other := self._holder(record)) is not None:
+                self.metrics.admissions.labels(outcome="certificate_in_use").inc()
+                raise FatalHandshakeError(f"{record.key}'s certificate is already {other}'s (a session is open under "
+                                          "that name): one certificate, one member", ErrorCode.IDENTITY_MISMATCH)
+            if (s := self._open(record)) is None:
                 return False
+            self.lazy[s.key].admitted = names is not None
         self.metrics.admissions.labels(outcome="admitted").inc()
         return True
 
+    def _holder(self, record: MemberRecord) -> str | None:
+        """The member of another fleet session proven to hold ``record``'s certificate (up, or
+        admitted for a HELLO that showed it and not up yet): one node's key registered under many names (the
+        certificate binds the node, not the site) must not take a session, and its connections
+        (limits.max_peer_connections), under each. Unproven sessions do not count: a record
+        anyone put in etcd naming a member's (public) fingerprint must not keep that member out."""
+        fp = record.fingerprint
+        return next((k for k, e in self.lazy.items() if fp and k != record.key and e.session.peer.fingerprint == fp
+                     and (e.session.is_up or (e.admitted and not e.ever_up))), None)
+
     def _open(self, record: MemberRecord) -> "PeerSession | None":
+        if (other := self._holder(record)) is not None:
+            self.metrics.ignored.labels(reason="certificate_in_use").inc()
+            limited(self, self.log.warning, "fleet member's certificate backs another session: not used",
+                    peer=record.key, detail={"session": other})
+            return None
         try:
             s = self.new_session(peer_of(record, self.config.site), next(self._index))
         except ConfigError as exc:  # decode checked the record; this is the last guard

@@ -490,7 +490,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.error = exc
         # close() flushes the ERROR frame (under TLS too); a peer that does not read gets aborted.
         self.transport.close()
-        self._abort_later = asyncio.get_event_loop().call_later(1.0, self.abort)
+        if self._abort_later is None:  # (failed twice before it closed: the first bound stands)
+            self._abort_later = asyncio.get_event_loop().call_later(1.0, self.abort)
 
     def abort(self) -> None:
         """End it now, unsent bytes dropped, also after :meth:`close` / :meth:`fail` (a closing
