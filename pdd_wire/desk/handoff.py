@@ -67,7 +67,6 @@ from .handoff_protocol import (
     Send,
     StartGenerating,
     StopGenerating,
-    reason_label,
 )
 
 if TYPE_CHECKING:
@@ -79,6 +78,21 @@ log = structlog.get_logger("pdd_wire.handoff")
 
 MAX_EARLY_TOKENS = 1 << 16  # relayed tokens kept for one request that has no MD entry yet
 MAX_EARLY_TOTAL = 1 << 20  # ... and for all of one peer's requests together (its oldest dropped first)
+
+
+#: The ``Done`` reasons this code gives. Others (a peer's ABORT or RELEASE reason, an engine's
+#: own text) reach the engine as they are, but are counted as ``other``: no peer or engine
+#: grows a metric's label set.
+REASONS = frozenset({
+    "one_shot", "catch_up_converged", "catch_up_forced", "md_failed_after_commit", "finished_on_rld",
+    "finished", "deadline", "md_failed", "md_released", "rld_failed", "engine_gone", "aborted", "shutting_down",
+    "took_over", "protocol_error", "kv_cancelled", "post_expired", "peer_restarted", "peer_unreachable",
+})
+
+
+def reason_label(reason: str) -> str:
+    """``reason`` as a metric label: itself if this code gives it, else ``other``."""
+    return reason if reason in REASONS else "other"
 
 
 class Entry:

@@ -156,21 +156,6 @@ class Done(msgspec.Struct, frozen=True):
 Action = Emit | RelayTokens | Send | StopGenerating | StartGenerating | Extend | ModeChosen | Done
 
 
-#: The ``Done`` reasons this code gives. Others (a peer's ABORT or RELEASE reason, an engine's
-#: own text) reach the engine as they are, but are counted as ``other``: no peer or engine
-#: grows a metric's label set.
-REASONS = frozenset({
-    "one_shot", "catch_up_converged", "catch_up_forced", "md_failed_after_commit", "finished_on_rld",
-    "finished", "deadline", "md_failed", "md_released", "rld_failed", "engine_gone", "aborted", "shutting_down",
-    "took_over", "protocol_error", "kv_cancelled", "post_expired", "peer_restarted", "peer_unreachable",
-})
-
-
-def reason_label(reason: str) -> str:
-    """``reason`` as a metric label: itself if this code gives it, else ``other``."""
-    return reason if reason in REASONS else "other"
-
-
 # ----------------------------------------------------------------------------- RLD
 class RldState(enum.Enum):
     RELAYING = "relaying"  # RLD owns and emits; relays tokens; waits for MD to catch up
