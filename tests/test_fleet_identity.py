@@ -248,6 +248,37 @@ async def test_one_certificate_backs_one_session(tmp_sock_dir, pki, etcd, cluste
         third.close()
 
 
+async def test_tokens_to_a_member_whose_connection_dropped_end_within_dial_wait_s(tmp_sock_dir, pki, etcd,
+                                                                                   cluster_name):
+    """x9 (0a/x9 sorts before A: x9 dials a1) comes up, then its connection drops and it does not
+    dial again; its record stays listed, at an address nobody answers. Token IDs a1's engine
+    relays to it meanwhile fail PEER_UNREACHABLE once fleet.dial_wait_s (1.5 s) has passed,
+    rather than waiting behind knocks for ever (as "whenever a fleet session is dropped" says)."""
+    from pdd_wire.fleet.record import MemberRecord
+
+    async with running(toml(tmp_sock_dir, pki, "A", "a1", etcd=etcd, cluster=cluster_name)) as (a1,), \
+            etcd_client(etcd) as client:
+        record = MemberRecord(site="0a", node="x9", incarnation=5, wan=f"127.0.0.1:{free_port()}",
+                              fingerprint=cert_fingerprint(str(pki["x9"][0])))
+        await client.put(member_key(cluster_name, "0a", "x9"), encode(record))
+        await until(lambda: "0a/x9" in a1.membership.members, 5, "listed")
+        x9 = await tls_hello(a1.wan_address[1], pki, "x9", "0a", "x9", "a1")
+        assert (await x9.next())[0] == FrameType.WELCOME
+        await until(lambda: a1.peers.get("0a/x9") is not None and a1.peers.get("0a/x9").is_up, 5, "up")
+        x9.close()
+        await until(lambda: not a1.peers.get("0a/x9").is_up, 5, "down")
+        engines = Engines()
+        try:
+            e = await engines.connect(a1.config.listen.engine_socket, "rld")
+            await e.send_tokens("r1", "0a/x9", [1, 2, 3])
+            failed = await e.wait("r1", timeout=10)
+            assert isinstance(failed, ev.TransferFailed) and failed.code == ErrorCode.PEER_UNREACHABLE, failed
+            assert "fleet.dial_wait_s" in failed.reason
+            assert metric(a1, "pddwire_fleet_sessions_closed_total", reason="down") == 1
+        finally:
+            await engines.close()
+
+
 async def test_no_new_member_is_admitted_while_etcd_is_away(tmp_sock_dir, pki, etcd, cluster_name):
     async with running(toml(tmp_sock_dir, pki, "A", "a1", etcd=etcd, cluster=cluster_name,
                             fleet="request_s = 0.5")) as (a1,):

@@ -232,7 +232,9 @@ class FleetPeering:
             return None
         self.lazy[s.key] = Lazy(s, created=time.monotonic(), incarnation=record.incarnation)
         self.metrics.sessions.set(len(self.lazy))
-        self.log.info("fleet session opened", peer=s.key, address=record.wan, role="dialer" if s.dialer else "listener")
+        # (per member once per 30 s: a member that churns sessions, GOODBYE idle in a loop, is counted in full)
+        limited(self, self.log.info, "fleet session opened", peer=s.key, address=record.wan,
+                role="dialer" if s.dialer else "listener")
         return s
 
     def _knock(self, entry: Lazy) -> None:
@@ -303,10 +305,12 @@ class FleetPeering:
             elif not s.is_up and s.peer_goodbye == "idle" and FLEET_CAPABILITY in (s.remote_caps or ()):
                 self._retire(entry, "idle", f"peer {s.key} closed the session as idle")
             elif not s.dialer and not s.is_up and entry.ever_up:
-                if busy:
+                if down_for > self.fleet.dial_wait_s:  # what waits fails now (a need knocks afresh)
+                    self._retire(entry, "down", f"the session with {s.key} dropped and its dialer did not come back "
+                                                f"within fleet.dial_wait_s ({self.fleet.dial_wait_s:g} s)"
+                                 if busy else None)
+                elif busy:
                     self._knock(entry)  # work waits for it: ask the dialer to come back
-                elif down_for > self.fleet.dial_wait_s:
-                    self._retire(entry, "down", None)  # nothing waits: forget it (a need knocks afresh)
 
     def _retire(self, entry: Lazy, reason: str, why: str | None, code: int = ErrorCode.PEER_UNREACHABLE) -> None:
         """Drop a fleet session: no need finds it from now on; its transfers (if any) fail with
@@ -321,7 +325,7 @@ class FleetPeering:
             entry.knocking.cancel()
         self.metrics.closed.labels(reason=reason).inc()
         self.metrics.sessions.set(len(self.lazy))
-        self.log.info("fleet session closed", peer=s.key, reason=reason)
+        limited(self, self.log.info, "fleet session closed", peer=s.key, reason=reason)
         why = why or f"the session with {s.key} was closed ({reason})"
         self.on_retire(s, why)
         goodbye = "idle" if reason == "idle" and FLEET_CAPABILITY in (s.remote_caps or ()) else "shutdown"
