@@ -18,7 +18,7 @@ from aiohttp import web
 from .core import Core, Req
 from .output import Output, Segment, SegmentFailed
 from .pools import Upstream
-from .upstream import UpstreamError, sse_events
+from .upstream import UpstreamError, read_capped, sse_events
 
 log = structlog.get_logger("pdd_wire.router")
 
@@ -31,10 +31,10 @@ async def warm_ok(core: Core, u: Upstream, path: str, body: dict) -> bool:
     ending of its own (not vLLM's ``abort``)."""
     try:
         async with core.http.post(f"{u.url}{path}", json=body) as r:
-            data = await r.read()
+            data = await read_capped(r)
             if r.status != 200:
                 return False
-    except NET:
+    except (*NET, UpstreamError):
         return False
     try:
         choices = core.decoder.decode(data).get("choices") or [{}]
@@ -53,7 +53,11 @@ async def continue_on(core: Core, req: Req, out: Output, u: Upstream, seg: Segme
             r = await core.http.post(f"{u.url}{req.path}", json=out.body_from_here(req.body))
         async with r:
             if r.status != 200:
-                raise SegmentFailed(UpstreamError(r.status, await r.read(), r.content_type or "application/json"))
+                try:
+                    failed = UpstreamError(r.status, await read_capped(r), r.content_type or "application/json")
+                except UpstreamError as exc:  # its error answer was over the limit
+                    failed = exc
+                raise SegmentFailed(failed)
             events = sse_events(r.content)
             while True:
                 async with asyncio.timeout(limit):  # a data event within it (keep-alives do not count)

@@ -16,7 +16,7 @@ from .config import RouterConfig
 from .load import LoadReader
 from .metrics import RouterMetrics
 from .pools import Pools, Upstream
-from .upstream import Trace, UpstreamError
+from .upstream import Trace, UpstreamError, bad_gateway, read_capped
 
 log = structlog.get_logger("pdd_wire.router")
 
@@ -79,10 +79,13 @@ class Core:
     async def post_json(self, u: Upstream, path: str, body: dict) -> dict:
         """POST ``body`` to ``u`` and decode its JSON answer (UpstreamError: an error status)."""
         async with self.http.post(f"{u.url}{path}", json=body) as r:
-            data = await r.read()
+            data = await read_capped(r)
             if r.status != 200:
                 raise UpstreamError(r.status, data, r.content_type or "application/json")
-        return self.decoder.decode(data)
+        try:
+            return self.decoder.decode(data)
+        except msgspec.DecodeError as exc:  # an upstream failure, not the router's (500)
+            raise bad_gateway(f"{u.url}{path} answered 200 with a body that is not a JSON object: {exc}") from None
 
 
 @dataclass(eq=False)

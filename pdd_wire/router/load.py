@@ -25,6 +25,7 @@ import structlog
 from .config import RldLoad
 from .metrics import RouterMetrics
 from .pools import Load, Upstream
+from .upstream import UpstreamError, read_capped
 
 log = structlog.get_logger("pdd_wire.router")
 
@@ -111,9 +112,9 @@ class LoadReader:
                 async with self.http.get(f"{u.url}/metrics") as r:
                     if r.status != 200:
                         raise ValueError(f"HTTP {r.status}")
-                    text = await r.read()
+                    text = await read_capped(r, 4 << 20)  # a metrics page: some 100 KB
             load = parse_load(text, u.member.max_num_seqs)
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, UpstreamError) as exc:
             self._failed[u] = asked
             self.metrics.load_scrapes.labels(outcome="failed").inc()
             log.warning("router_rld_load_unread", member=u.url, error=repr(exc))

@@ -43,6 +43,7 @@ from .upstream import (
     check_fields,
     dest,
     error_response,
+    read_capped,
     sse_events,
     token_count,
 )
@@ -59,6 +60,24 @@ UPSTREAM_KEEPALIVE_S = 2.0
 #: failed): a client that stopped reading but keeps its connection open is cut off after this.
 FAIL_WRITE_S = 3.0
 
+
+
+#: Set on every request the router sends upstream. A record's engine URL may name anything, the
+#: router itself included: one user request would then come back for ever (each forwarded copy
+#: forwarding again: 10,000 connections in 9 s, until the router ran out of file descriptors).
+FORWARDED_HEADER = "x-pdd-wire-forwarded"
+#: Upstream connections the router holds at once, all engines together (aiohttp's limit=0 is none).
+MAX_UPSTREAM_CONNECTIONS = 4096
+
+
+@web.middleware
+async def _no_loops(request: web.Request, handler):
+    """A request a pdd-wire router forwarded is not routed again: 508, naming the cause."""
+    if FORWARDED_HEADER in request.headers and request.path.startswith("/v1/"):
+        return error_response(508, "this request was forwarded by a pdd-wire router: an engine URL in the fleet "
+                                   "(or the router's config) points at a router, not at vllm serve",
+                              "LoopDetectedError")
+    return await handler(request)
 
 class Router:
     """``Router(cfg)``; ``await start()`` binds ``cfg.listen.address`` (port 0: see ``port``);
@@ -79,7 +98,7 @@ class Router:
 
     # ------------------------------------------------------------------ life cycle
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=64 << 20)
+        app = web.Application(client_max_size=64 << 20, middlewares=[_no_loops])
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/v1/models", self._models)
@@ -90,7 +109,8 @@ class Router:
     async def start(self) -> Self:
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.request.connect_s),
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S))
+            headers={FORWARDED_HEADER: "1"},  # an engine URL that is a router's is refused there (_no_loops)
+            connector=aiohttp.TCPConnector(limit=MAX_UPSTREAM_CONNECTIONS, keepalive_timeout=UPSTREAM_KEEPALIVE_S))
         self._loads = LoadReader(self.cfg.rld_load, self._http, self.metrics)
         self._core = Core(self.cfg, self._http, self.pools, self.metrics, self._loads, self._decoder)
         self._chooser = Chooser(self._core)
@@ -158,7 +178,7 @@ class Router:
         for u in self.pools.members("P") + self.pools.members("MD"):
             try:
                 async with asyncio.timeout(limit), self.http.get(f"{u.url}/v1/models") as r:
-                    body = await r.read()
+                    body = await read_capped(r)
                     if r.status == 200:
                         return web.Response(body=body, status=200, content_type="application/json")
                     last = f"{u.url}: HTTP {r.status}"
@@ -166,6 +186,8 @@ class Router:
                 last = f"{u.url}: no answer within {limit} s (request.connect_s)"
             except (aiohttp.ClientError, OSError) as exc:
                 last = f"{u.url}: {exc}"
+            except UpstreamError:
+                last = f"{u.url}: an answer over the router's limit"
         return error_response(503, last, "ServiceUnavailableError")
 
     async def _healthz(self, request: web.Request) -> web.Response:
@@ -381,9 +403,9 @@ class Router:
         trace = req.trace
         async with self.http.post(f"{up.url}{req.path}", json=body) as r:
             if r.status != 200:
-                raise UpstreamError(r.status, await r.read(), r.content_type or "application/json")
+                raise UpstreamError(r.status, await read_capped(r), r.content_type or "application/json")
             if not req.read.get("stream"):  # the client's, as vLLM read it
-                data = await r.read()
+                data = await read_capped(r)
                 with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
                     n = int((self._decoder.decode(data).get("usage") or {}).get("completion_tokens") or 0)
                     self.metrics.output_tokens.labels(pool=up.pool).inc(n)

@@ -8,6 +8,7 @@ import re
 import time
 
 import aiohttp
+import msgspec
 from aiohttp import web
 
 from .config import Member
@@ -28,6 +29,31 @@ class UpstreamError(Exception):
     def __init__(self, status: int, body: bytes, content_type: str) -> None:
         super().__init__(f"HTTP {status}")
         self.status, self.body, self.content_type = status, body, content_type
+
+
+#: The most of one upstream answer the router reads (a completion with logprobs is megabytes at
+#: most): a member whose engine answers more is an upstream failure, not the router's memory.
+MAX_UPSTREAM_BODY = 64 << 20
+
+
+def bad_gateway(message: str) -> UpstreamError:
+    """An upstream answer the router cannot use, relayed as 502 (an upstream failed)."""
+    return UpstreamError(502, msgspec.json.encode({"error": {"message": message, "type": "BadGatewayError",
+                                                             "param": None, "code": 502}}), "application/json")
+
+
+async def read_capped(r: aiohttp.ClientResponse, limit: int | None = None) -> bytes:
+    """``r``'s body, at most ``limit`` bytes (default :data:`MAX_UPSTREAM_BODY`; more:
+    :func:`bad_gateway`)."""
+    limit = MAX_UPSTREAM_BODY if limit is None else limit
+    if r.content_length is not None and r.content_length > limit:
+        raise bad_gateway(f"the upstream answer is {r.content_length} bytes, over the router's {limit}")
+    buf = bytearray()
+    async for chunk in r.content.iter_chunked(1 << 16):
+        buf += chunk
+        if len(buf) > limit:
+            raise bad_gateway(f"the upstream answer is over the router's {limit} bytes")
+    return bytes(buf)
 
 
 class BadField(ValueError):

@@ -1,0 +1,97 @@
+"""A fleet record's engine URL may name anything: the router keeps itself bounded whatever is
+there (docs/router.md, "API"). Found by a hostile fleet member: a URL naming the router itself
+turned one request into 10,000 (until the router ran out of file descriptors), and a 200 answer
+that is not JSON, or a huge one, was the router's own 500 after reading it all.
+
+A real router (no agents: ``ask_agent = false``) and small aiohttp servers as the members.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import aiohttp
+from aiohttp import web
+
+from pdd_wire.router import Router, loads
+from pdd_wire.router import upstream as upstream_mod
+from support.agents import free_port
+
+PROMPT = "hello there"
+
+
+def _router(p: str, md: str, port: int = 0) -> Router:
+    return Router(loads(f"""
+[listen]
+address = "127.0.0.1:{port}"
+[request]
+deadline_s = 10
+connect_s = 2
+[[pools.P]]
+url = "{p}"
+site = "A"
+[[pools.MD]]
+url = "{md}"
+site = "B"
+[choice]
+ask_agent = false
+"""))
+
+
+@contextlib.asynccontextmanager
+async def _member(answer: bytes):
+    """An 'engine' answering every POST with 200 and ``answer``."""
+    async def any_post(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=answer, status=200, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/{tail:.*}", any_post)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def _complete(router: Router) -> tuple[int, str]:
+    async with aiohttp.ClientSession() as s, s.post(f"{router.url}/v1/completions",
+                                                    json={"model": "m", "prompt": PROMPT, "max_tokens": 4}) as r:
+        return r.status, await r.text()
+
+
+async def test_an_engine_url_naming_the_router_is_refused_not_looped():
+    """The router marks what it forwards; a marked request is refused 508 (LoopDetected) rather
+    than routed again: the user gets that answer, and the router made one upstream request."""
+    port = free_port()
+    router = await _router(f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port}", port).start()
+    try:
+        status, text = await _complete(router)
+        assert status == 508 and "points at a router" in text, (status, text)
+    finally:
+        await router.stop()
+
+
+async def test_an_answer_that_is_not_json_is_a_bad_gateway():
+    async with _member(b"<html>not a completion</html>") as url:
+        router = await _router(url, url).start()
+        try:
+            status, text = await _complete(router)
+            assert status == 502 and "not a JSON object" in text, (status, text)
+        finally:
+            await router.stop()
+
+
+async def test_an_answer_over_the_limit_is_a_bad_gateway_not_the_routers_memory(monkeypatch):
+    monkeypatch.setattr(upstream_mod, "MAX_UPSTREAM_BODY", 1 << 20)
+    async with _member(b" " * (2 << 20)) as url:
+        router = await _router(url, url).start()
+        try:
+            status, text = await _complete(router)
+            assert status == 502 and "over the router's" in text, (status, text)
+        finally:
+            await router.stop()
