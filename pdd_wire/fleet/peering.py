@@ -27,7 +27,8 @@ member that leaves (its lease expired) is unreachable at once.
 * A member that moved (new address or transport) loses its session; a new certificate (same
   address) only changes the fingerprint pinned for the next handshake.
 * A listener's session that is down and idle for ``fleet.dial_wait_s`` is dropped (its dialer
-  has gone: a next need knocks afresh); one with work queued knocks.
+  has gone: a next need knocks afresh); one with work queued knocks, for at most
+  ``timeouts.peer_give_up_s`` (the longer of the two), then is dropped and the work fails.
 * Work that cannot go on when a session is dropped is told to its engine: transfers fail, and
   relayed token IDs not yet acknowledged are reported (``on_retire``).
 """
@@ -305,12 +306,16 @@ class FleetPeering:
             elif not s.is_up and s.peer_goodbye == "idle" and FLEET_CAPABILITY in (s.remote_caps or ()):
                 self._retire(entry, "idle", f"peer {s.key} closed the session as idle")
             elif not s.dialer and not s.is_up and entry.ever_up:
-                if down_for > self.fleet.dial_wait_s:  # what waits fails now (a need knocks afresh)
-                    self._retire(entry, "down", f"the session with {s.key} dropped and its dialer did not come back "
-                                                f"within fleet.dial_wait_s ({self.fleet.dial_wait_s:g} s)"
-                                 if busy else None)
+                # Work waiting on it (a link drop) gets as long as a static peer's, then fails; idle,
+                # it is forgotten after dial_wait_s (a need knocks afresh).
+                give_up = max(self.fleet.dial_wait_s, self.config.timeouts.peer_give_up_s)
+                if busy and down_for > give_up:
+                    self._retire(entry, "unreachable", f"the session with {s.key} dropped and its dialer did not "
+                                                       f"come back within timeouts.peer_give_up_s ({give_up:g} s)")
                 elif busy:
                     self._knock(entry)  # work waits for it: ask the dialer to come back
+                elif down_for > self.fleet.dial_wait_s:
+                    self._retire(entry, "down", None)
 
     def _retire(self, entry: Lazy, reason: str, why: str | None, code: int = ErrorCode.PEER_UNREACHABLE) -> None:
         """Drop a fleet session: no need finds it from now on; its transfers (if any) fail with
