@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from pdd_wire.router import Router, loads
@@ -76,12 +77,13 @@ async def test_an_engine_url_naming_the_router_is_refused_not_looped():
         await router.stop()
 
 
-async def test_an_answer_that_is_not_json_is_a_bad_gateway():
-    async with _member(b"<html>not a completion</html>") as url:
+@pytest.mark.parametrize("answer", [b"<html>not a completion</html>", b"null", b"[1, 2]", b'"x"'])
+async def test_a_prefill_answer_that_is_not_a_json_object_is_a_bad_gateway(answer):
+    async with _member(answer) as url:
         router = await _router(url, url).start()
         try:
             status, text = await _complete(router)
-            assert status == 502 and "not a JSON object" in text, (status, text)
+            assert status == 502 and "BadGatewayError" in text and "answered 200 with" in text, (status, text)
         finally:
             await router.stop()
 

@@ -83,9 +83,12 @@ class Core:
             if r.status != 200:
                 raise UpstreamError(r.status, data, r.content_type or "application/json")
         try:
-            return self.decoder.decode(data)
+            got = self.decoder.decode(data)
         except msgspec.DecodeError as exc:  # an upstream failure, not the router's (500)
-            raise bad_gateway(f"{u.url}{path} answered 200 with a body that is not a JSON object: {exc}") from None
+            raise bad_gateway(f"{u.url}{path} answered 200 with a body that is not JSON: {exc}") from None
+        if not isinstance(got, dict):
+            raise bad_gateway(f"{u.url}{path} answered 200 with JSON that is not an object")
+        return got
 
 
 @dataclass(eq=False)

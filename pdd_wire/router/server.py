@@ -66,8 +66,9 @@ FAIL_WRITE_S = 3.0
 #: router itself included: one user request would then come back for ever (each forwarded copy
 #: forwarding again: 10,000 connections in 9 s, until the router ran out of file descriptors).
 FORWARDED_HEADER = "x-pdd-wire-forwarded"
-#: Upstream connections the router holds at once, all engines together (aiohttp's limit=0 is none).
-MAX_UPSTREAM_CONNECTIONS = 4096
+#: A non-streamed answer relayed whole: prompt logprobs of a 128k-token prompt are far over the
+#: 64 MiB the router reads of what it parses, and are the user's to have.
+RELAY_MAX_BODY = 1 << 30
 
 
 @web.middleware
@@ -110,7 +111,9 @@ class Router:
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.request.connect_s),
             headers={FORWARDED_HEADER: "1"},  # an engine URL that is a router's is refused there (_no_loops)
-            connector=aiohttp.TCPConnector(limit=MAX_UPSTREAM_CONNECTIONS, keepalive_timeout=UPSTREAM_KEEPALIVE_S))
+            # No pool limit: each request in flight holds at most two upstream connections, and a
+            # cap would fail legitimate load (and /healthz) with connect timeouts at its edge.
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S))
         self._loads = LoadReader(self.cfg.rld_load, self._http, self.metrics)
         self._core = Core(self.cfg, self._http, self.pools, self.metrics, self._loads, self._decoder)
         self._chooser = Chooser(self._core)
@@ -394,6 +397,8 @@ class Router:
                 self._core.fallback(req.rid, "prefill_unreachable", member=P.url, error=repr(exc))
                 return None
         kv = got.get("kv_transfer_params") or {}
+        if not isinstance(kv, dict):  # not vLLM's shape: as if it sent nothing (decode computes the prompt)
+            kv = {"pdd_error": "kv_transfer_params is not an object"}
         if not kv.get("do_remote_prefill"):
             self._core.fallback(req.rid, "kv_not_sent", reason=kv.get("pdd_error"))
         return kv
@@ -405,7 +410,7 @@ class Router:
             if r.status != 200:
                 raise UpstreamError(r.status, await read_capped(r), r.content_type or "application/json")
             if not req.read.get("stream"):  # the client's, as vLLM read it
-                data = await read_capped(r)
+                data = await read_capped(r, RELAY_MAX_BODY)
                 with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
                     n = int((self._decoder.decode(data).get("usage") or {}).get("completion_tokens") or 0)
                     self.metrics.output_tokens.labels(pool=up.pool).inc(n)

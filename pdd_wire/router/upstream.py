@@ -31,8 +31,9 @@ class UpstreamError(Exception):
         self.status, self.body, self.content_type = status, body, content_type
 
 
-#: The most of one upstream answer the router reads (a completion with logprobs is megabytes at
-#: most): a member whose engine answers more is an upstream failure, not the router's memory.
+#: The most of one upstream answer the router reads to parse it (prefill's answer, a probe's, an
+#: error body): more is an upstream failure, not the router's memory. A non-streamed answer it
+#: relays whole to the user may be larger (server.RELAY_MAX_BODY).
 MAX_UPSTREAM_BODY = 64 << 20
 
 
