@@ -42,6 +42,7 @@ from pdd_wire.fleet.etcd import client_ssl
 from pdd_wire.fleet.record import EngineRec, MemberRecord, encode, member_key
 from support.certs import make_pki
 from support.fleet import etcd_client, etcd_cluster
+from support.http import serving
 
 MAX_REQUEST = 3072  # this module's etcd refuses requests over 3 KiB (ours are at most 4 KiB + the live record)
 _names = itertools.count(1)
@@ -129,15 +130,8 @@ async def not_etcd(kind: str):
     app = web.Application()
     app[KIND] = kind
     app.router.add_route("*", "/{tail:.*}", _not_etcd)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 async def test_endpoints_that_are_not_etcd_and_failing_callbacks_stop_nothing(etcd, cluster_name):

@@ -17,6 +17,7 @@ from aiohttp import web
 from pdd_wire.router import Router, loads
 from pdd_wire.router import upstream as upstream_mod
 from support.agents import free_port
+from support.http import serving
 
 PROMPT = "hello there"
 
@@ -48,15 +49,8 @@ async def _member(answer: bytes):
 
     app = web.Application()
     app.router.add_post("/{tail:.*}", any_post)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = runner.addresses[0][1]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 async def _complete(router: Router) -> tuple[int, str]:
