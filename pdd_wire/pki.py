@@ -54,26 +54,37 @@ def default_dir(engine_socket: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(engine_socket)), f"pdd-wire-pki-{os.geteuid()}")
 
 
-def private_dir(path: str, parent_key: str = "tls.auto_dir") -> Path:
+def private_dir(path: str, parent_key: str = "tls.auto_dir", *, create: bool = True) -> list[str]:
     """``path`` as a directory only this uid can enter; created 0700 when missing. ``parent_key``:
-    what chose its parent (the engine socket's directory by default), named when that is unsafe."""
-    p = Path(os.path.abspath(path))
+    what chose its parent (the engine socket's directory by default), named when that is unsafe.
+    ``create=False`` (``--check``): read only, as :func:`~pdd_wire.rundir.secure_dir`; a safe
+    directory of another (non-root) uid is a warning, returned: the agent must run as that uid."""
     # The parent too: whoever can write it can swap this directory for their own. It is the
     # engine socket's directory by default, created 0700 here when missing (pdd_wire.rundir).
-    secure_dir(str(p.parent), parent_key)
+    out = secure_dir(os.path.dirname(os.path.abspath(path)), parent_key, create=create)
     try:
-        p.mkdir(mode=0o700, exist_ok=True)
-        st = os.lstat(p)
+        if create:
+            os.mkdir(path, mode=0o700)
+    except FileExistsError:
+        pass
     except OSError as exc:
         raise ConfigError("tls.auto_dir", f"cannot create {path!r}: {exc.strerror}") from exc
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        if create:
+            raise ConfigError("tls.auto_dir", f"cannot create {path!r}") from None
+        return out
     if not stat.S_ISDIR(st.st_mode):
         raise ConfigError("tls.auto_dir", f"{path!r} is not a directory (a symlink is refused)")
-    if st.st_uid != os.geteuid():
-        raise ConfigError("tls.auto_dir", f"{path!r} belongs to uid {st.st_uid}, not this agent's "
-                                          f"uid {os.geteuid()}: refusing keys someone else can replace")
     if st.st_mode & 0o077:
         raise ConfigError("tls.auto_dir", f"{path!r} has mode {stat.S_IMODE(st.st_mode):o}: must be 0700")
-    return p
+    if st.st_uid != os.geteuid():
+        if not create and st.st_uid != 0:
+            return out + [f"tls.auto_dir: {path!r} belongs to uid {st.st_uid}: the agent must run as that user"]
+        raise ConfigError("tls.auto_dir", f"{path!r} belongs to uid {st.st_uid}, not this agent's "
+                                          f"uid {os.geteuid()}: refusing keys someone else can replace")
+    return out
 
 
 def _write_private(path: Path, data: bytes) -> None:
@@ -170,7 +181,8 @@ def _leaf_ok(d: Path, stem: str, name: str, ca: x509.Certificate) -> bool:
 def ensure(dirpath: str, site: str, node: str, parent_key: str = "tls.auto_dir") -> Pki:
     """The CA and this node's certificate in ``dirpath``, generated where missing or unusable.
     Safe to call from several agents at once (one ``flock`` serialises them)."""
-    d = private_dir(dirpath, parent_key)
+    private_dir(dirpath, parent_key)
+    d = Path(os.path.abspath(dirpath))
     stem = f"{site}.{node}"
     created: list[str] = []
     fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
@@ -301,17 +313,7 @@ def check_dirs(config) -> list[str]:
     if config.tls.mode != "auto":
         return out
     path, key = _auto_dir(config)
-    out += secure_dir(os.path.dirname(os.path.abspath(path)), key, create=False)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return out
-    if stat.S_ISDIR(st.st_mode) and st.st_uid not in (0, os.geteuid()) and not st.st_mode & 0o077:
-        return out + [f"tls.auto_dir: {path!r} belongs to uid {st.st_uid}: the agent must run as that user"]
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-        raise ConfigError("tls.auto_dir", f"{path!r} must be a directory (not a symlink) owned by uid {os.geteuid()} "
-                                          f"with mode 0700, not uid {st.st_uid} mode {stat.S_IMODE(st.st_mode):o}")
-    return out
+    return out + private_dir(path, key, create=False)
 
 
 def log_tls_mode(log, config, pki: Pki | None) -> None:
