@@ -31,8 +31,8 @@ answered, then it is forgotten (or earlier, oldest first, when ``4 x max_transfe
 RLD waits for MD's answer to its commit at most :meth:`HandoffDesk.answer_window_s` after it last
 sent it (longer than a live MD may take to release: MD's default deadline, plus
 ``timeouts.peer_give_up_s``): an MD agent that is up but forgot the request (or never answers)
-ends the handoff as an MD lost after the commit. After a peer restart nothing more is sent for that peer's handoffs: its
-new incarnation never knew them.
+ends the handoff as an MD lost after the commit. After a peer restart nothing more is sent for
+that peer's handoffs: its new incarnation never knew them.
 """
 
 from __future__ import annotations

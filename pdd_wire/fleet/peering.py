@@ -161,6 +161,11 @@ class FleetPeering:
                 if site else None
         if record is None or not self._usable(record):
             return None
+        if (other := self._holder(record)) is not None:
+            self.metrics.ignored.labels(reason="certificate_in_use").inc()
+            limited(self, self.log.warning, "fleet member's certificate backs another session: not used",
+                    peer=record.key, detail={"session": other})
+            return None
         s = self._open(record)
         if s is None:
             return None
@@ -211,20 +216,15 @@ class FleetPeering:
 
     def _holder(self, record: MemberRecord) -> str | None:
         """The member of another fleet session proven to hold ``record``'s certificate (up, or
-        admitted for a HELLO that showed it and not up yet): one node's key registered under many names (the
-        certificate binds the node, not the site) must not take a session, and its connections
-        (limits.max_peer_connections), under each. Unproven sessions do not count: a record
-        anyone put in etcd naming a member's (public) fingerprint must not keep that member out."""
+        admitted for a HELLO that showed it and not up yet): one node's key registered under many
+        names (the certificate binds the node, not the site) must not take a session, and its
+        connections (limits.max_peer_connections), under each. Unproven sessions do not count: a
+        record anyone can put in etcd naming a member's (public) fingerprint keeps nobody out."""
         fp = record.fingerprint
         return next((k for k, e in self.lazy.items() if fp and k != record.key and e.session.peer.fingerprint == fp
                      and (e.session.is_up or (e.admitted and not e.ever_up))), None)
 
     def _open(self, record: MemberRecord) -> "PeerSession | None":
-        if (other := self._holder(record)) is not None:
-            self.metrics.ignored.labels(reason="certificate_in_use").inc()
-            limited(self, self.log.warning, "fleet member's certificate backs another session: not used",
-                    peer=record.key, detail={"session": other})
-            return None
         try:
             s = self.new_session(peer_of(record, self.config.site), next(self._index))
         except ConfigError as exc:  # decode checked the record; this is the last guard

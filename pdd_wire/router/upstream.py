@@ -39,8 +39,7 @@ MAX_UPSTREAM_BODY = 64 << 20
 
 def bad_gateway(message: str) -> UpstreamError:
     """An upstream answer the router cannot use, relayed as 502 (an upstream failed)."""
-    return UpstreamError(502, msgspec.json.encode({"error": {"message": message, "type": "BadGatewayError",
-                                                             "param": None, "code": 502}}), "application/json")
+    return UpstreamError(502, msgspec.json.encode(_error(502, message, "BadGatewayError")), "application/json")
 
 
 async def read_capped(r: aiohttp.ClientResponse, limit: int | None = None) -> bytes:
@@ -65,10 +64,14 @@ class BadField(ValueError):
         self.param = param
 
 
+def _error(status: int, message: str, kind: str, param: str | None = None) -> dict:
+    """An error body shaped like vLLM's."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
 def error_response(status: int, message: str, kind: str = "BadRequestError", param: str | None = None) -> web.Response:
-    """An error body shaped like vLLM's (``{"error": {...}}``)."""
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": status}},
-                             status=status)
+    """An error answer shaped like vLLM's (``{"error": {...}}``)."""
+    return web.json_response(_error(status, message, kind, param), status=status)
 
 
 def token_count(ev: dict) -> int:

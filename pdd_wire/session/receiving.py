@@ -252,8 +252,7 @@ class Receiver:
             if len(self.begun) > self._begun_keep:
                 self.begun.popitem(last=False)
         if self.s.closing and tid not in self.inn and tid not in self.ledger.completed:  # nothing new opens
-            code = ErrorCode.SHUTTING_DOWN if self.s.host.stopping else ErrorCode.PEER_UNREACHABLE
-            self.reject(tid, begin, code, "the receiving agent is closing this session")
+            self.reject(tid, begin, *self._closing())
             self.gate.begun(tid)
             return
         self._on_begin(tid, begin)
@@ -286,8 +285,7 @@ class Receiver:
         elif len(self.inn) >= s.cfg.transfer.max_transfers:
             problem = (ErrorCode.TOO_MANY_TRANSFERS, "receiver has too many open transfers")
         elif s.closing:  # a post matched a KV_BEGIN that waited, while the session ends
-            problem = (ErrorCode.SHUTTING_DOWN if s.host.stopping else ErrorCode.PEER_UNREACHABLE,
-                       "the receiving agent is closing this session")
+            problem = self._closing()
         loop = asyncio.get_running_loop()
         budget = begin.deadline_ms / 1000 if begin.deadline_ms else s.cfg.transfer.default_deadline_s
         t = InTransfer(tid, begin.request_id, engine, s.key, dest, begin.chunk_bytes, loop.time() + budget, loop=loop)
@@ -326,6 +324,12 @@ class Receiver:
             return
         self.s.count_error(err.code)
         conn.fail(err)
+
+    def _closing(self) -> tuple[ErrorCode, str]:
+        """Why a KV_BEGIN is refused while this session closes: the agent stops, or the session
+        ends alone (a fleet session retired)."""
+        code = ErrorCode.SHUTTING_DOWN if self.s.host.stopping else ErrorCode.PEER_UNREACHABLE
+        return code, "the receiving agent is closing this session"
 
     def chunk_arrived(self, tid: int, k: int, ok: bool, nbytes: int, claimed: bool, invalid: bool = False,
                       wrong_size: bool = False) -> None:
