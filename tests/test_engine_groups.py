@@ -5,7 +5,7 @@ also past 64 groups); ``listen.engine_uid`` with ``engine_socket_mode = 0o666`` 
 no other; a mode that cannot let them in is warned of at start and by ``--check``.
 
 Real agents, and engines as forked children that drop to other uids and groups (the suite runs
-as root; skipped otherwise).
+as root: marker `root`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from support.agents import free_port, run_agents, two_site_toml
 from support.other_uid import NOBODY, run_as
 from test_daemon import cli, short_dir, write  # noqa: F401
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run processes as other uids and groups")
+pytestmark = pytest.mark.root  # runs processes as other uids and groups
 
 GROUP = 4242  # the engines' group
 

@@ -214,6 +214,14 @@ async def test_hellos_naming_listed_members_open_nothing(tmp_sock_dir, pki, etcd
         reads = metric(a1, "pddwire_fleet_etcd_requests_total", kind="get")
         assert 1 <= reads <= 1 + (time.monotonic() - t0), reads
         assert metric(a1, "pddwire_fleet_admissions_total", outcome="unknown") == 10
+        # Nor does a name etcd has under a record no reader may use (not JSON).
+        async with etcd_client(etcd) as client:
+            await client.put(member_key(cluster_name, "C", "x9"), b"{not a record")
+            t0, before = time.monotonic(), metric(a1, "pddwire_fleet_etcd_requests_total", kind="get")
+            for _ in range(10):
+                assert await refusal(await tls_hello(port, pki, "x9", "C", "x9", "a1")) == ErrorCode.UNKNOWN_PEER
+            reads = metric(a1, "pddwire_fleet_etcd_requests_total", kind="get") - before
+            assert 1 <= reads <= 1 + (time.monotonic() - t0), reads
 
 
 async def test_one_certificate_backs_one_session(tmp_sock_dir, pki, etcd, cluster_name):
