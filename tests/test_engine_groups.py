@@ -37,8 +37,9 @@ def _connect_as(path: str, uid: int, gid: int, groups: list[int]) -> str:
             s.connect(path)
         except OSError as exc:
             return errno.errorcode.get(exc.errno or 0, "error").encode()
-        s.sendall(p.encode(p.Hello(id=1, engine="probe")))
         try:
+            # The agent may close a refused engine before its hello is written: EPIPE/ECONNRESET.
+            s.sendall(p.encode(p.Hello(id=1, engine="probe")))
             data = s.recv(4096)
         except OSError:
             data = b""
