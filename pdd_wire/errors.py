@@ -32,6 +32,7 @@ class ErrorCode(enum.IntEnum):
     HANDSHAKE_TIMEOUT = 204
     TLS_REFUSED = 205
     DIAL_BACK = 206  # fleet: the HELLO came from a peer this agent dials; it dials now
+    TOO_MANY_CONNECTIONS = 207  # the listener's limits.max_peer_connections are all open: dial again later
     # 3xx: transfer
     NOT_POSTED = 300
     SIZE_MISMATCH = 301

@@ -18,7 +18,9 @@ before its BULK_HELLO names a live session, which in TLS mode ``auto`` is plaint
 done (2); a bulk connection attached to its session (3). Unauthenticated input thus reaches rank 1
 at most, and there competes oldest first: a peer gets in that finishes its handshake before the
 flood opens ``max_handshakes`` connections after it. Authenticated connections count against
-``limits.max_peer_connections``.
+``limits.max_peer_connections`` (:class:`Room`): one over it is refused in so many words, ERROR
+TOO_MANY_CONNECTIONS answering its HELLO or BULK_HELLO (proto/handshake.md §2), so that its
+dialer can tell a full listener from a refused certificate.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -82,6 +85,31 @@ class Handshaking:
             self.sock.close()
 
 
+class Room:
+    """The authenticated connections (``limits.max_peer_connections``). A place is taken on the
+    main loop (a control connection, at its first frame) or on a bulk thread (a bulk connection,
+    at a BULK_HELLO naming a live session, before BULK_WELCOME), and given back by the
+    connection's close callback."""
+
+    __slots__ = ("limit", "taken", "_lock")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.taken = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> bool:
+        with self._lock:
+            if self.taken >= self.limit:
+                return False
+            self.taken += 1
+            return True
+
+    def give(self) -> None:
+        with self._lock:
+            self.taken -= 1
+
+
 class Inbound:
     """Accepts on the WAN listener. ``bulk_loop(n)`` picks the bulk thread of the n-th bulk
     connection; ``refusing()`` is true once the agent stops."""
@@ -101,7 +129,8 @@ class Inbound:
         self._accept_task: asyncio.Task | None = None
         self._conns: set[asyncio.Task] = set()
         self._handshaking: dict[Handshaking, None] = {}  # oldest first
-        self._established = 0
+        self.room = Room(config.limits.max_peer_connections)
+        self.full = 0  # connections refused TOO_MANY_CONNECTIONS
         self.cut = 0  # handshakes closed for a newcomer (the pool was full)
         self._cut_logged = 0.0
         # Fleet: ``await admit(site, node, names, fingerprint)`` gives a member without a session
@@ -112,7 +141,7 @@ class Inbound:
     @property
     def open_connections(self) -> int:
         """WAN connections held open, in their handshake or authenticated."""
-        return len(self._handshaking) + self._established
+        return len(self._handshaking) + self.room.taken
 
     @property
     def handshaking(self) -> int:
@@ -125,12 +154,26 @@ class Inbound:
         (the generated PKI: a bulk connection is bound to its TLS session by the secret token)."""
         self.ssl_server = ssl_server
         self.bulk_tls = bulk_tls and ssl_server is not None
+        self._check_room()
         sock = socket.create_server((host, port), reuse_port=False, backlog=128)
         sock.setblocking(False)
         self._sock = sock
         self.address = sock.getsockname()[:2]
         self._accept_task = asyncio.create_task(self._accept_forever(), name="wan-accept")
         return self.address
+
+    def _check_room(self) -> None:
+        """Warn at start when the static peers that dial this agent open more connections than
+        ``limits.max_peer_connections`` holds (one control and ``streams`` bulk connections each):
+        some of them would be refused TOO_MANY_CONNECTIONS at every attempt. (A fleet's sessions
+        come and go with need: docs/operator.md says how to size it.)"""
+        c = self.config
+        me = (c.site, c.node)
+        need = sum(1 + (p.streams or c.transfer.streams) for p in c.peers if (p.site, p.node) < me)
+        if need > c.limits.max_peer_connections:
+            self.log.warning("limits.max_peer_connections is below what the peers that dial this agent open: some "
+                             "will be refused TOO_MANY_CONNECTIONS", max_peer_connections=c.limits.max_peer_connections,
+                             needed=need)
 
     async def stop_accepting(self) -> None:
         if self._accept_task is not None:
@@ -187,20 +230,29 @@ class Inbound:
             self.log.warning("inbound handshake cut: limits.max_handshakes connections were still in theirs",
                              remote=str(old.addr), cut_so_far=self.cut)
 
-    def _authenticated(self, h: Handshaking) -> bool:
-        """``h`` passed its handshake: it moves to the authenticated pool, if there is room."""
+    def _leave_pool(self, h: Handshaking) -> None:
+        """``h`` passed its handshake: it leaves the handshake pool (its place in the room is taken
+        apart); a connection cut for a newcomer meanwhile goes no further (the cut closes it)."""
         if h not in self._handshaking:
-            return False  # cut meanwhile
+            raise TransportError("closed while in its handshake: limits.max_handshakes were in theirs")
         del self._handshaking[h]
-        if self._established >= self.config.limits.max_peer_connections:
-            return False
-        self._established += 1
-        return True
+
+    def _full_error(self) -> ProtocolError:
+        limits = self.config.limits
+        return ProtocolError(f"{self.config.site}/{self.config.node} has its limits.max_peer_connections "
+                             f"({limits.max_peer_connections}) authenticated connections open: dial again later",
+                             ErrorCode.TOO_MANY_CONNECTIONS)
+
+    def _refused_full(self, addr, kind: str) -> None:
+        """A connection was refused TOO_MANY_CONNECTIONS (main loop; the ERROR is on its way)."""
+        self.full += 1
+        limited(self, self.log.warning, "inbound connection refused: limits.max_peer_connections are open",
+                connection=kind, limit=self.config.limits.max_peer_connections, code="TOO_MANY_CONNECTIONS",
+                detail={"remote": _host(addr), "refused_so_far": self.full})
 
     async def _serve(self, h: Handshaking, n: int) -> None:
         to = self.config.timeouts
         loop = asyncio.get_running_loop()
-        established = False
         try:
             try:
                 async with asyncio.timeout(to.handshake_s):  # the whole handshake, every step together
@@ -221,6 +273,8 @@ class Inbound:
                     else:
                         h.bulk = bulk = self.bulk_loop(n)
                         attached = loop.create_future()
+                        # (a handshake cut meanwhile never awaits it: its exception is no news)
+                        attached.add_done_callback(lambda f: f.cancelled() or f.exception())
                         h.pending_bulk = bulk.submit(self._adopt_bulk(h, bulk, loop, attached))
                         conn = await asyncio.wrap_future(h.pending_bulk)
                         h.conn, h.pending_bulk = conn, None
@@ -231,18 +285,19 @@ class Inbound:
                 if h.conn is not None and h.bulk is None:
                     h.conn.fail(ProtocolError(f"no HELLO within {to.handshake_s}s", ErrorCode.HANDSHAKE_TIMEOUT))
                 raise
+            self._leave_pool(h)
             if kind == KIND_CONTROL:
-                if not self._authenticated(h):
-                    raise TransportError("limits.max_peer_connections authenticated connections are open")
-                established = True
+                if not self.room.take():  # before §4's checks: a full listener answers any first frame so
+                    self.metrics.error(ErrorCode.TOO_MANY_CONNECTIONS)
+                    self._refused_full(h.addr, "control")
+                    conn.fail(self._full_error())
+                    return
+                conn.add_close_callback(self.room.give)
                 if await self._admit(conn, frame):
                     self._on_hello(conn, frame)
                 if not conn.closed:
                     await _wait_closed(conn)
-            else:
-                if not self._authenticated(h):
-                    raise TransportError("limits.max_peer_connections authenticated connections are open")
-                established = True
+            else:  # its place was taken at its BULK_HELLO (_adopt_bulk), before BULK_WELCOME
                 await _wait_closed(conn, bulk)
         except FatalHandshakeError as exc:
             self.metrics.error(exc.code)
@@ -259,9 +314,7 @@ class Inbound:
                     error=str(exc) or repr(exc))
             h.close()
         finally:
-            if established:
-                self._established -= 1
-            elif h in self._handshaking:
+            if h in self._handshaking:
                 del self._handshaking[h]
                 h.close()  # cancelled (the agent stops) while still in its handshake
 
@@ -344,6 +397,10 @@ class Inbound:
                 return None
             if self.bulk_tls and (s.peer.server_name or s.peer.node) not in handler.conn.peer_names:
                 return None
+            if not self.room.take():  # the handler answers ERROR TOO_MANY_CONNECTIONS (and counts it)
+                main.call_soon_threadsafe(self._refused_full, h.addr, "bulk")
+                raise self._full_error()
+            handler.conn.add_close_callback(self.room.give)
             return s
 
         def settle(exc: BaseException | None) -> None:

@@ -51,6 +51,18 @@ async def same_bytes(a: memoryview, b: memoryview) -> bool:
 
 
 @pytest.fixture
+def info_logs():
+    """What the agents started in the test log at info (the suite's level is warning), as JSON
+    lines (configured before the agents bind their loggers)."""
+    import io
+
+    out = io.StringIO()
+    log.configure("info", "json", stream=out)
+    yield out
+    log.configure(os.environ.get("PDD_TEST_LOG", "warning"), "console")
+
+
+@pytest.fixture
 def tmp_sock_dir(tmp_path_factory):
     # Unix socket paths are limited to 107 bytes; pytest's tmp paths can be longer.
     import tempfile

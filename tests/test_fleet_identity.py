@@ -15,7 +15,6 @@ written from proto/ alone.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import io
 import itertools
 import os
@@ -26,9 +25,7 @@ import msgspec
 import pytest
 
 from conftest import Engines, metric, until
-from pdd_wire import config as cfgmod
 from pdd_wire import log
-from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as ev
 from pdd_wire.errors import EngineRequestError, ErrorCode
 from pdd_wire.fleet.record import encode, member_key
@@ -36,7 +33,7 @@ from pdd_wire.pki import cert_fingerprint
 from pdd_wire.transport.tcp import KIND_CONTROL, preamble
 from pdd_wire.wire import FrameType
 from pdd_wire.wire import messages as m
-from support.agents import free_port
+from support.agents import free_port, running
 from support.certs import make_pki
 from support.fleet import etcd_client, etcd_cluster
 from support.raw_peer import RawPeer
@@ -88,19 +85,6 @@ ca = "{pki['ca']}"
         out += f'[fleet]\netcd = [{eps}]\ncluster = "{cluster}"\nlease_ttl_s = 2\ndial_wait_s = 1.5\n{fleet}\n'
     return out
 
-
-@contextlib.asynccontextmanager
-async def running(*tomls: str):
-    agents = []
-    try:
-        for t in tomls:
-            a = Agent(cfgmod.loads(t))
-            await a.start()
-            agents.append(a)
-        yield agents
-    finally:
-        for a in agents:
-            await a.shutdown(0)
 
 
 async def tls_hello(port: int, pki, cert: str, site: str, node: str, server_name: str) -> RawPeer:

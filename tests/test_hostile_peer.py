@@ -6,13 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
-import os
-
-import pytest
 
 from conftest import metric, until
-from pdd_wire import log
 from pdd_wire.errors import ErrorCode
 from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL
 from pdd_wire.wire import FrameType, Lane, encode_body, encode_bytes
@@ -220,14 +215,6 @@ async def test_an_empty_kv_chunk_fails_its_transfer_and_an_empty_lz4_one_is_aske
         bulk.close()
         peer.close()
 
-
-@pytest.fixture
-def info_logs():
-    """What the agents started in the test log at info (the suite's level is warning), as text."""
-    out = io.StringIO()
-    log.configure("info", "json", stream=out)
-    yield out
-    log.configure(os.environ.get("PDD_TEST_LOG", "warning"), "console")
 
 
 async def test_request_aborts_tied_to_nothing_are_counted_and_logged_once_per_period(tmp_sock_dir, info_logs):

@@ -85,7 +85,11 @@ class Dialer:
                 backoff = FIRST_BACKOFF_S
                 await self.lost.wait()
             except FatalHandshakeError as exc:
-                limited(self, self.log.error, "handshake refused", error=str(exc), code=exc.code.name)
+                if exc.code == ErrorCode.TOO_MANY_CONNECTIONS:  # the peer's own limit, not a refusal of us
+                    limited(self, self.log.warning, "peer at its connection limit (limits.max_peer_connections "
+                            "on the peer): dialing again", error=str(exc), code=exc.code.name)
+                else:
+                    limited(self, self.log.error, "handshake refused", error=str(exc), code=exc.code.name)
                 if hs is None or not hs.refusal_counted:
                     self.count_error(exc.code)
                 backoff = to.reconnect_max_backoff_s
@@ -172,4 +176,6 @@ class Dialer:
         if self.pending is not None and conn is self.pending.conn:
             why = str(exc) if exc is not None and str(exc) else "closed by the peer"
             self.pending.fail(TransportError(f"connection closed during the handshake ({why}), before WELCOME: the "
-                                             "peer may refuse this agent's certificate or name (its log says why)"))
+                                             "peer may refuse this agent's certificate or name, or (an agent before "
+                                             "TOO_MANY_CONNECTIONS) be at its limits.max_peer_connections (its log "
+                                             "says why)"))

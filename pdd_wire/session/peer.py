@@ -36,6 +36,7 @@ from ..wire.handshake import CAPABILITIES, MAX_CHUNK, Limits, check_welcome, cho
 from .acks import AckBatch
 from .dialer import Dialer
 from .host import SessionHost
+from .lines import peer_lines
 from .link import LinkState, Pings
 from .protocol import SendWindow, code_name
 from .receiving import Receiver
@@ -57,6 +58,7 @@ class PeerSession:
         self.index = host.config.peers.index(peer) if index is None else index
         self.dialer = (self.cfg.site, self.cfg.node) < (peer.site, peer.node)
         self.log = log.bind(peer=self.key)
+        self.lines = peer_lines(host, self.key)  # the session's own lines, at most once per 30 s per peer
         self.metrics = host.metrics
         self.configured_streams = peer.streams or self.cfg.transfer.streams
         self.streams = self.configured_streams  # after the handshake: the smaller of both sides
@@ -219,7 +221,7 @@ class PeerSession:
         """Listener side: a dialer's HELLO passed the agent's checks; take the connection."""
         version = choose_version(hello.versions)
         if self.control is not None and not self.control.closed:
-            self.log.info("peer reconnected; dropping the previous control connection")
+            self.lines.line(self.log.info, "peer reconnected; dropping the previous control connection")
             old, self.control = self.control, None
             old.on_lost = lambda c, e: None
             old.abort()
@@ -274,7 +276,7 @@ class PeerSession:
         self.metrics.peer_up.labels(peer=self.key).set(1)
         if not first:
             self.metrics.reconnects.labels(peer=self.key).inc()
-        self.log.info("peer up", resumed=not first and not restarted, streams=self.streams)
+        self.lines.state(self.log.info, "peer up", resumed=not first and not restarted, streams=self.streams)
         self.pings.send()  # an RTT at once
         while self.cancel_later:
             tid, cancel = self.cancel_later.popleft()
@@ -290,7 +292,7 @@ class PeerSession:
         if conn is not self.control:
             self.dialer_loop.conn_lost(conn, exc)
             return
-        self.log.info("control connection lost", error=str(exc) if exc else None)
+        self.lines.state(self.log.info, "control connection lost", error=str(exc) if exc else None)
         self._connection_down("control lost")
 
     def _connection_down(self, why: str) -> None:
@@ -339,7 +341,7 @@ class PeerSession:
 
     def reconnect(self, why: str) -> None:
         if self.control is not None:
-            self.log.info("dropping the control connection", reason=why)
+            self.lines.line(self.log.info, "dropping the control connection", reason=why)
             self.control.abort()
 
     # ------------------------------------------------------------------ control frames
@@ -410,7 +412,7 @@ class PeerSession:
                 if self.control is None:
                     self.dialer_loop.refused(msg.code, msg.message)
             case m.Goodbye():
-                self.log.info("peer said goodbye", reason=msg.reason)
+                self.lines.line(self.log.info, "peer said goodbye", reason=msg.reason)
                 self.peer_goodbye = msg.reason
                 self.host.peer_goodbye(self, msg.reason)
             case _:
@@ -546,8 +548,8 @@ class PeerSession:
             control = self.control
             if control is not None and self.is_up:
                 if now - self._last_rx > to.dead_after_s and not stalled:
-                    self.log.warning("peer silent; dropping the control connection",
-                                     silent_s=round(now - self._last_rx, 2))
+                    self.lines.line(self.log.warning, "peer silent; dropping the control connection",
+                                    detail={"silent_s": round(now - self._last_rx, 2)})
                     control.abort()
                 else:
                     self.pings.send()

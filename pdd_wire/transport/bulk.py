@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING
 import structlog
 
 from .. import compress as cz
-from ..errors import ErrorCode, ProtocolError
+from ..errors import ErrorCode, ProtocolError, peer_code
 from ..memory import scatter
 from ..wire import FrameType, Lane, decode_body, encode, encode_body
 from ..wire import messages as m
 from ..wire.frame import DEFER, F_CHECKSUM, F_LZ4, F_SHUFFLE16, Frame, Header, payload_checksum
-from ..wire.handshake import MAX_CHUNK
+from ..wire.handshake import MAX_CHUNK, refusal
 from .route import Route
 from .tcp import FrameProtocol
 
@@ -234,7 +234,11 @@ class BulkHandler:
             return
         match msg:
             case m.BulkHello() if self.resolve is not None and self.session is None:
-                session = self.resolve(msg)
+                try:
+                    session = self.resolve(msg)
+                except ProtocolError as exc:  # the listener's own refusal (a full room: TOO_MANY_CONNECTIONS)
+                    self._fail(conn, exc)
+                    return
                 if session is None:
                     self._fail(conn, ProtocolError("unknown session token or peer on a bulk connection",
                                                    ErrorCode.UNKNOWN_SESSION))
@@ -254,6 +258,9 @@ class BulkHandler:
             case m.BulkWelcome():
                 if self.welcomed is not None and not self.welcomed.done():
                     self.welcomed.set_result(None)
+            case m.Error() if self.welcomed is not None and not self.welcomed.done():  # BULK_HELLO refused
+                self._counted(peer_code(msg.code))
+                self.welcomed.set_exception(refusal(msg.code, msg.message))  # the dialer logs it, rate-limited
             case m.Error():
                 log.warning("peer reported an error on a bulk connection", code=msg.code, message=msg.message)
             case _:

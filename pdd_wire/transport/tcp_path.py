@@ -14,7 +14,8 @@ from typing import Any
 
 import structlog
 
-from ..errors import TransportError
+from ..errors import ErrorCode, HandshakeError, TransportError
+from ..log import limited
 from ..wire import FrameType, encode, encode_body
 from ..wire import messages as m
 from .base import BulkOwner, DataPath
@@ -143,6 +144,14 @@ class TcpDataPath(DataPath):
             except asyncio.CancelledError:
                 fut.cancel()
                 raise
+            except HandshakeError as exc:  # the listener's ERROR answering BULK_HELLO
+                if exc.code == ErrorCode.TOO_MANY_CONNECTIONS:  # proto/handshake.md §2: the longest backoff
+                    limited(self, self.log.warning, "bulk connection refused: the peer has its "
+                            "limits.max_peer_connections open", detail={"stream": stream, "error": str(exc)})
+                    backoff = st.backoff_max_s
+                else:
+                    limited(self, self.log.info, "bulk connect failed", stream=stream, error=str(exc),
+                            code=exc.code.name)
             except (TransportError, OSError, TimeoutError) as exc:
                 self.log.info("bulk connect failed", stream=stream, error=str(exc))
             await asyncio.sleep(backoff)

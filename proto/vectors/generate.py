@@ -171,6 +171,12 @@ def build(v: Vectors) -> None:
          frame(FrameType.GOODBYE, m.Goodbye("idle")))
     v.ok("error_dial_back", "ERROR DIAL_BACK: the answer to a fleet knock (handshake.md section 8)",
          frame(FrameType.ERROR, m.Error(int(ErrorCode.DIAL_BACK), "A/a1 dials you: dialing now")))
+    v.ok("error_too_many_connections",
+         "ERROR TOO_MANY_CONNECTIONS: a listener at its limits.max_peer_connections answers a HELLO or BULK_HELLO "
+         "(handshake.md section 2)",
+         frame(FrameType.ERROR, m.Error(int(ErrorCode.TOO_MANY_CONNECTIONS),
+                                        "B/b1 has its limits.max_peer_connections (64) authenticated connections "
+                                        "open: dial again later")))
 
     tid = 41
     total, chunk, block = 5 << 20, 2 << 20, 1 << 20  # 5 blocks of 1 MiB in chunks of 2 MiB -> 3 chunks

@@ -86,6 +86,21 @@ async def run_agents(tomls: dict, sites=("A", "B"), wait_up: bool = True):
             await a.shutdown(0)
 
 
+
+@contextlib.asynccontextmanager
+async def running(*tomls: str):
+    """Agents of these configurations, started in order and stopped at the end."""
+    agents = []
+    try:
+        for t in tomls:
+            a = Agent(cfgmod.loads(t))
+            await a.start()
+            agents.append(a)
+        yield agents
+    finally:
+        for a in agents:
+            await a.shutdown(0)
+
 async def wait_links(agent: Agent, timeout: float = 10) -> None:
     async with asyncio.timeout(timeout):
         for sess in agent.sessions.values():
