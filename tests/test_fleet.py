@@ -47,8 +47,10 @@ def cluster_name():
 
 
 def fleet_toml(tmp, site: str, node: str, endpoints: list[str], cluster: str, *, fleet: str = "",
-               port: int | None = None, heartbeat_s: float = 0.2) -> str:
-    """An agent with no [[peers]]: everything it knows comes from etcd."""
+               port: int | None = None, heartbeat_s: float = 0.2, timeouts: str = "", lease_ttl_s: float = 2,
+               advertise: str = "") -> str:
+    """An agent with no [[peers]]: everything it knows comes from etcd (``advertise``: the address
+    its record gives, default its own)."""
     eps = ", ".join(f'"{e}"' for e in endpoints)
     return f"""
 site = "{site}"
@@ -62,12 +64,14 @@ heartbeat_s = {heartbeat_s}
 dead_after_s = {max(1.5, 2 * heartbeat_s)}
 reconnect_max_backoff_s = 0.2
 shutdown_grace_s = 1
+{timeouts}
 [fleet]
 etcd = [{eps}]
 cluster = "{cluster}"
-lease_ttl_s = 2
+lease_ttl_s = {lease_ttl_s}
 refresh_min_s = 0.5
 request_s = 0.5
+{f'advertise = "{advertise}"' if advertise else ""}
 {fleet if "dial_wait_s" in fleet else fleet + chr(10) + "dial_wait_s = 5"}
 [[fleet.engines]]
 role = "{'P' if site == 'A' else 'MD'}"

@@ -44,4 +44,6 @@ class FleetMetrics:
                              "dials) or knock (it asked the peer to dial)", ["how"], registry=r)
         self.closed = Counter(p + "sessions_closed", "Sessions with fleet members closed, by reason: idle, "
                               "left (its lease expired), moved (new address), restarted (a new incarnation), down (a "
-                              "listener's session down and idle for dial_wait_s), dial_timeout", ["reason"], registry=r)
+                              "listener's session down and idle for dial_wait_s), unreachable, dial_timeout, "
+                              "dropped_by_peer (a dialer's: the listener kept nothing of it; it goes on afresh)",
+                              ["reason"], registry=r)

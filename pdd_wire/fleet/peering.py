@@ -31,6 +31,13 @@ member that leaves (its lease expired) is unreachable at once.
   ``timeouts.peer_give_up_s`` (the longer of the two), then is dropped and the work fails.
 * Work that cannot go on when a session is dropped is told to its engine: transfers fail, and
   relayed token IDs not yet acknowledged are reported (``on_retire``).
+* A dropped side is never resumed: the listener that dropped its side answers the dialer's next
+  HELLO with a new session (WELCOME ``resumed`` false); the dialer then drops what it kept of the
+  session as for a peer restart (transfers fail ``PEER_RESTARTED``, token streams start again)
+  and its engines of unacknowledged token IDs are told, as here (proto/handshake.md §6, §8).
+* A housekeeping tick late by over ``max(timeouts.heartbeat_s, 1 s)`` (this process did not run)
+  drops nothing: the peers' frames of that time may wait unread (a dialer's HELLO, a WELCOME), so
+  its sessions are judged at the next tick, which is never held (:class:`~pdd_wire.loopwatch.LateTicks`).
 """
 
 from __future__ import annotations
@@ -48,6 +55,7 @@ import msgspec
 from ..config import Config, Peer
 from ..errors import ConfigError, ErrorCode, FatalHandshakeError
 from ..log import limited
+from ..loopwatch import LateTicks
 from .membership import Membership
 from .metrics import FleetMetrics
 from .record import MemberRecord
@@ -111,6 +119,8 @@ class FleetPeering:
         self._index = itertools.count(len(config.peers))
         self._tasks: set[asyncio.Task] = set()
         self._closing = False
+        self._late = LateTicks(config.timeouts.heartbeat_s)  # ticks come every heartbeat (the agent's audit)
+        self._ticked = time.monotonic()  # (a first tick late by a slow start is held once: harmless)
 
     # ------------------------------------------------------------------ membership changes
     def on_event(self, kind: str, record: MemberRecord, old: MemberRecord | None) -> None:
@@ -232,6 +242,7 @@ class FleetPeering:
             self.log.warning("fleet member's record cannot make a session", peer=record.key, error=str(exc))
             return None
         self.lazy[s.key] = Lazy(s, created=time.monotonic(), incarnation=record.incarnation)
+        s.dialer_loop.on_session_lost = lambda why: self._state_lost(s, why)
         self.metrics.sessions.set(len(self.lazy))
         # (per member once per 30 s: a member that churns sessions, GOODBYE idle in a loop, is counted in full)
         limited(self, self.log.info, "fleet session opened", peer=s.key, address=record.wan,
@@ -283,9 +294,22 @@ class FleetPeering:
         if reason == "idle" and entry is not None and entry.session is s and FLEET_CAPABILITY in (s.remote_caps or ()):
             self._retire(entry, "idle", f"peer {s.key} closed the session as idle")
 
+    def _state_lost(self, s: "PeerSession", why: str) -> None:
+        """Dialer side: the listener kept nothing of session ``s`` (it dropped its side, idle, down
+        or unreachable, and its WELCOME says ``resumed`` false). The session goes on with a fresh
+        state (the session drops it next); the engines of token IDs relayed to it and not
+        acknowledged are told now, as when a session is dropped here."""
+        self.metrics.closed.labels(reason="dropped_by_peer").inc()
+        limited(self, self.log.warning, "fleet member kept nothing of the session: nothing resumed", peer=s.key)
+        self.on_retire(s, why)
+
     # ------------------------------------------------------------------ housekeeping (every heartbeat)
     def tick(self) -> None:
         now = time.monotonic()
+        # A tick this late means this process did not run: what the peers sent meanwhile is unread
+        # (a HELLO that would bring a session back), so nothing is dropped for time that passed.
+        stalled = self._late.hold(self._ticked + self.config.timeouts.heartbeat_s, now)
+        self._ticked = now
         busy_keys = self.busy() if self.lazy else set()
         for entry in list(self.lazy.values()):
             s = entry.session
@@ -296,6 +320,8 @@ class FleetPeering:
             if busy:
                 entry.busy_at = used = now
             down_for = now - s.down_since if s.down_since is not None and not s.is_up else 0.0
+            if stalled:
+                continue  # judged at the next tick, once what arrived meanwhile was read
             if not entry.ever_up and now - entry.created > self.fleet.dial_wait_s:
                 self._retire(entry, "dial_timeout", f"no session with {s.key} within fleet.dial_wait_s "
                                                     f"({self.fleet.dial_wait_s:g} s)")

@@ -5,7 +5,11 @@ that a retry cannot fix). The handshake in progress is one explicit :class:`Hand
 With a pinned ``fingerprint`` (a fleet member's registered certificate, ``peers[].fingerprint``)
 the listener's certificate must be exactly that one, or the connection is refused as
 IDENTITY_MISMATCH before HELLO. :meth:`Dialer.knock` is the fleet's way for the agent that
-does *not* dial (it sorts higher) to ask the one that does: proto/handshake.md §8."""
+does *not* dial (it sorts higher) to ask the one that does: proto/handshake.md §8.
+
+:meth:`Dialer.session_lost` reads WELCOME ``resumed``: a listener that kept nothing of this
+session (a fleet member drops its side when idle, down or unreachable) resumes nothing, so
+neither may the dialer, even though the listener's incarnation did not change (§6)."""
 
 from __future__ import annotations
 
@@ -47,8 +51,12 @@ class Handshake:
 class Dialer:
     def __init__(self, connector: Connector, timeouts: Timeouts, *, new_conn: Callable[[], FrameProtocol],
                  hello: Callable[[], m.Hello], count_error: Callable[[Any], None], log: Any,
-                 fingerprint: Callable[[], str] = lambda: "") -> None:
+                 fingerprint: Callable[[], str] = lambda: "",
+                 on_session_lost: Callable[[str], None] = lambda why: None) -> None:
         self.connector = connector
+        #: Told (with the reason) before the session's state is dropped: a fleet tells the engines
+        #: of token IDs relayed and not acknowledged (set by :mod:`pdd_wire.fleet.peering`).
+        self.on_session_lost = on_session_lost
         self.fingerprint = fingerprint
         self.timeouts = timeouts
         self.new_conn = new_conn
@@ -157,6 +165,18 @@ class Dialer:
         if err.code != ErrorCode.DIAL_BACK:
             limited(self, self.log.info, "knock refused", code=err.code, message=err.message)
         return err.code == ErrorCode.DIAL_BACK
+
+    def session_lost(self, msg: m.Hello | m.Welcome, key: str) -> str:
+        """Called for a listener met before whose incarnation did not change: its WELCOME ``msg``
+        says ``resumed`` false, so it keeps no state of this session (it dropped its side: a
+        fleet's idle, down or unreachable session) and nothing of it can be resumed
+        (proto/handshake.md §6). Returns why (the reason engines are told), or "" (resumed; or a
+        HELLO: the listener's own side). The caller drops the session's state as for a restart."""
+        if not isinstance(msg, m.Welcome) or msg.resumed:
+            return ""
+        why = f"peer {key} kept no state of its session with this agent (WELCOME resumed false): nothing to resume"
+        self.on_session_lost(why)
+        return why
 
     def welcomed(self, msg: m.Welcome) -> None:
         if self.pending is not None and not self.pending.done.done():

@@ -250,14 +250,16 @@ class PeerSession:
     # ------------------------------------------------------------------ connection state
     def _established(self, conn: FrameProtocol, incarnation: int, info: m.Hello | m.Welcome) -> None:
         first = self.remote_incarnation is None
-        restarted = not first and self.remote_incarnation != incarnation
+        why = "" if first else (f"peer {self.key} restarted" if self.remote_incarnation != incarnation  # a dialer's
+                                else self.dialer_loop.session_lost(info, self.key))  # listener may have kept nothing
+        restarted = bool(why)
         self.control = conn
         self._last_rx = time.monotonic()
         self.peer_goodbye = None
         if restarted:
-            self.log.warning("peer restarted; failing every transfer with it")
+            self.lines.line(self.log.warning, "peer restarted or kept no session: failing its transfers", reason=why)
             self.cancel_later.clear()  # it forgot those transfers anyway
-            self._peer_restarted()
+            self._peer_restarted(why)
         self.remote_incarnation = incarnation
         terms = negotiate(Limits(self.cfg.transfer.chunk_bytes, self.cfg.transfer.credit_bytes,
                                  self.configured_streams), info)
@@ -312,8 +314,8 @@ class PeerSession:
         if self.control is not None:
             self.control.abort()
 
-    def _peer_restarted(self) -> None:
-        self.sender.fail_all(ErrorCode.PEER_RESTARTED, f"peer {self.key} restarted", notify_peer=False)
+    def _peer_restarted(self, why: str) -> None:
+        self.sender.fail_all(ErrorCode.PEER_RESTARTED, why, notify_peer=False)
         self.receiver.peer_restarted()
         self.tokens.clear()
         self.host.peer_lost(self, "peer_restarted")
