@@ -7,6 +7,10 @@ the test can cut the link between them (a partition) and mend it. With b1's ``fl
 at 1 s, a session b1 holds down and idle is dropped on b1's side (reason ``down``) while a1,
 which dials, still holds its side and reconnects once the link is back: b1 then answers with a
 new session (WELCOME ``resumed`` false), and a1 must not resume what b1 no longer has.
+
+The reverse: a1 drops its side while the link is cut (b1's record leaves etcd: the test deletes
+it, b1 writes it again) and b1 keeps its own; a1's new session then meets a b1 that resumes
+(WELCOME ``resumed`` true), and must have b1 drop its side instead of taking it.
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from conftest import Engines, metric, until
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
 from pdd_wire.engine import protocol as ev
+from pdd_wire.engine.client import TRANSFER_OUTCOMES
 from pdd_wire.errors import ErrorCode
+from pdd_wire.fleet.record import member_key
 from support.agents import free_port
-from support.fleet import etcd_cluster
+from support.fleet import etcd_client, etcd_cluster
 from test_fleet import fleet_toml
 
 _prefix = itertools.count(1)
@@ -99,7 +105,8 @@ class Relay:
 
 
 @contextlib.asynccontextmanager
-async def pair(tmp, etcd, cluster, *, b_heartbeat_s: float = 0.2, b_timeouts: str = ""):
+async def pair(tmp, etcd, cluster, *, b_heartbeat_s: float = 0.2, b_timeouts: str = "",
+               b_fleet: str = "dial_wait_s = 1"):
     """a1 and b1, b1 registered behind a :class:`Relay`; yields (a1, b1, relay, engines)."""
     engines = Engines()
     started: list[Agent] = []
@@ -111,7 +118,7 @@ async def pair(tmp, etcd, cluster, *, b_heartbeat_s: float = 0.2, b_timeouts: st
         started.append(a)
         b = Agent(cfgmod.loads(fleet_toml(tmp, "B", "b1", etcd.endpoints, cluster, port=b_port, lease_ttl_s=30,
                                           advertise=f"127.0.0.1:{relay.port}", heartbeat_s=b_heartbeat_s,
-                                          timeouts=b_timeouts, fleet="dial_wait_s = 1")))
+                                          timeouts=b_timeouts, fleet=b_fleet)))
         await b.start()
         started.append(b)
         await until(lambda: "B/b1" in a.membership.members and "A/a1" in b.membership.members, 10, "membership")
@@ -222,3 +229,84 @@ async def test_a_stalled_tick_does_not_give_up_a_session_whose_dialer_is_back(tm
         assert (got.seq, got.tokens) == (1, [2])
         assert metric(b, "pddwire_fleet_sessions_closed_total", reason="unreachable") == 0
         assert b.fleet.lazy["A/a1"].session is b.peers.get("A/a1")
+
+
+async def relayed_and_acked(src: Agent, src_eng, dst_eng, rid: str, dest: str, tokens: list[int]) -> None:
+    """``src_eng`` (an engine of ``src``) relays ``tokens`` of ``rid`` to ``dest``: they reach
+    ``dst_eng`` from index 0, and ``src`` has them acknowledged."""
+    await dst_eng.expect_tokens(rid, from_site=src.config.site)
+    assert await src_eng.send_tokens(rid, dest, tokens) == 0
+    got = await dst_eng.wait_tokens(rid, timeout=10)
+    assert (got.seq, got.tokens) == (0, tokens)
+    await until(lambda: acked(src, dest), 10, f"{src.config.node}'s tokens acknowledged")
+
+
+async def unlist_b_while_cut(a: Agent, b: Agent, relay: Relay, etcd, cluster: str) -> None:
+    """Cut the link, then delete b1's record from etcd: a1, whose session with b1 is down,
+    drops its side at once (``left``); b1 writes its record again and keeps its side."""
+    b_side = b.peers.get("A/a1")
+    relay.cut()
+    await until(lambda: not up(a, "B/b1") and not up(b, "A/a1"), 10, "the session down on both sides")
+    async with etcd_client(etcd) as client:
+        await client.delete(member_key(cluster, "B", "b1"))
+    await until(lambda: metric(a, "pddwire_fleet_sessions_closed_total", reason="left") == 1, 10,
+                "a1 dropped its side (b1 left)")
+    await until(lambda: "B/b1" in a.membership.members, 10, "b1's record written again, a1 sees it")
+    assert b.peers.get("A/a1") is b_side and b_side is not None and not b_side.closing  # b1 kept its side
+
+
+async def test_a_listener_does_not_resume_into_a_session_its_dialer_dropped(tmp_sock_dir, etcd, cluster_name):
+    """b1 relays tokens to a1 (delivered), then more while the link is cut (not acknowledged: b1
+    keeps its busy side and knocks). a1 drops its side (b1 left etcd) and, knocked, opens a new
+    session; b1 resumes it. b1's resend (from its own position) must not be taken by a1's new
+    stream, which starts at 0 (a gap, a resend request for frames b1 no longer has: never
+    delivered, no engine told): a1 has b1 drop its side, b1's engine is told once that those
+    token IDs were not delivered, and a fresh session carries what follows."""
+    async with pair(tmp_sock_dir, etcd, cluster_name) as (a, b, relay, engines):
+        ea = await engines.connect(a.config.listen.engine_socket, "md")
+        eb = await engines.connect(b.config.listen.engine_socket, "rld")
+        await relayed_and_acked(b, eb, ea, "r1", "A/a1", [1, 2])
+        relay.cut()
+        assert await eb.send_tokens("r1", "A/a1", [3]) == 2  # unacknowledged: b1 keeps its side
+        kb = await eb.register(engines.memory(1 << 20), block_bytes=1 << 20)
+        await eb.send_kv("r5", [kb.blocks(0, 1)], to=["A/a1"], deadline_s=60)  # queued in b1's side
+        await unlist_b_while_cut(a, b, relay, etcd, cluster_name)
+        relay.mend()
+        failed = await eb.wait("r1", timeout=20)
+        assert isinstance(failed, ev.TransferFailed) and failed.transfer_id == 0 and failed.peer == "A/a1"
+        assert failed.code == ErrorCode.PEER_UNREACHABLE and "token IDs not delivered" in failed.reason
+        failed = await eb.wait("r5", timeout=20)  # not announced to a1's new session: failed with the old one
+        assert isinstance(failed, ev.TransferFailed) and failed.code == ErrorCode.PEER_UNREACHABLE
+        await until(lambda: up(a, "B/b1") and up(b, "A/a1"), 15, "the new session up")
+        assert metric(a, "pddwire_fleet_sessions_closed_total", reason="resume_declined") == 1
+        assert metric(b, "pddwire_fleet_sessions_closed_total", reason="idle") == 1
+        assert b.peers.get("A/a1").tokens.tok_out == {}  # nothing of the old stream is resent
+        await ea.expect_tokens("r4", from_site="B")
+        await eb.send_tokens("r4", "A/a1", [9])
+        got = await ea.wait_tokens("r4", timeout=10)
+        assert (got.seq, got.tokens) == (0, [9])
+        assert metric(a, "pddwire_token_gaps_total", peer="B/b1") == 0  # b1's resend was not read
+        assert ea.take("r1", kinds=(ev.TokensReceived,)) == []
+        assert eb.take("r1", kinds=(ev.TransferFailed,)) == []  # told once
+        assert eb.take("r5", kinds=TRANSFER_OUTCOMES) == [] and a.peers.get("B/b1").inn == {}
+
+
+async def test_a_dialers_new_stream_is_not_taken_for_a_resend_by_a_listener_that_kept_its_side(
+        tmp_sock_dir, etcd, cluster_name):
+    """a1 relays tokens to b1 (delivered, acknowledged); a1 drops its side (b1 left etcd) while
+    b1 keeps its own (idle, its dial_wait_s long). The request's next tokens start a new stream
+    at 0 in a1's new session; b1, had it resumed, would hold its old stream's position against
+    them (taken for a resend of what it delivered: acknowledged and dropped, no engine told). They
+    must reach b1's engine."""
+    async with pair(tmp_sock_dir, etcd, cluster_name, b_fleet="dial_wait_s = 60") as (a, b, relay, engines):
+        ea = await engines.connect(a.config.listen.engine_socket, "rld")
+        eb = await engines.connect(b.config.listen.engine_socket, "md")
+        await relayed_and_acked(a, ea, eb, "r2", "B/b1", [1, 2, 3])
+        await unlist_b_while_cut(a, b, relay, etcd, cluster_name)
+        assert await ea.send_tokens("r2", "B/b1", [4]) == 0  # a new session, a new stream
+        relay.mend()
+        got = await eb.wait_tokens("r2", timeout=20)
+        assert (got.seq, got.tokens) == (0, [4])
+        assert metric(a, "pddwire_fleet_sessions_closed_total", reason="resume_declined") == 1
+        assert metric(b, "pddwire_fleet_sessions_closed_total", reason="idle") == 1
+        assert ea.take("r2", kinds=(ev.TransferFailed,)) == []  # nothing was lost to tell of

@@ -45,5 +45,7 @@ class FleetMetrics:
         self.closed = Counter(p + "sessions_closed", "Sessions with fleet members closed, by reason: idle, "
                               "left (its lease expired), moved (new address), restarted (a new incarnation), down (a "
                               "listener's session down and idle for dial_wait_s), unreachable, dial_timeout, "
-                              "dropped_by_peer (a dialer's: the listener kept nothing of it; it goes on afresh)",
+                              "dropped_by_peer (a dialer's: the listener kept nothing of it; it goes on afresh), "
+                              "resume_declined (a dialer's: the listener resumed a session this agent had dropped "
+                              "and was asked to drop it too)",
                               ["reason"], registry=r)

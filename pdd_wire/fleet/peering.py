@@ -35,6 +35,10 @@ member that leaves (its lease expired) is unreachable at once.
   HELLO with a new session (WELCOME ``resumed`` false); the dialer then drops what it kept of the
   session as for a peer restart (transfers fail ``PEER_RESTARTED``, token streams start again)
   and its engines of unacknowledged token IDs are told, as here (proto/handshake.md §6, §8).
+* The reverse: a dialer that dropped its side (``left``, ``moved``) while the listener kept its
+  own is answered WELCOME ``resumed`` true by that listener, from the dialer's new session: the
+  dialer declines it (GOODBYE "idle": the listener drops its side as above, telling its engines)
+  and dials again, so both start afresh (:meth:`~pdd_wire.session.dialer.Dialer.welcomed`).
 * A housekeeping tick late by over ``max(timeouts.heartbeat_s, 1 s)`` (this process did not run)
   drops nothing: the peers' frames of that time may wait unread (a dialer's HELLO, a WELCOME), so
   its sessions are judged at the next tick, which is never held (:class:`~pdd_wire.loopwatch.LateTicks`).
@@ -56,6 +60,7 @@ from ..config import Config, Peer
 from ..errors import ConfigError, ErrorCode, FatalHandshakeError
 from ..log import limited
 from ..loopwatch import LateTicks
+from ..session.dialer import FLEET_CAPABILITY  # GOODBYE "idle"'s meaning (proto/handshake.md §8)
 from .membership import Membership
 from .metrics import FleetMetrics
 from .record import MemberRecord
@@ -63,9 +68,6 @@ from .record import MemberRecord
 if TYPE_CHECKING:
     from ..peers import Peers
     from ..session import PeerSession
-
-#: The capability that gives GOODBYE "idle" its meaning (proto/handshake.md §8).
-FLEET_CAPABILITY = "fleet.v1"
 
 
 @dataclass(eq=False)
@@ -243,6 +245,7 @@ class FleetPeering:
             return None
         self.lazy[s.key] = Lazy(s, created=time.monotonic(), incarnation=record.incarnation)
         s.dialer_loop.on_session_lost = lambda why: self._state_lost(s, why)
+        s.dialer_loop.on_declined = lambda: self._declined(s)
         self.metrics.sessions.set(len(self.lazy))
         # (per member once per 30 s: a member that churns sessions, GOODBYE idle in a loop, is counted in full)
         limited(self, self.log.info, "fleet session opened", peer=s.key, address=record.wan,
@@ -302,6 +305,14 @@ class FleetPeering:
         self.metrics.closed.labels(reason="dropped_by_peer").inc()
         limited(self, self.log.warning, "fleet member kept nothing of the session: nothing resumed", peer=s.key)
         self.on_retire(s, why)
+
+    def _declined(self, s: "PeerSession") -> None:
+        """Dialer side: the listener resumed session ``s``, which is new here (this agent dropped
+        its side of the one before, ``left`` or ``moved``, while the listener kept its own): it is
+        asked to drop its side (GOODBYE "idle") and dialed again; nothing of that one is taken."""
+        self.metrics.closed.labels(reason="resume_declined").inc()
+        limited(self, self.log.warning, "fleet member resumed a session this agent had dropped: asked it to drop "
+                "its side too, dialing afresh", peer=s.key)
 
     # ------------------------------------------------------------------ housekeeping (every heartbeat)
     def tick(self) -> None:

@@ -9,7 +9,10 @@ does *not* dial (it sorts higher) to ask the one that does: proto/handshake.md �
 
 :meth:`Dialer.session_lost` reads WELCOME ``resumed``: a listener that kept nothing of this
 session (a fleet member drops its side when idle, down or unreachable) resumes nothing, so
-neither may the dialer, even though the listener's incarnation did not change (§6)."""
+neither may the dialer, even though the listener's incarnation did not change (§6). The reverse,
+:meth:`Dialer.welcomed`: a listener that resumes a session this dialer remembers nothing of (a
+fleet member dropped its side, ``left`` or ``moved``, while the listener kept its own) is asked to
+drop its side too (GOODBYE "idle"), and dialed again: nothing of that session is taken."""
 
 from __future__ import annotations
 
@@ -30,6 +33,9 @@ from ..wire import messages as m
 from ..wire.handshake import refusal
 
 FIRST_BACKOFF_S = 0.05
+#: The capability that gives GOODBYE "idle" its meaning: the receiver drops its side of the
+#: session (proto/handshake.md §8).
+FLEET_CAPABILITY = "fleet.v1"
 #: Knocks cut a backoff short, but start at most one attempt per this long: a member's record
 #: names the address dialed, and knocks must not make this agent dial it as fast as they come.
 KNOCK_SPACING_S = 0.25
@@ -42,6 +48,7 @@ class Handshake:
     conn: FrameProtocol
     done: asyncio.Future
     refusal_counted: bool = False  # the peer's ERROR frame was counted in the metrics already
+    declined: bool = False  # its WELCOME resumed a session this dialer does not have (see welcomed)
 
     def fail(self, exc: BaseException) -> None:
         if not self.done.done():
@@ -57,6 +64,10 @@ class Dialer:
         #: Told (with the reason) before the session's state is dropped: a fleet tells the engines
         #: of token IDs relayed and not acknowledged (set by :mod:`pdd_wire.fleet.peering`).
         self.on_session_lost = on_session_lost
+        #: Told when a WELCOME that resumed a session this dialer does not have is declined (the
+        #: fleet counts it); ``declined``: that happened once already (it is done once).
+        self.on_declined: Callable[[], None] = lambda: None
+        self.declined = False
         self.fingerprint = fingerprint
         self.timeouts = timeouts
         self.new_conn = new_conn
@@ -91,6 +102,9 @@ class Dialer:
                 finally:
                     self.pending = None
                 backoff = FIRST_BACKOFF_S
+                if hs.declined:
+                    await self._until_closed(conn)  # the listener drops its side, then closes: dial again
+                    continue
                 await self.lost.wait()
             except FatalHandshakeError as exc:
                 if exc.code == ErrorCode.TOO_MANY_CONNECTIONS:  # the peer's own limit, not a refusal of us
@@ -178,9 +192,48 @@ class Dialer:
         self.on_session_lost(why)
         return why
 
-    def welcomed(self, msg: m.Welcome) -> None:
+    def welcomed(self, conn: FrameProtocol, msg: m.Welcome, *, first: bool) -> bool:
+        """WELCOME ``msg`` on ``conn`` ends the handshake. False: it is declined, the session must
+        not be established on it. It is when the listener resumed (``resumed``) a session this
+        dialer remembers nothing of (``first``): a new dialer process has a new incarnation, which
+        no listener resumes, so this dialer dropped its side of a session the listener kept (a
+        fleet's ``left``, ``moved``, ...), and the listener's state (its token streams' positions,
+        its resends, its transfers) would meet none here (proto/handshake.md §6). It is asked to
+        drop its side (GOODBYE "idle", which a listener with ``fleet.v1`` acts on at once), nothing
+        more is read from ``conn`` (what the listener resends right behind WELCOME is neither
+        taken nor acknowledged), and :meth:`run` dials again once the listener closed ``conn``:
+        a new session. Once per session: a listener that resumes again kept its side through that
+        GOODBYE (it lists this agent among its ``[[peers]]``) and is taken as it is."""
+        decline = first and msg.resumed and FLEET_CAPABILITY in msg.capabilities and not self.declined
+        if decline:
+            self.declined = True
+            conn.on_frame = lambda c, f: None
+            try:
+                conn.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye("idle"))), now=True)
+            except TransportError:
+                pass  # closed meanwhile: the listener keeps its side, and this agent dials again
+            self.on_declined()
+        elif first and msg.resumed and self.declined:
+            limited(self, self.log.warning, "peer resumed a session this agent had dropped, again after GOODBYE "
+                    "idle: taken as it is (does it list this agent among its [[peers]]? list each other alike)")
         if self.pending is not None and not self.pending.done.done():
+            self.pending.declined = decline
             self.pending.done.set_result(msg)
+        return not decline
+
+    async def _until_closed(self, conn: FrameProtocol) -> None:
+        """After a declined WELCOME: wait for the listener to close ``conn`` (it dropped its side
+        of the session then), at most ``timeouts.handshake_s``, so that the next HELLO finds it
+        gone."""
+        closed = asyncio.Event()
+        conn.add_close_callback(closed.set)
+        try:
+            async with asyncio.timeout(self.timeouts.handshake_s):
+                await closed.wait()
+        except TimeoutError:
+            pass
+        finally:
+            conn.abort()
 
     def failed(self, exc: BaseException) -> None:
         if self.pending is not None:

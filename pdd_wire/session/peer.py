@@ -194,16 +194,16 @@ class PeerSession:
                        ucx_address=self.data.address(), ucx_tag_key=self.data.tag_key())
 
     def _on_welcome(self, conn: FrameProtocol, msg: m.Welcome) -> None:
-        """Dialer side. Adopted here, in the frame handler, so that frames the listener sent
-        right behind WELCOME (in the same read) already find the session established."""
+        """Dialer side. Adopted here, in the frame handler, so that frames the listener sent right
+        behind WELCOME (in the same read) find the session established (or are ignored: declined)."""
         try:
             check_welcome(msg, self.peer.site, self.peer.node, self.peer.address)
         except FatalHandshakeError as exc:
             conn.fail(exc)
             self.dialer_loop.failed(exc)
             return
-        self._established(conn, msg.incarnation, msg)
-        self.dialer_loop.welcomed(msg)
+        if self.dialer_loop.welcomed(conn, msg, first=self.remote_incarnation is None):
+            self._established(conn, msg.incarnation, msg)
 
     def _capabilities(self) -> list[str]:
         off = {"offer.v1": not self.cfg.transfer.offers, "inline.v1": not self.cfg.transfer.inline_bytes}
