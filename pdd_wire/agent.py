@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import ipaddress
 import os
 import random
@@ -191,6 +192,9 @@ class Agent:
         # 2. sessions (they dial or wait to be dialled), the lease audit; 3. ready
         for peer in cfg.peers:
             s = PeerSession(self, peer)
+            # (a fleet listener that knows this agent only from etcd may drop its side: §6 of
+            # proto/handshake.md, the engines of tokens it never acknowledged are told)
+            s.dialer_loop.on_session_lost = functools.partial(self._tokens_undelivered, s)
             self.peers.add(s)
             s.start()
         if self.membership is not None and self.fleet is not None:
@@ -344,9 +348,10 @@ class Agent:
                         metric.remove(*labels)
 
     def _tokens_undelivered(self, session: PeerSession, why: str) -> None:
-        """A fleet session is dropped: token IDs relayed to it and not acknowledged will never
-        arrive. Each request's owner engine is told (``transfer_failed``, transfer id 0,
-        direction out, PEER_UNREACHABLE), so that the request ends with an outcome."""
+        """A fleet session is dropped, or a session's listener kept nothing of it (WELCOME
+        ``resumed`` false): token IDs relayed to it and not acknowledged will never arrive. Each
+        request's owner engine is told (``transfer_failed``, transfer id 0, direction out,
+        PEER_UNREACHABLE), so that the request ends with an outcome."""
         for rid, stream in session.tokens.tok_out.items():
             owner = self.kv.owners.get(rid)
             if not stream.unacked or owner is None or owner.engine.closed:

@@ -98,9 +98,11 @@ class Room:
         self.taken = 0
         self._lock = threading.Lock()
 
-    def take(self) -> bool:
+    def take(self, *, over: bool = False) -> bool:
+        """A place, if one is free (``over``: even if none is, for a connection that replaces one
+        whose place comes back as it closes)."""
         with self._lock:
-            if self.taken >= self.limit:
+            if self.taken >= self.limit and not over:
                 return False
             self.taken += 1
             return True
@@ -248,7 +250,7 @@ class Inbound:
         self.full += 1
         limited(self, self.log.warning, "inbound connection refused: limits.max_peer_connections are open",
                 connection=kind, limit=self.config.limits.max_peer_connections, code="TOO_MANY_CONNECTIONS",
-                detail={"remote": _host(addr), "refused_so_far": self.full})
+                remote=_host(addr), detail={"refused_so_far": self.full})
 
     async def _serve(self, h: Handshaking, n: int) -> None:
         to = self.config.timeouts
@@ -287,14 +289,13 @@ class Inbound:
                 raise
             self._leave_pool(h)
             if kind == KIND_CONTROL:
-                if not self.room.take():  # before §4's checks: a full listener answers any first frame so
-                    self.metrics.error(ErrorCode.TOO_MANY_CONNECTIONS)
-                    self._refused_full(h.addr, "control")
-                    conn.fail(self._full_error())
-                    return
-                conn.add_close_callback(self.room.give)
+                # A place now if one is free; if not, the HELLO is refused after §4's checks unless
+                # it needs none (a knock) or frees one (it replaces the peer's control connection).
+                placed = self.room.take()
+                if placed:
+                    conn.add_close_callback(self.room.give)
                 if await self._admit(conn, frame):
-                    self._on_hello(conn, frame)
+                    self._on_hello(conn, frame, placed, h.addr)
                 if not conn.closed:
                     await _wait_closed(conn)
             else:  # its place was taken at its BULK_HELLO (_adopt_bulk), before BULK_WELCOME
@@ -349,7 +350,9 @@ class Inbound:
         limited(self, self.log.warning, "handshake refused", error=str(exc), code=exc.code.name)
         conn.fail(exc)
 
-    def _on_hello(self, conn: FrameProtocol, frame) -> None:
+    def _on_hello(self, conn: FrameProtocol, frame, placed: bool = True, addr=None) -> None:
+        """Checks 1-4b of proto/handshake.md §4, then the room (``placed``: the connection holds a
+        place already), then the session adopts ``conn``."""
         try:
             if frame.header.type != FrameType.HELLO:
                 raise ProtocolError(f"expected HELLO, got frame type {frame.header.type}", ErrorCode.UNEXPECTED_FRAME)
@@ -368,6 +371,14 @@ class Inbound:
                 conn.fail(PddWireError(f"{self.config.site}/{self.config.node} dials you: dialing now",
                                        ErrorCode.DIAL_BACK))
                 return
+            if not placed:
+                replaces = session.control is not None and not session.control.closed
+                if not self.room.take(over=replaces):
+                    self.metrics.error(ErrorCode.TOO_MANY_CONNECTIONS)
+                    self._refused_full(addr, "control")
+                    conn.fail(self._full_error())
+                    return
+                conn.add_close_callback(self.room.give)
             session.adopt_control(conn, hello)
         except (ProtocolError, PddWireError) as exc:
             self._refuse(conn, exc)

@@ -11,18 +11,24 @@ from __future__ import annotations
 
 import io
 import json
+import os
 
-from conftest import metric, until
+import pytest
+
+from conftest import Engines, metric, until
+from pdd_wire import config as cfgmod
+from pdd_wire.agent import Agent
 from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL
 from pdd_wire.wire import FrameType
 from pdd_wire.wire import messages as m
 from support.agents import cluster_toml, run_agents, running, two_site_toml
+from support.certs import make_pki
+from support.fleet import etcd_cluster
 from support.raw_peer import RawPeer, hello
+from test_fleet_identity import tls_hello, toml
 
 LIMITS = "[limits]\nmax_peer_connections = {n}\n"
 TOO_MANY_CONNECTIONS = 207  # proto/errors.md (the number, as a peer written from proto/ knows it)
-
-
 
 
 def lines(out: io.StringIO, event: str, **fields) -> list[dict]:
@@ -43,11 +49,13 @@ async def bulk_hello(port: int, session: int, stream: int, node: str = "a2") -> 
 
 async def test_a_full_listener_answers_hello_and_bulk_hello_with_too_many_connections(tmp_sock_dir):
     """B (limit 4) holds A/a1's session (control and one bulk connection) and a raw A/a2's
-    (control and one bulk): the next HELLO and BULK_HELLO get ERROR TOO_MANY_CONNECTIONS (207)
-    naming the limit, then the close; A/a1's session is untouched; once A/a2 goes, a HELLO is
-    welcomed again."""
+    (control and one bulk): the next HELLO (A/a3's) and BULK_HELLO get ERROR TOO_MANY_CONNECTIONS
+    (207) naming the limit, then the close; A/a1's session is untouched. A HELLO that replaces
+    A/a2's live control connection is taken (the old one's place comes back as it closes); once
+    A/a2 goes, A/a3 is welcomed."""
     tomls = two_site_toml(tmp_sock_dir, plaintext=True, streams=1)  # plaintext: the raw peer can speak
-    tomls["B"] += LIMITS.format(n=4) + '[[peers]]\nsite = "A"\nnode = "a2"\naddress = "127.0.0.1:9"\nstreams = 1\n'
+    tomls["B"] += LIMITS.format(n=4) + "".join(
+        f'[[peers]]\nsite = "A"\nnode = "{n}"\naddress = "127.0.0.1:9"\nstreams = 1\n' for n in ("a2", "a3"))
     async with run_agents(tomls, wait_up=False) as ag:
         a, b = ag["A"], ag["B"]
         port = b.wan_address[1]
@@ -58,7 +66,7 @@ async def test_a_full_listener_answers_hello_and_bulk_hello_with_too_many_connec
         assert t == FrameType.BULK_WELCOME  # connection 4: the room is full
 
         refused = await RawPeer.dial(port, KIND_CONTROL)
-        refused.send(FrameType.HELLO, m.Hello(versions=[1], site="A", node="a2", incarnation=78))
+        refused.send(FrameType.HELLO, m.Hello(versions=[1], site="A", node="a3", incarnation=78))
         got = await refused.until_closed()
         assert [(t, x.code) for t, x in got] == [(FrameType.ERROR, TOO_MANY_CONNECTIONS)], got
         assert "limits.max_peer_connections (4)" in got[0][1].message and "B/b1" in got[0][1].message
@@ -76,13 +84,23 @@ async def test_a_full_listener_answers_hello_and_bulk_hello_with_too_many_connec
         assert metric(b, "pddwire_reconnects_total", peer="A/a1") == 0
         assert await a2.pong(4) and b.sessions["A/a2"].is_up and len(b.sessions["A/a2"].links) == 1
 
-        # A/a2 goes: its places come back, and a HELLO is welcomed again.
-        a2_bulk.close()
-        a2.close()
-        await until(lambda: not b.sessions["A/a2"].is_up and not b.sessions["A/a2"].links, 10, "a2 gone")
+        # A/a2 reconnects while the room is full: its new control connection replaces the old one
+        # (which B aborts, with its bulk connection), so it is taken, not refused.
         again, _ = await hello(port, node="a2")
         assert await again.pong(5)
+        await a2_bulk.until_closed()  # B aborted them: they end
+        await a2.until_closed()
+        await until(lambda: b.inbound.room.taken == 3, 10, "the replaced connections' places back")
+        assert metric(b, "pddwire_errors_total", code="TOO_MANY_CONNECTIONS") == 2
+        a2_bulk.close()
+        a2.close()
+
+        # A/a2 goes: its place comes back, and A/a3 is welcomed.
         again.close()
+        await until(lambda: not b.sessions["A/a2"].is_up, 10, "a2 gone")
+        a3, _ = await hello(port, node="a3")
+        assert await a3.pong(5)
+        a3.close()
 
 
 async def test_the_dialer_names_the_peers_limit_and_dials_until_there_is_room(tmp_sock_dir, info_logs):
@@ -126,3 +144,44 @@ async def test_a_bulk_connection_over_the_limit_is_refused_by_name_at_the_dialer
         s = a1.sessions["B/b1"]
         assert s.is_up and len(s.links) == 1
         assert await s.ping(timeout=5) is not None
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    yield from etcd_cluster(1)
+
+
+async def test_a_knock_into_a_full_listener_is_answered_dial_back(tmp_sock_dir, tmp_path, etcd):
+    """Fleet members a1 (limit 1, its one place held by a static peer's session) and b1, which
+    needs a session with a1 but sorts higher: its knock (a HELLO) takes no place at a1 (a1
+    answers DIAL_BACK and dials, which costs it none), so it is not refused 207: the session
+    opens and b1's tokens reach a1's engine. (Refused, b1 knocked until fleet.dial_wait_s and
+    gave the session up: dial_timeout.)"""
+    pki = make_pki(tmp_path / "pki", ["a0", "a1", "b1"])
+    cluster = f"knock{os.getpid()}"
+    a1 = Agent(cfgmod.loads(toml(tmp_sock_dir, pki, "A", "a1", etcd=etcd, cluster=cluster, peers=[("A", "a0", 9)])
+                            + LIMITS.format(n=1)))
+    b1 = Agent(cfgmod.loads(toml(tmp_sock_dir, pki, "B", "b1", etcd=etcd, cluster=cluster)))
+    engines = Engines()
+    try:
+        await a1.start()
+        await b1.start()
+        await until(lambda: "B/b1" in a1.membership.members and "A/a1" in b1.membership.members, 10, "membership")
+        a0 = await tls_hello(a1.wan_address[1], pki, "a0", "A", "a0", "a1")  # the one place
+        await until(lambda: a1.sessions["A/a0"].is_up and a1.inbound.room.taken == 1, 10, "a0's session up")
+        ea = await engines.connect(a1.config.listen.engine_socket, "md")
+        eb = await engines.connect(b1.config.listen.engine_socket, "rld")
+        await ea.expect_tokens("r1", from_site="B")
+        assert await eb.send_tokens("r1", "A/a1", [1, 2]) == 0
+        got = await ea.wait_tokens("r1", timeout=20)
+        assert (got.seq, got.tokens) == (0, [1, 2])
+        assert metric(b1, "pddwire_fleet_lazy_sessions_total", how="knock") == 1
+        assert metric(a1, "pddwire_errors_total", code="TOO_MANY_CONNECTIONS") == 0
+        assert metric(b1, "pddwire_fleet_sessions_closed_total", reason="dial_timeout") == 0
+        assert a1.sessions["A/a0"].is_up and a1.inbound.room.taken == 1
+        a0.close()
+    finally:
+        for c in engines.clients:
+            await c.close()
+        await b1.shutdown(0)
+        await a1.shutdown(0)

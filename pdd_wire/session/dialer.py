@@ -39,6 +39,10 @@ FLEET_CAPABILITY = "fleet.v1"
 #: Knocks cut a backoff short, but start at most one attempt per this long: a member's record
 #: names the address dialed, and knocks must not make this agent dial it as fast as they come.
 KNOCK_SPACING_S = 0.25
+#: A session declines a listener's resume (see :meth:`Dialer.welcomed`) at most this many times: a
+#: GOODBYE "idle" lost with its connection gets another try, a listener that resumes after every
+#: one is taken as it is.
+MAX_DECLINES = 3
 
 
 @dataclass
@@ -65,9 +69,9 @@ class Dialer:
         #: of token IDs relayed and not acknowledged (set by :mod:`pdd_wire.fleet.peering`).
         self.on_session_lost = on_session_lost
         #: Told when a WELCOME that resumed a session this dialer does not have is declined (the
-        #: fleet counts it); ``declined``: that happened once already (it is done once).
+        #: fleet counts it); ``declines``: how often (at most MAX_DECLINES).
         self.on_declined: Callable[[], None] = lambda: None
-        self.declined = False
+        self.declines = 0
         self.fingerprint = fingerprint
         self.timeouts = timeouts
         self.new_conn = new_conn
@@ -202,18 +206,20 @@ class Dialer:
         drop its side (GOODBYE "idle", which a listener with ``fleet.v1`` acts on at once), nothing
         more is read from ``conn`` (what the listener resends right behind WELCOME is neither
         taken nor acknowledged), and :meth:`run` dials again once the listener closed ``conn``:
-        a new session. Once per session: a listener that resumes again kept its side through that
-        GOODBYE (it lists this agent among its ``[[peers]]``) and is taken as it is."""
-        decline = first and msg.resumed and FLEET_CAPABILITY in msg.capabilities and not self.declined
+        a new session. At most :data:`MAX_DECLINES` times a session, and no more once a listener
+        kept ``conn`` open through that GOODBYE (:meth:`_until_closed`): such a listener keeps its
+        side (it lists this agent among its ``[[peers]]``) and is taken as it is."""
+        resumed_unknown = first and msg.resumed and FLEET_CAPABILITY in msg.capabilities
+        decline = resumed_unknown and self.declines < MAX_DECLINES
         if decline:
-            self.declined = True
+            self.declines += 1
             conn.on_frame = lambda c, f: None
             try:
                 conn.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye("idle"))), now=True)
             except TransportError:
                 pass  # closed meanwhile: the listener keeps its side, and this agent dials again
             self.on_declined()
-        elif first and msg.resumed and self.declined:
+        elif resumed_unknown:
             limited(self, self.log.warning, "peer resumed a session this agent had dropped, again after GOODBYE "
                     "idle: taken as it is (does it list this agent among its [[peers]]? list each other alike)")
         if self.pending is not None and not self.pending.done.done():
@@ -224,14 +230,15 @@ class Dialer:
     async def _until_closed(self, conn: FrameProtocol) -> None:
         """After a declined WELCOME: wait for the listener to close ``conn`` (it dropped its side
         of the session then), at most ``timeouts.handshake_s``, so that the next HELLO finds it
-        gone."""
+        gone. A listener that keeps it open that long kept its side through the GOODBYE: it is
+        not declined again."""
         closed = asyncio.Event()
         conn.add_close_callback(closed.set)
         try:
             async with asyncio.timeout(self.timeouts.handshake_s):
                 await closed.wait()
         except TimeoutError:
-            pass
+            self.declines = MAX_DECLINES
         finally:
             conn.abort()
 

@@ -8,6 +8,7 @@ each presents the session token the listener gave in WELCOME. Chunks go out with
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -154,7 +155,7 @@ class TcpDataPath(DataPath):
                             code=exc.code.name)
             except (TransportError, OSError, TimeoutError) as exc:
                 self.log.info("bulk connect failed", stream=stream, error=str(exc))
-            await asyncio.sleep(backoff)
+            await asyncio.sleep(backoff * (0.5 + random.random() / 2))  # jittered: refused streams spread out
             backoff = min(backoff * 2, st.backoff_max_s)
 
     async def _bulk_connect(self, stream: int, main: asyncio.AbstractEventLoop) -> FrameProtocol:
