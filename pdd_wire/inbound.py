@@ -133,6 +133,7 @@ class Inbound:
         self._handshaking: dict[Handshaking, None] = {}  # oldest first
         self.room = Room(config.limits.max_peer_connections)
         self.full = 0  # connections refused TOO_MANY_CONNECTIONS
+        self._unplaced = 0  # control connections checked while the room was full (knocks, replacements)
         self.cut = 0  # handshakes closed for a newcomer (the pool was full)
         self._cut_logged = 0.0
         # Fleet: ``await admit(site, node, names, fingerprint)`` gives a member without a session
@@ -245,6 +246,33 @@ class Inbound:
                              f"({limits.max_peer_connections}) authenticated connections open: dial again later",
                              ErrorCode.TOO_MANY_CONNECTIONS)
 
+    def _may_check_unplaced(self, frame) -> bool:
+        """The room is full: whether this first frame is a HELLO that may go on to §4's checks
+        without a place (proto/handshake.md §2): a fleet knock (its sender sorts higher, so this
+        agent dials it: it needs no place) or a replacement of its sender's live control
+        connection (which held one); and fewer than limits.max_handshakes such are being checked."""
+        if frame.header.type != FrameType.HELLO or self._unplaced >= self.config.limits.max_handshakes:
+            return False
+        try:
+            hello = decode_body(FrameType.HELLO, frame.body)
+        except ProtocolError:
+            return False
+        if (hello.site, hello.node) > (self.config.site, self.config.node):
+            return self.admit is not None  # a knock (only a fleet knocks)
+        return self._replaceable(self.peers.get(f"{hello.site}/{hello.node}"))
+
+    @staticmethod
+    def _replaceable(session: "PeerSession | None") -> bool:
+        """``session`` is this agent's listener side with a live control connection (an inbound
+        one: it holds a place, given back when a HELLO replacing it aborts it)."""
+        return session is not None and not session.dialer and session.control is not None \
+            and not session.control.closed
+
+    def _refuse_full(self, conn: FrameProtocol, addr) -> None:
+        self.metrics.error(ErrorCode.TOO_MANY_CONNECTIONS)
+        self._refused_full(addr, "control")
+        conn.fail(self._full_error())
+
     def _refused_full(self, addr, kind: str) -> None:
         """A connection was refused TOO_MANY_CONNECTIONS (main loop; the ERROR is on its way)."""
         self.full += 1
@@ -289,12 +317,21 @@ class Inbound:
                 raise
             self._leave_pool(h)
             if kind == KIND_CONTROL:
-                # A place now if one is free; if not, the HELLO is refused after §4's checks unless
-                # it needs none (a knock) or frees one (it replaces the peer's control connection).
+                # A place now if one is free. If not, only a HELLO that needs none (a knock) or
+                # frees one (it replaces the peer's control connection) is checked further, at
+                # most limits.max_handshakes of them at once; any other first frame is refused.
                 placed = self.room.take()
                 if placed:
                     conn.add_close_callback(self.room.give)
-                if await self._admit(conn, frame):
+                elif not self._may_check_unplaced(frame):
+                    self._refuse_full(conn, h.addr)
+                    return
+                self._unplaced += not placed
+                try:
+                    admitted = await self._admit(conn, frame)
+                finally:
+                    self._unplaced -= not placed
+                if admitted:
                     self._on_hello(conn, frame, placed, h.addr)
                 if not conn.closed:
                     await _wait_closed(conn)
@@ -372,11 +409,8 @@ class Inbound:
                                        ErrorCode.DIAL_BACK))
                 return
             if not placed:
-                replaces = session.control is not None and not session.control.closed
-                if not self.room.take(over=replaces):
-                    self.metrics.error(ErrorCode.TOO_MANY_CONNECTIONS)
-                    self._refused_full(addr, "control")
-                    conn.fail(self._full_error())
+                if not self.room.take(over=self._replaceable(session)):
+                    self._refuse_full(conn, addr)  # (its control connection closed meanwhile)
                     return
                 conn.add_close_callback(self.room.give)
             session.adopt_control(conn, hello)

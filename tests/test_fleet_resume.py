@@ -56,6 +56,7 @@ class Relay:
         self.target = target
         self.port = free_port()
         self.open = True
+        self.black = False  # bytes are dropped and connections kept: a blackholed link
         self.pairs: set[tuple[asyncio.StreamWriter, asyncio.StreamWriter]] = set()
         self.server: asyncio.Server | None = None
 
@@ -78,11 +79,15 @@ class Relay:
         async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
             try:
                 while data := await src.read(1 << 16):
+                    if self.black:
+                        continue
                     dst.write(data)
                     await dst.drain()
             except (OSError, ConnectionError):
                 pass
             finally:
+                while self.black:  # a blackhole carries no FIN or RST either
+                    await asyncio.sleep(0.05)
                 w.transport.abort()
                 uw.transport.abort()
 
@@ -264,29 +269,34 @@ async def unlist_b_while_cut(a: Agent, b: Agent, relay: Relay, etcd, cluster: st
     assert b.peers.get("A/a1") is b_side and b_side is not None and not b_side.closing  # b1 kept its side
 
 
-@pytest.mark.parametrize("goodbye_lost", [False, True], ids=["declined", "first_goodbye_lost"])
+@pytest.mark.parametrize("goodbye", ["delivered", "lost_with_its_connection", "blackholed"])
 async def test_a_listener_does_not_resume_into_a_session_its_dialer_dropped(tmp_sock_dir, etcd, cluster_name,
-                                                                           monkeypatch, goodbye_lost):
+                                                                           monkeypatch, goodbye):
     """b1 relays tokens to a1 (delivered), then more while the link is cut (not acknowledged: b1
     keeps its busy side and knocks). a1 drops its side (b1 left etcd) and, knocked, opens a new
     session; b1 resumes it. b1's resend (from its own position) must not be taken by a1's new
     stream, which starts at 0 (a gap, a resend request for frames b1 no longer has: never
     delivered, no engine told): a1 has b1 drop its side, b1's engine is told once that those
     token IDs were not delivered, and a fresh session carries what follows."""
-    if goodbye_lost:
-        # The link drops right after the first WELCOME that resumes (injected into a1's dialer:
-        # its connection is aborted as the WELCOME is handled), so that decline's GOODBYE "idle"
-        # never reaches b1, which keeps its side; a1's next dial meets the same resume and
-        # declines it again. (The first version declined once per session and then took it.)
-        real, aborted = Dialer.welcomed, []
+    relays: list[Relay] = []
+    if goodbye != "delivered":
+        # The first WELCOME that resumes meets a link fault (injected as a1's dialer handles it):
+        # its connection aborted (lost_with_its_connection), or every byte after it dropped and no
+        # close ever seen (blackholed). That decline's GOODBYE "idle" never reaches b1, which keeps
+        # its side; a1's next dial meets the same resume and must decline it again. (The first
+        # version declined once per session; the second ended the declines on a silent link.)
+        real, faulted = Dialer.welcomed, []
 
-        def link_drops_once(self, conn, msg, *, first):
-            if first and msg.resumed and not aborted:
-                aborted.append(msg)
-                conn.transport.abort()
+        def link_fault_once(self, conn, msg, *, first):
+            if first and msg.resumed and not faulted:
+                faulted.append(conn)
+                if goodbye == "blackholed":
+                    relays[0].black = True
+                else:
+                    conn.transport.abort()
             return real(self, conn, msg, first=first)
 
-        monkeypatch.setattr(Dialer, "welcomed", link_drops_once)
+        monkeypatch.setattr(Dialer, "welcomed", link_fault_once)
     async with pair(tmp_sock_dir, etcd, cluster_name) as (a, b, relay, engines):
         ea = await engines.connect(a.config.listen.engine_socket, "md")
         eb = await engines.connect(b.config.listen.engine_socket, "rld")
@@ -295,15 +305,23 @@ async def test_a_listener_does_not_resume_into_a_session_its_dialer_dropped(tmp_
         assert await eb.send_tokens("r1", "A/a1", [3]) == 2  # unacknowledged: b1 keeps its side
         kb = await eb.register(engines.memory(1 << 20), block_bytes=1 << 20)
         await eb.send_kv("r5", [kb.blocks(0, 1)], to=["A/a1"], deadline_s=60)  # queued in b1's side
+        relays.append(relay)
         await unlist_b_while_cut(a, b, relay, etcd, cluster_name)
         relay.mend()
+        if goodbye == "blackholed":
+            await until(lambda: faulted and faulted[0].closed, 20, "a1 done waiting for the silent link to close")
+            relay.black = False  # the link heals; what the blackhole held is broken now
+            for w, uw in list(relay.pairs):
+                w.transport.abort()
+                uw.transport.abort()
         failed = await eb.wait("r1", timeout=20)
         assert isinstance(failed, ev.TransferFailed) and failed.transfer_id == 0 and failed.peer == "A/a1"
         assert failed.code == ErrorCode.PEER_UNREACHABLE and "token IDs not delivered" in failed.reason
         failed = await eb.wait("r5", timeout=20)  # not announced to a1's new session: failed with the old one
         assert isinstance(failed, ev.TransferFailed) and failed.code == ErrorCode.PEER_UNREACHABLE
         await until(lambda: up(a, "B/b1") and up(b, "A/a1"), 15, "the new session up")
-        assert metric(a, "pddwire_fleet_sessions_closed_total", reason="resume_declined") == 1 + goodbye_lost
+        declines = 1 if goodbye == "delivered" else 2
+        assert metric(a, "pddwire_fleet_sessions_closed_total", reason="resume_declined") == declines
         assert metric(b, "pddwire_fleet_sessions_closed_total", reason="idle") == 1
         assert b.peers.get("A/a1").tokens.tok_out == {}  # nothing of the old stream is resent
         await ea.expect_tokens("r4", from_site="B")

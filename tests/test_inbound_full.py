@@ -9,6 +9,7 @@ refused certificate."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -168,6 +169,7 @@ async def test_a_knock_into_a_full_listener_is_answered_dial_back(tmp_sock_dir, 
         await b1.start()
         await until(lambda: "B/b1" in a1.membership.members and "A/a1" in b1.membership.members, 10, "membership")
         a0 = await tls_hello(a1.wan_address[1], pki, "a0", "A", "a0", "a1")  # the one place
+        alive = asyncio.create_task(a0.keepalive())  # (a1 finds a silent peer gone after 1.5 s)
         await until(lambda: a1.sessions["A/a0"].is_up and a1.inbound.room.taken == 1, 10, "a0's session up")
         ea = await engines.connect(a1.config.listen.engine_socket, "md")
         eb = await engines.connect(b1.config.listen.engine_socket, "rld")
@@ -179,9 +181,81 @@ async def test_a_knock_into_a_full_listener_is_answered_dial_back(tmp_sock_dir, 
         assert metric(a1, "pddwire_errors_total", code="TOO_MANY_CONNECTIONS") == 0
         assert metric(b1, "pddwire_fleet_sessions_closed_total", reason="dial_timeout") == 0
         assert a1.sessions["A/a0"].is_up and a1.inbound.room.taken == 1
+        alive.cancel()
         a0.close()
     finally:
         for c in engines.clients:
             await c.close()
         await b1.shutdown(0)
         await a1.shutdown(0)
+
+
+
+async def test_a_full_listener_checks_no_more_than_max_handshakes_knocks_at_once(tmp_sock_dir):
+    """With the room full, a knock (a HELLO from a peer that sorts higher) still goes through
+    admission, which may read etcd (here slowed to 2 s, injected); those connections hold no
+    place, so at most limits.max_handshakes (4) are checked at once and the rest are answered
+    207 at once. A HELLO that is neither a knock nor a replacement (a stranger that sorts lower)
+    is answered 207 before any check."""
+    tomls = two_site_toml(tmp_sock_dir, plaintext=True, streams=1)
+    tomls["B"] += LIMITS.format(n=1) + "max_handshakes = 4\n" + (
+        '[[peers]]\nsite = "A"\nnode = "a0"\naddress = "127.0.0.1:9"\nstreams = 1\n')
+    async with run_agents(tomls, sites=("B",), wait_up=False) as ag:
+        b = ag["B"]
+        port = b.wan_address[1]
+        checking, peak = 0, 0
+
+        async def slow_admission(site, node, names, fingerprint):
+            nonlocal checking, peak
+            checking += 1
+            peak = max(peak, checking)
+            try:
+                await asyncio.sleep(2)
+            finally:
+                checking -= 1
+
+        b.inbound.admit = slow_admission  # a fleet's admission, its etcd read slow
+        a0, _ = await hello(port, node="a0")  # the one place
+        alive = asyncio.create_task(a0.keepalive())
+        await until(lambda: b.inbound.room.taken == 1, 10, "a0 in")
+        stranger = await RawPeer.dial(port, KIND_CONTROL)
+        stranger.send(FrameType.HELLO, m.Hello(versions=[1], site="A", node="zz", incarnation=1))
+        full = [(FrameType.ERROR, TOO_MANY_CONNECTIONS)]
+        assert [(t, getattr(x, "code", None)) for t, x in await stranger.until_closed()] == full
+        assert peak == 0  # answered before any check
+        knocks = []
+        for i in range(12):
+            k = await RawPeer.dial(port, KIND_CONTROL)
+            k.send(FrameType.HELLO, m.Hello(versions=[1], site="C", node=f"c{i}", incarnation=1))
+            knocks.append(k)
+        answers = [[(t, getattr(x, "code", None)) for t, x in await k.until_closed()] for k in knocks]
+        assert 1 <= peak <= 4
+        assert answers.count(full) >= 12 - 4, answers
+        assert b.inbound.room.taken == 1 and b.sessions["A/a0"].is_up
+        alive.cancel()
+        for p in [a0, stranger, *knocks]:
+            p.close()
+
+
+async def test_a_full_listener_does_not_take_a_hello_from_a_peer_it_dials(tmp_sock_dir):
+    """A dials B. With A's room full (A/a0, which A listens to, holds its one place), a HELLO
+    naming B is answered 207: it would take over A's own control connection to B, which holds
+    no place in A's room, so taking it would pass the limit; A's session with B goes on."""
+    tomls = two_site_toml(tmp_sock_dir, plaintext=True, streams=1)
+    tomls["A"] += LIMITS.format(n=1) + '[[peers]]\nsite = "A"\nnode = "a0"\naddress = "127.0.0.1:9"\nstreams = 1\n'
+    async with run_agents(tomls, wait_up=False) as ag:
+        a = ag["A"]
+        await until(lambda: a.sessions["B/b1"].is_up, 10, "A's session with B up")
+        a0, _ = await hello(a.wan_address[1], node="a0")
+        alive = asyncio.create_task(a0.keepalive())
+        await until(lambda: a.inbound.room.taken == 1, 10, "a0 in")
+        posing = await RawPeer.dial(a.wan_address[1], KIND_CONTROL)
+        posing.send(FrameType.HELLO, m.Hello(versions=[1], site="B", node="b1", incarnation=5))
+        got = [(t, getattr(x, "code", None)) for t, x in await posing.until_closed()]
+        assert got == [(FrameType.ERROR, TOO_MANY_CONNECTIONS)]
+        assert a.inbound.room.taken == 1
+        assert await a.sessions["B/b1"].ping(timeout=5) is not None
+        assert metric(a, "pddwire_reconnects_total", peer="B/b1") == 0
+        alive.cancel()
+        a0.close()
+        posing.close()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,7 @@ class Handshake:
     done: asyncio.Future
     refusal_counted: bool = False  # the peer's ERROR frame was counted in the metrics already
     declined: bool = False  # its WELCOME resumed a session this dialer does not have (see welcomed)
+    answered: bool = False  # declined: the listener answered the PING behind the GOODBYE (it got both)
 
     def fail(self, exc: BaseException) -> None:
         if not self.done.done():
@@ -107,7 +109,7 @@ class Dialer:
                     self.pending = None
                 backoff = FIRST_BACKOFF_S
                 if hs.declined:
-                    await self._until_closed(conn)  # the listener drops its side, then closes: dial again
+                    await self._until_closed(hs)  # the listener drops its side, then closes: dial again
                     continue
                 await self.lost.wait()
             except FatalHandshakeError as exc:
@@ -207,15 +209,23 @@ class Dialer:
         more is read from ``conn`` (what the listener resends right behind WELCOME is neither
         taken nor acknowledged), and :meth:`run` dials again once the listener closed ``conn``:
         a new session. At most :data:`MAX_DECLINES` times a session, and no more once a listener
-        kept ``conn`` open through that GOODBYE (:meth:`_until_closed`): such a listener keeps its
-        side (it lists this agent among its ``[[peers]]``) and is taken as it is."""
+        that got that GOODBYE (it answered the PING sent right behind it) kept ``conn`` open
+        (:meth:`_until_closed`): such a listener keeps its side (it lists this agent among its
+        ``[[peers]]``) and is taken as it is."""
         resumed_unknown = first and msg.resumed and FLEET_CAPABILITY in msg.capabilities
         decline = resumed_unknown and self.declines < MAX_DECLINES
         if decline:
             self.declines += 1
-            conn.on_frame = lambda c, f: None
+            hs = self.pending
+
+            def after_goodbye(c, frame) -> None:  # nothing is taken; a PONG says the GOODBYE arrived
+                if frame.header.type == FrameType.PONG and hs is not None:
+                    hs.answered = True
+
+            conn.on_frame = after_goodbye
             try:
                 conn.send(encode(FrameType.GOODBYE, encode_body(m.Goodbye("idle"))), now=True)
+                conn.send(encode(FrameType.PING, encode_body(m.Ping(nonce=1, sent_ns=time.monotonic_ns()))), now=True)
             except TransportError:
                 pass  # closed meanwhile: the listener keeps its side, and this agent dials again
             self.on_declined()
@@ -227,20 +237,23 @@ class Dialer:
             self.pending.done.set_result(msg)
         return not decline
 
-    async def _until_closed(self, conn: FrameProtocol) -> None:
-        """After a declined WELCOME: wait for the listener to close ``conn`` (it dropped its side
-        of the session then), at most ``timeouts.handshake_s``, so that the next HELLO finds it
-        gone. A listener that keeps it open that long kept its side through the GOODBYE: it is
-        not declined again."""
+    async def _until_closed(self, hs: Handshake) -> None:
+        """After a declined WELCOME: wait for the listener to close the connection (it dropped
+        its side of the session then), at most ``timeouts.handshake_s``, so that the next HELLO
+        finds it gone. A listener that answered the PING behind the GOODBYE (so it got the
+        GOODBYE: frames arrive in order) and keeps the connection open that long kept its side
+        through it: it is not declined again. Silence proves nothing (the link may have dropped
+        the GOODBYE): that decline is one of MAX_DECLINES."""
         closed = asyncio.Event()
-        conn.add_close_callback(closed.set)
+        hs.conn.add_close_callback(closed.set)
         try:
             async with asyncio.timeout(self.timeouts.handshake_s):
                 await closed.wait()
         except TimeoutError:
-            self.declines = MAX_DECLINES
+            if hs.answered:
+                self.declines = MAX_DECLINES
         finally:
-            conn.abort()
+            hs.conn.abort()
 
     def failed(self, exc: BaseException) -> None:
         if self.pending is not None:
