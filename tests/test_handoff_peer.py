@@ -37,17 +37,19 @@ async def _agent_b(tmp, timeouts: str = ""):
 
 async def _committed_rld(b, engines, tmp, rid: str, incarnation: int = 77):
     """B's engine relays 3 tokens of ``rid`` to A (one-shot: it reports itself busy); the raw
-    peer reports MD ready, and B commits at 3: ``(engine, peer)``."""
+    peer reports MD ready, and B commits at 3: ``(engine, peer, ready_at)``, ``ready_at`` the
+    loop time just before MD's readiness was sent (B cannot have committed earlier)."""
     eb = await engines.connect(tmp / "B.sock", "rld")
     peer, _ = await hello(b.wan_address[1], incarnation=incarnation, capabilities=CAPS)
     await eb.set_load(0.95)
     await eb.handoff_rld(rid, "A")
     await eb.handoff_tokens(rid, [11, 12, 13])
+    ready_at = asyncio.get_running_loop().time()
     peer.send(FrameType.HANDOFF_PROGRESS, m.HandoffProgress(rid, 0, 0))
     seen = await peer.until(FrameType.HANDOFF_COMMIT)
     assert seen[-1] is not None and seen[-1][1] == m.HandoffCommit(rid, 0, 3, "one-shot"), seen
     await eb.wait(rid, kinds=(p.StopGenerating,), timeout=5)
-    return eb, peer
+    return eb, peer, ready_at
 
 
 @pytest.mark.parametrize("by", ["engine_abort", "request_abort"])
@@ -55,7 +57,7 @@ async def test_rld_giving_up_after_its_commit_still_ends_the_handoff_for_its_eng
     """RLD's engine keeps the request's KV until ``handoff_done``: an abort after the commit (its
     own, or MD's site's REQUEST_ABORT) ends the handoff with one, owner MD (RLD never resumes)."""
     async with _agent_b(tmp_sock_dir) as b:
-        eb, peer = await _committed_rld(b, engines, tmp_sock_dir, "h1")
+        eb, peer, _ = await _committed_rld(b, engines, tmp_sock_dir, "h1")
         if by == "engine_abort":
             assert await eb.abort("h1", "client went away") == 1
             label = "rld_failed"
@@ -80,8 +82,9 @@ async def test_a_commit_nobody_answers_ends_once_a_live_md_would_have_answered(t
     handoff_md_margin_s) and peer_give_up_s have passed since its COMMIT, not before: until MD's
     deadline a live MD may still release, and RLD must then resume."""
     async with _agent_b(tmp_sock_dir, "handoff_s = 1.5\nhandoff_md_margin_s = 0.5\npeer_give_up_s = 2") as b:
-        eb, peer = await _committed_rld(b, engines, tmp_sock_dir, "h2")
-        committed = asyncio.get_running_loop().time()
+        # Timed from before the commit could happen: a stamp taken once the commit was seen lags
+        # it by however long this process was not run in between (CI: a loaded machine).
+        eb, peer, committed = await _committed_rld(b, engines, tmp_sock_dir, "h2")
         alive = asyncio.create_task(peer.keepalive(0.2))
         try:
             # Another request, whose MD releases at its deadline (2 s after its handoff_md, which

@@ -252,7 +252,9 @@ async def test_leases_expire_and_engine_loss_empties_the_inventory(tmp_sock_dir,
 async def test_the_pipeline_prediction_is_checked_against_the_real_wan_time(tmp_sock_dir, engines):
     async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
         P, M, src, dst, rp, rm = await setup(engines, tmp_sock_dir)
-        await agents["A"].probe("B", seconds=0.6)  # a bandwidth figure to predict with
+        # A bandwidth figure to predict with; 2 s, so that each of its two 1 s measuring windows holds
+        # acknowledgements though this process may not run for a few hundred ms (a loaded machine).
+        await agents["A"].probe("B", seconds=2)
         res = await P.choose_pipeline("w1", to="B", input_tokens=16 * 16, prefix_hit_tokens=0,
                                       expected_output_tokens=1000, kv_bytes_per_token=MiB // 16)
         assert res["predicted_wan_s"] > 0
