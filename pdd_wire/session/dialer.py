@@ -213,14 +213,18 @@ class Dialer:
         (:meth:`_until_closed`): such a listener keeps its side (it lists this agent among its
         ``[[peers]]``) and is taken as it is."""
         resumed_unknown = first and msg.resumed and FLEET_CAPABILITY in msg.capabilities
-        decline = resumed_unknown and self.declines < MAX_DECLINES
+        hs = self.pending
+        answering = hs is not None and not hs.done.done() and hs.conn is conn  # (a WELCOME out of turn: no)
+        decline = resumed_unknown and answering and self.declines < MAX_DECLINES
         if decline:
             self.declines += 1
-            hs = self.pending
 
             def after_goodbye(c, frame) -> None:  # nothing is taken; a PONG says the GOODBYE arrived
                 if frame.header.type == FrameType.PONG and hs is not None:
-                    hs.answered = True
+                    try:
+                        hs.answered = hs.answered or decode_body(FrameType.PONG, frame.body).nonce == 1
+                    except ProtocolError:
+                        pass
 
             conn.on_frame = after_goodbye
             try:
@@ -229,7 +233,7 @@ class Dialer:
             except TransportError:
                 pass  # closed meanwhile: the listener keeps its side, and this agent dials again
             self.on_declined()
-        elif resumed_unknown:
+        elif resumed_unknown and answering:
             limited(self, self.log.warning, "peer resumed a session this agent had dropped, again after GOODBYE "
                     "idle: taken as it is (does it list this agent among its [[peers]]? list each other alike)")
         if self.pending is not None and not self.pending.done.done():
