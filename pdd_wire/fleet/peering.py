@@ -60,7 +60,7 @@ from ..config import Config, Peer
 from ..errors import ConfigError, ErrorCode, FatalHandshakeError
 from ..log import limited
 from ..loopwatch import LateTicks
-from ..session.dialer import FLEET_CAPABILITY  # GOODBYE "idle"'s meaning (proto/handshake.md §8)
+from ..wire.handshake import FLEET_CAPABILITY  # GOODBYE "idle"'s meaning (proto/handshake.md §8)
 from .membership import Membership
 from .metrics import FleetMetrics
 from .record import MemberRecord

@@ -18,7 +18,7 @@ from aiohttp import web
 from .core import Core, Req
 from .output import Output, Segment, SegmentFailed
 from .pools import Upstream
-from .upstream import UpstreamError, read_capped, sse_events
+from .upstream import UpstreamError, error_of, read_capped, sse_events
 
 log = structlog.get_logger("pdd_wire.router")
 
@@ -53,11 +53,7 @@ async def continue_on(core: Core, req: Req, out: Output, u: Upstream, seg: Segme
             r = await core.http.post(f"{u.url}{req.path}", json=out.body_from_here(req.body))
         async with r:
             if r.status != 200:
-                try:
-                    failed = UpstreamError(r.status, await read_capped(r), r.content_type or "application/json")
-                except UpstreamError as exc:  # its error answer was over the limit
-                    failed = exc
-                raise SegmentFailed(failed)
+                raise SegmentFailed(await error_of(r))
             events = sse_events(r.content)
             while True:
                 async with asyncio.timeout(limit):  # a data event within it (keep-alives do not count)

@@ -16,7 +16,7 @@ from .config import RouterConfig
 from .load import LoadReader
 from .metrics import RouterMetrics
 from .pools import Pools, Upstream
-from .upstream import Trace, UpstreamError, bad_gateway, read_capped
+from .upstream import Trace, bad_gateway, error_of, read_capped
 
 log = structlog.get_logger("pdd_wire.router")
 
@@ -79,9 +79,9 @@ class Core:
     async def post_json(self, u: Upstream, path: str, body: dict) -> dict:
         """POST ``body`` to ``u`` and decode its JSON answer (UpstreamError: an error status)."""
         async with self.http.post(f"{u.url}{path}", json=body) as r:
-            data = await read_capped(r)
             if r.status != 200:
-                raise UpstreamError(r.status, data, r.content_type or "application/json")
+                raise await error_of(r)
+            data = await read_capped(r)
         try:
             got = self.decoder.decode(data)
         except msgspec.DecodeError as exc:  # an upstream failure, not the router's (500)

@@ -40,7 +40,7 @@ from .continuation import NET, continue_on, hand_back, warm_ok
 from .core import Core, Req
 from .output import ClientGone, Output, Segment, SegmentFailed
 from .pools import Upstream
-from .upstream import LOGPROBS, UpstreamError, read_capped, sse_events
+from .upstream import LOGPROBS, UpstreamError, error_of, sse_events
 
 log = structlog.get_logger("pdd_wire.router")
 
@@ -150,10 +150,7 @@ class Handoff:
             return exc
         async with r:  # leaving it closes RLD's stream: vLLM aborts the request there
             if r.status != 200:
-                try:
-                    return UpstreamError(r.status, await read_capped(r), r.content_type or "application/json")
-                except UpstreamError as exc:  # its error answer was over the limit
-                    return exc
+                return await error_of(r)
             seg = self._rld_seg = self.out.segment("RLD")
             events = sse_events(r.content)
             nxt: asyncio.Future | None = None

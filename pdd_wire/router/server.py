@@ -42,6 +42,7 @@ from .upstream import (
     UpstreamError,
     check_fields,
     dest,
+    error_of,
     error_response,
     read_capped,
     sse_events,
@@ -60,8 +61,6 @@ UPSTREAM_KEEPALIVE_S = 2.0
 #: failed): a client that stopped reading but keeps its connection open is cut off after this.
 FAIL_WRITE_S = 3.0
 
-
-
 #: Set on every request the router sends upstream. A record's engine URL may name anything, the
 #: router itself included: one user request would then come back for ever (each forwarded copy
 #: forwarding again: 10,000 connections in 9 s, until the router ran out of file descriptors).
@@ -79,6 +78,7 @@ async def _no_loops(request: web.Request, handler):
                                    "(or the router's config) points at a router, not at vllm serve",
                               "LoopDetectedError")
     return await handler(request)
+
 
 class Router:
     """``Router(cfg)``; ``await start()`` binds ``cfg.listen.address`` (port 0: see ``port``);
@@ -408,7 +408,7 @@ class Router:
         trace = req.trace
         async with self.http.post(f"{up.url}{req.path}", json=body) as r:
             if r.status != 200:
-                raise UpstreamError(r.status, await read_capped(r), r.content_type or "application/json")
+                raise await error_of(r)
             if not req.read.get("stream"):  # the client's, as vLLM read it
                 data = await read_capped(r, RELAY_MAX_BODY)
                 with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):

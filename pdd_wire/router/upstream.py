@@ -56,6 +56,14 @@ async def read_capped(r: aiohttp.ClientResponse, limit: int | None = None) -> by
     return bytes(buf)
 
 
+async def error_of(r: aiohttp.ClientResponse) -> UpstreamError:
+    """``r``'s answer, not 200, as the UpstreamError to relay (one over the limit: a bad gateway)."""
+    try:
+        return UpstreamError(r.status, await read_capped(r), r.content_type or "application/json")
+    except UpstreamError as exc:
+        return exc
+
+
 class BadField(ValueError):
     """A request field vLLM would refuse (``param``: the field): the router's own 400."""
 

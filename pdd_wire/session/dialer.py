@@ -31,12 +31,9 @@ from ..transport.base import Connector
 from ..transport.tcp import FrameProtocol
 from ..wire import FrameType, decode_body, encode, encode_body
 from ..wire import messages as m
-from ..wire.handshake import refusal
+from ..wire.handshake import FLEET_CAPABILITY, refusal
 
 FIRST_BACKOFF_S = 0.05
-#: The capability that gives GOODBYE "idle" its meaning: the receiver drops its side of the
-#: session (proto/handshake.md §8).
-FLEET_CAPABILITY = "fleet.v1"
 #: Knocks cut a backoff short, but start at most one attempt per this long: a member's record
 #: names the address dialed, and knocks must not make this agent dial it as fast as they come.
 KNOCK_SPACING_S = 0.25

@@ -15,6 +15,9 @@ from .messages import SUPPORTED_VERSIONS, Hello, Welcome
 MAX_CHUNK = 64 << 20
 
 #: What this implementation can do beyond the base protocol (advertised in Hello/Welcome).
+#: The capability that gives GOODBYE "idle" its meaning: the receiver drops its side of the
+#: session (proto/handshake.md §8).
+FLEET_CAPABILITY = "fleet.v1"
 CAPABILITIES = ("kv.v1", "tokens.v1", "resume.v1", "handoff.v1", "abort.v1", "prefix.v1", "lz4.v1", "fleet.v1",
                 "offer.v1", "inline.v1", "ucx-keys.v1")
 
