@@ -347,18 +347,18 @@ class Agent:
                     with contextlib.suppress(KeyError, ValueError):
                         metric.remove(*labels)
 
-    def _tokens_undelivered(self, session: PeerSession, why: str) -> None:
+    def _tokens_undelivered(self, session: PeerSession, why: str, code: int = ErrorCode.PEER_UNREACHABLE) -> None:
         """A fleet session is dropped, or a session's listener kept nothing of it (WELCOME
-        ``resumed`` false): token IDs relayed to it and not acknowledged will never arrive. Each
-        request's owner engine is told (``transfer_failed``, transfer id 0, direction out,
-        PEER_UNREACHABLE), so that the request ends with an outcome."""
+        ``resumed`` false), or the peer restarted (``code`` PEER_RESTARTED): token IDs relayed to
+        it and not acknowledged will never arrive. Each request's owner engine is told
+        (``transfer_failed``, transfer id 0, direction out, ``code``), so that the request ends
+        with an outcome."""
         for rid, stream in session.tokens.tok_out.items():
             owner = self.kv.owners.get(rid)
             if not stream.unacked or owner is None or owner.engine.closed:
                 continue
             owner.engine.send(p.TransferFailed(request_id=rid, transfer_id=0, peer=session.key, direction="out",
-                                               code=ErrorCode.PEER_UNREACHABLE,
-                                               reason=f"token IDs not delivered: {why}"))
+                                               code=code, reason=f"token IDs not delivered: {why}"))
             self.log.info("relayed tokens not delivered", request_id=rid, peer=session.key, reason=why)
 
     def _busy_sessions(self) -> set[str]:
@@ -393,6 +393,8 @@ class Agent:
 
     def peer_lost(self, session: PeerSession, reason: str) -> None:
         self.handoffs.peer_lost(session, reason)
+
+    tokens_lost = _tokens_undelivered
 
     def request_aborted(self, session: PeerSession, msg: m.RequestAbort) -> None:
         self.kv.request_aborted(session, msg)

@@ -68,8 +68,7 @@ class PeerSession:
         self.token = secrets.randbits(63) or 1  # bulk connections present it (listener side): a secret
         self.remote_token = 0
         self.chunk_bytes = self.cfg.transfer.chunk_bytes
-        self.peer_max_chunk = MAX_CHUNK
-        self.peer_max_body = 4096  # the format's floor until the peer says more
+        self.peer_max_chunk, self.peer_max_body = MAX_CHUNK, 4096  # (the body's floor until the peer says more)
         self.flow: SendWindow[OutTransfer] = SendWindow(self.cfg.transfer.credit_bytes)
         self.sender = Sender(self, self.flow)
         self.receiver = Receiver(self)
@@ -250,15 +249,17 @@ class PeerSession:
     # ------------------------------------------------------------------ connection state
     def _established(self, conn: FrameProtocol, incarnation: int, info: m.Hello | m.Welcome) -> None:
         first = self.remote_incarnation is None
-        why = "" if first else (f"peer {self.key} restarted" if self.remote_incarnation != incarnation  # a dialer's
-                                else self.dialer_loop.session_lost(info, self.key))  # listener may have kept nothing
-        restarted = bool(why)
+        restarted = not first and self.remote_incarnation != incarnation
+        why = (f"peer {self.key} restarted" if restarted else "" if first  # or a dialer's listener kept nothing
+               else self.dialer_loop.session_lost(info, self.key))  # (its engines told there)
         self.control = conn
         self._last_rx = time.monotonic()
         self.peer_goodbye = None
-        if restarted:
+        if why:
             self.lines.line(self.log.warning, "peer restarted or kept no session: failing its transfers", reason=why)
             self.cancel_later.clear()  # it forgot those transfers anyway
+            if restarted:
+                self.host.tokens_lost(self, why, ErrorCode.PEER_RESTARTED)
             self._peer_restarted(why)
         self.remote_incarnation = incarnation
         terms = negotiate(Limits(self.cfg.transfer.chunk_bytes, self.cfg.transfer.credit_bytes,
@@ -278,7 +279,7 @@ class PeerSession:
         self.metrics.peer_up.labels(peer=self.key).set(1)
         if not first:
             self.metrics.reconnects.labels(peer=self.key).inc()
-        self.lines.state(self.log.info, "peer up", resumed=not first and not restarted, streams=self.streams)
+        self.lines.state(self.log.info, "peer up", resumed=not first and not why, streams=self.streams)
         self.pings.send()  # an RTT at once
         while self.cancel_later:
             tid, cancel = self.cancel_later.popleft()
