@@ -51,6 +51,8 @@ def test_a_full_config_reads_back():
     assert [m.url for m in cfg.pools.MD] == ["http://10.1.0.1:8200", "http://10.1.0.2:8200"]
     assert cfg.pools.RLD[0].node == "a2" and cfg.pools.P[0].engine_socket.endswith("A.sock")
     assert cfg.choice.timeout_s == 0.5 and cfg.choice.block_tokens == 16
+    assert dflt.request.max_inflight == 1024
+    assert rcfg.loads(GOOD.replace("deadline_s = 30", "deadline_s = 30\nmax_inflight = 1")).request.max_inflight == 1
 
 
 def test_the_embedded_default_is_valid_and_fronts_sites_a_and_b():
@@ -78,6 +80,9 @@ def test_the_embedded_default_is_valid_and_fronts_sites_a_and_b():
     (GOOD + "[handoff.policy]\ncatchup_gap = 3\n", "handoff.policy.catchup_gap", "did you mean 'catchup_gap_tokens'"),
     (GOOD + "[handoff.policy]\nmax_catchup_rounds = 0\n", "handoff.policy", "max_catchup_rounds: must be >= 1"),
     (GOOD + "[handoff]\nabsorb_s = 0\n", "handoff.absorb_s", "must be > 0"),
+    (GOOD.replace("deadline_s = 30", "deadline_s = 30\nmax_inflight = 0"), "request.max_inflight", "must be >= 1"),
+    (GOOD.replace("deadline_s = 30", "deadline_s = 30\nmax_inflight = -5"), "request.max_inflight", "must be >= 1"),
+    (GOOD.replace("deadline_s = 30", "deadline_s = 30\nmax_inflight = 1.5"), "request.max_inflight", "Expected `int`"),
     (GOOD + "[rld_load]\ninterval_s = -1\n", "rld_load.interval_s", "must be > 0"),
     (GOOD.replace('node = "a2"', 'node = "a2"\nmax_num_seqs = -4'), "pools.RLD[0].max_num_seqs", "must be >= 0"),
     (GOOD.replace('"http://10.0.0.1:8100"', '"http://10.0.0.1:99999"'), "pools.P[0].url",

@@ -83,6 +83,11 @@ class Request(msgspec.Struct, **_cfg):
     to ``/v1/models``."""
     prefill_lease_s: float | None = None
     """``lease_s`` asked of prefill (how long its KV waits for decode); None = the connector's."""
+    max_inflight: int = 1024
+    """Client requests to ``/v1/completions`` and ``/v1/chat/completions`` in flight at once,
+    from their arrival to the last byte of their answer. One more is answered ``503`` at once
+    (``Retry-After: 1``), touching no upstream; ``/healthz``, ``/metrics`` and ``/v1/models``
+    do not count. It also sizes the router's upstream connection pool (:mod:`.limit`). At least 1."""
 
 
 class Choice(msgspec.Struct, **_cfg):
@@ -195,6 +200,8 @@ def validate(cfg: RouterConfig) -> RouterConfig:
             raise ConfigError(f"request.{key}", f"must be > 0, got {getattr(cfg.request, key)}")
     if cfg.request.prefill_lease_s is not None and not cfg.request.prefill_lease_s > 0:
         raise ConfigError("request.prefill_lease_s", "must be > 0")
+    if cfg.request.max_inflight < 1:
+        raise ConfigError("request.max_inflight", f"must be >= 1, got {cfg.request.max_inflight}")
     for i, url in enumerate(cfg.fleet.etcd):
         # The router sends users' prompts where etcd's records say: plaintext only on loopback.
         u = urlsplit(url)

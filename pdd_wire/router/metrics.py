@@ -68,6 +68,10 @@ class RouterMetrics:
                                      "prefix cache (md_prefix) or not (missing)", ["source"], registry=r)
         self.inflight = Gauge("pddwire_router_inflight", "Requests in flight per pool member",
                               ["pool", "member"], registry=r)
+        self.requests_inflight = Gauge("pddwire_router_requests_inflight", "Client requests to /v1/completions "
+                                       "and /v1/chat/completions in flight (request.max_inflight)", registry=r)
+        self.refused = Counter("pddwire_router_requests_refused", "Client requests answered 503 at once: "
+                               "request.max_inflight were in flight", ["endpoint"], registry=r)
         self.rld_load = Gauge("pddwire_router_rld_load", "RLD members' last load figure read from their /metrics",
                               ["member"], registry=r)
         self.draining = Gauge("pddwire_router_draining", "Warm requests left to finish after their request "

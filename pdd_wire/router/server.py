@@ -7,8 +7,10 @@ PddWireConnector sends the prompt's KV through the agents; then the user's reque
 member with the params prefill returned, its answer relayed as it came); P-RLD (finished in
 site A); or P-RLD-MD, RLD streaming at once and handing the output to MD (:mod:`.handoff`).
 
-Bounded: every request ends by ``request.deadline_s``; a client that goes away cancels its
-handler, which closes every upstream connection it holds. docs/router.md has the whole story.
+Bounded: at most ``request.max_inflight`` requests in flight (one more: 503 at once, :mod:`.limit`),
+and so the upstream connections; every request ends by ``request.deadline_s``; a client that
+goes away cancels its handler, which closes every upstream connection it holds. docs/router.md
+has the whole story.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from .config import RouterConfig
 from .continuation import unfit
 from .core import SSE_HEADERS, Core, Req
 from .handoff import Handoff
+from .limit import Inflight, Shared, upstream_limit
 from .load import LoadReader
 from .metrics import RouterMetrics
 from .output import DONE_SENT, STREAM, ClientGone, CollectSink, Output, SegmentFailed, StreamSink
@@ -96,6 +99,9 @@ class Router:
         self._chooser: Chooser | None = None
         self._loads: LoadReader | None = None
         self._closing: set[asyncio.Task] = set()  # agent connections of removed P members
+        self._inflight = Inflight(cfg.request.max_inflight, self.metrics, cfg.request.deadline_s, FAIL_WRITE_S)
+        self._health = Shared(self._probe_all)  # concurrent /healthz calls share one round of probes
+        self._model_list = Shared(self._first_models)  # and /v1/models one walk of the members
 
     # ------------------------------------------------------------------ life cycle
     def app(self) -> web.Application:
@@ -111,9 +117,13 @@ class Router:
         self._http = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=None, connect=self.cfg.request.connect_s),
             headers={FORWARDED_HEADER: "1"},  # an engine URL that is a router's is refused there (_no_loops)
-            # No pool limit: each request in flight holds at most two upstream connections, and a
-            # cap would fail legitimate load (and /healthz) with connect timeouts at its edge.
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S))
+            # Capped where legitimate use never reaches (a cap it reached would fail load, and
+            # /healthz, with connect timeouts at its edge): requests in flight are bounded
+            # (request.max_inflight) and each holds at most two upstream connections; warm requests
+            # left to finish are bounded (MAX_DRAINING), and /healthz, /v1/models and RLD's load
+            # scrapes are one per member at most (limit.upstream_limit).
+            connector=aiohttp.TCPConnector(limit=upstream_limit(self.cfg.request.max_inflight),
+                                           keepalive_timeout=UPSTREAM_KEEPALIVE_S))
         self._loads = LoadReader(self.cfg.rld_load, self._http, self.metrics)
         self._core = Core(self.cfg, self._http, self.pools, self.metrics, self._loads, self._decoder)
         self._chooser = Chooser(self._core)
@@ -147,6 +157,8 @@ class Router:
     async def stop(self) -> None:
         if self._runner is not None:
             await self._runner.cleanup()
+        await self._health.close()
+        await self._model_list.close()
         if self._chooser is not None:
             await self._chooser.close()
         if self._loads is not None:
@@ -176,6 +188,13 @@ class Router:
 
     # ------------------------------------------------------------------ small endpoints
     async def _models(self, request: web.Request) -> web.Response:
+        status, body = await self._model_list()
+        if status == 200:
+            return web.Response(body=body, status=200, content_type="application/json")
+        return error_response(503, body.decode(), "ServiceUnavailableError")
+
+    async def _first_models(self) -> tuple[int, bytes]:
+        """The first member's 200 answer to ``/v1/models`` (P, then MD), else 503 and the last failure."""
         last = "no pool member answered"
         limit = self.cfg.request.connect_s  # each member's whole answer: one that hangs is passed over
         for u in self.pools.members("P") + self.pools.members("MD"):
@@ -183,7 +202,7 @@ class Router:
                 async with asyncio.timeout(limit), self.http.get(f"{u.url}/v1/models") as r:
                     body = await read_capped(r)
                     if r.status == 200:
-                        return web.Response(body=body, status=200, content_type="application/json")
+                        return 200, body
                     last = f"{u.url}: HTTP {r.status}"
             except TimeoutError:
                 last = f"{u.url}: no answer within {limit} s (request.connect_s)"
@@ -191,9 +210,13 @@ class Router:
                 last = f"{u.url}: {exc}"
             except UpstreamError:
                 last = f"{u.url}: an answer over the router's limit"
-        return error_response(503, last, "ServiceUnavailableError")
+        return 503, last.encode()
 
     async def _healthz(self, request: web.Request) -> web.Response:
+        healthy, members = await self._health()
+        return web.json_response({"ok": healthy, "members": members}, status=200 if healthy else 503)
+
+    async def _probe_all(self) -> tuple[bool, dict[str, bool]]:
         async def probe(u: Upstream) -> bool:
             try:
                 async with asyncio.timeout(self.cfg.request.connect_s):
@@ -206,7 +229,7 @@ class Router:
         ok = await asyncio.gather(*(probe(u) for u in ups))
         members = {f"{u.pool} {u.url}": h for u, h in zip(ups, ok)}
         healthy = all(any(h for u, h in zip(ups, ok) if u.pool == name) for name in ("P", "MD"))
-        return web.json_response({"ok": healthy, "members": members}, status=200 if healthy else 503)
+        return healthy, members
 
     async def _metrics(self, request: web.Request) -> web.Response:
         resp = web.Response(body=generate_latest(self.metrics.registry))
@@ -215,10 +238,10 @@ class Router:
 
     # ------------------------------------------------------------------ the OpenAI endpoints
     async def _completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "/v1/completions")
+        return await self._inflight.run(request, "/v1/completions", self._serve)
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
-        return await self._serve(request, "/v1/chat/completions")
+        return await self._inflight.run(request, "/v1/chat/completions", self._serve)
 
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
         try:
