@@ -274,6 +274,24 @@ async def test_rld_failing_mid_stream_leaves_the_output_to_md(agents, http, faul
     assert MD.streams()[0].body["prompt"] == PROMPT + OUT[:k]
 
 
+@pytest.mark.parametrize("fault", [{"stall_at": 6}, {"stall_at": 0}, {"answer_gate": "never"}])
+async def test_a_silent_rld_is_a_failed_one(agents, http, fault):
+    """RLD goes silent before the switch -- after 6 tokens, after its headers, or before them --
+    for ``handoff.rld_silent_s``: MD takes the output over from where RLD left it, as for any
+    RLD failure (``rld_failed``), instead of the client waiting for ``request.deadline_s``."""
+    script = Script(answer_gate=asyncio.Event()) if "answer_gate" in fault else Script(**fault)
+    k = fault.get("stall_at", 0)
+    async with fakes(MODEL, RLD=script) as (P, RLD, MD), \
+            router(agents, P, RLD, MD, deadline_s=60, min_rld_tokens=30, rld_silent_s=0.5) as r:
+        got = await stream(http, r.url, body())
+        assert outcomes(r) == {"rld_failed": 1}
+        assert sample(r, "pddwire_router_fallbacks_total", kind="rld_failed") == 1
+        assert sample(r, "pddwire_router_output_tokens_total", pool="RLD") == k
+        assert sample(r, "pddwire_router_requests_total", outcome="ok") == 1
+    same_stream(got, await single(body()))
+    assert MD.streams()[0].body["prompt"] == PROMPT + OUT[:k]
+
+
 @pytest.mark.parametrize("at", [0, 6])
 async def test_rld_failing_while_md_failed_ends_in_one_error(agents, http, at):
     """MD's warm request failed (RLD keeps the request), then RLD sends an error event: nothing

@@ -136,6 +136,10 @@ class Handoff(msgspec.Struct, **_cfg):
     md_ready_s: float = 30.0
     """MD not holding the prompt's KV by then (counted from the request's start): RLD keeps the
     request to its end (fallback ``md_not_ready``)."""
+    rld_silent_s: float = 30.0
+    """Before the switch: RLD's stream silent this long -- no answer or token since it was asked,
+    or none between two events the router waits for -- has failed: MD takes the output over
+    from where RLD left it, as for any RLD failure (fallback ``rld_failed``)."""
     continue_s: float = 30.0
     """After the switch: MD's stream (or a hand-back's) silent this long -- no token since it
     was asked, or between two events -- has failed: the output goes back to RLD
@@ -228,8 +232,9 @@ def validate(cfg: RouterConfig) -> RouterConfig:
         raise ConfigError("handoff.md_ready_s", "must be > 0")
     if not h.absorb_s > 0:
         raise ConfigError("handoff.absorb_s", "must be > 0")
-    if not h.continue_s > 0:
-        raise ConfigError("handoff.continue_s", "must be > 0")
+    for key in ("continue_s", "rld_silent_s"):
+        if not getattr(h, key) > 0:
+            raise ConfigError(f"handoff.{key}", f"must be > 0, got {getattr(h, key)}")
     for key in ("interval_s", "timeout_s", "max_age_s"):
         if not getattr(cfg.rld_load, key) > 0:
             raise ConfigError(f"rld_load.{key}", f"must be > 0, got {getattr(cfg.rld_load, key)}")

@@ -144,8 +144,12 @@ class Handoff:
                 "stream_options": {**(req.body.get("stream_options") or {}), "include_usage": True}}
         for k in ("prompt_logprobs", "stream_interval"):  # a stream carries no prompt logprobs;
             body.pop(k, None)  # one token per event gives the handoff its clean boundaries
+        silent = self.cfg.rld_silent_s  # a hung RLD is a failed one: MD takes over
         try:
-            r = await self.core.http.post(f"{self.rld.url}{req.path}", json=body)
+            async with asyncio.timeout(silent):
+                r = await self.core.http.post(f"{self.rld.url}{req.path}", json=body)
+        except TimeoutError:
+            return self._silent()
         except NET as exc:
             return exc
         async with r:  # leaving it closes RLD's stream: vLLM aborts the request there
@@ -154,6 +158,7 @@ class Handoff:
             seg = self._rld_seg = self.out.segment("RLD")
             events = sse_events(r.content)
             nxt: asyncio.Future | None = None
+            heard = time.monotonic()  # RLD's last data event taken (or its answer)
             try:
                 while True:
                     if self.mode is None and self.cfg.mode == "auto":
@@ -169,14 +174,22 @@ class Handoff:
                         if nxt is None:
                             nxt = asyncio.ensure_future(anext(events, None))
                         waits.append(nxt)
-                    await asyncio.wait(waits, timeout=self._wait_limit(), return_when=asyncio.FIRST_COMPLETED)
+                    reading = nxt is not None and not nxt.done()  # RLD's silence counts while it is read
+                    limit = min((x for x in (self._wait_limit(), heard + silent - time.monotonic() if reading
+                                             else None) if x is not None), default=None)
+                    await asyncio.wait(waits, timeout=None if limit is None else max(0.0, limit),
+                                       return_when=asyncio.FIRST_COMPLETED)
                     if nxt is None or not nxt.done():
+                        if nxt is not None and time.monotonic() - heard >= silent:
+                            return self._silent()
                         continue
                     try:
                         event = nxt.result()
                     except NET as exc:
                         return exc
                     nxt = None
+                    if event is not None and event.startswith(b"data:"):  # (keep-alives do not count)
+                        heard = time.monotonic()
                     if event is None:
                         return None if self.out.finished else \
                             aiohttp.ClientPayloadError("RLD's stream ended before its last token")
@@ -188,6 +201,9 @@ class Handoff:
                 if nxt is not None and not nxt.done():
                     nxt.cancel()
                     await asyncio.gather(nxt, return_exceptions=True)
+
+    def _silent(self) -> TimeoutError:
+        return TimeoutError(f"RLD {self.rld.url} sent no token for {self.cfg.rld_silent_s} s (handoff.rld_silent_s)")
 
     def _capped(self) -> bool:
         return self.cfg.max_rld_tokens is not None and len(self.out.ids) >= self.cfg.max_rld_tokens

@@ -116,6 +116,7 @@ class Script:
     cut_after_end: bool = False  # the ending chunk, then the connection closed (no usage, no [DONE])
     done_then_stall: bool = False  # [DONE], then the connection kept open, silent
     status: int = 200  # streamed requests answered with this (an error body) instead
+    answer_gate: asyncio.Event | None = None  # a streamed request waits for it before its headers
     warm_ok: bool = True  # a non-streamed request with KV params: 200, else 500
     warm_finish: str = "length"
     warm_gate: asyncio.Event | None = None  # such a request waits for it
@@ -282,6 +283,8 @@ class FakeVllm:
         s, body = self.script, rec.body
         if s.status != 200:
             return error(s.status, f"the fake answers {s.status}")
+        if s.answer_gate is not None:
+            await s.answer_gate.wait()
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         rid, created, prompt = self._id(), int(time.time()), list(body["prompt"])
