@@ -350,16 +350,19 @@ class Agent:
     def _tokens_undelivered(self, session: PeerSession, why: str, code: int = ErrorCode.PEER_UNREACHABLE) -> None:
         """A fleet session is dropped, or a session's listener kept nothing of it (WELCOME
         ``resumed`` false), or the peer restarted (``code`` PEER_RESTARTED): token IDs relayed to
-        it and not acknowledged will never arrive. Each request's owner engine is told
-        (``transfer_failed``, transfer id 0, direction out, ``code``), so that the request ends
-        with an outcome."""
+        it and not acknowledged will never arrive. Each request's owner engine (``send_tokens``
+        made it the owner, tied to the peer's site) is told (``transfer_failed``, transfer id 0,
+        direction out, ``code``), so that the request ends with an outcome; a handoff's relay is
+        not (its ``handoff_done`` is the outcome). The streams are dropped then: told once."""
         for rid, stream in session.tokens.tok_out.items():
             owner = self.kv.owners.get(rid)
-            if not stream.unacked or owner is None or owner.engine.closed:
+            if (not stream.unacked or stream.handoff or owner is None or owner.engine.closed
+                    or not owner.allows(session.peer.site)):
                 continue
             owner.engine.send(p.TransferFailed(request_id=rid, transfer_id=0, peer=session.key, direction="out",
                                                code=code, reason=f"token IDs not delivered: {why}"))
             self.log.info("relayed tokens not delivered", request_id=rid, peer=session.key, reason=why)
+        session.tokens.drop_out()
 
     def _busy_sessions(self) -> set[str]:
         """The peers with anything open: transfers, unacknowledged or held tokens, a handoff, KV

@@ -308,6 +308,7 @@ async def test_listener_session_recovers_when_its_dialer_restarts(tmp_sock_dir, 
             assert (await ea.wait_tokens("r1", timeout=10)).tokens == [1, 2]
             os.kill(proc.pid, signal.SIGKILL)
             proc.wait()
+            await eb.send_tokens("r3", "A/a1", [5])  # to the dead a1: never acknowledged
             proc = spawn_agent(tmp_sock_dir, toml, "A", "a1-again")
             await until(lambda: "A/a1" in b.membership.members and b.membership.members["A/a1"].incarnation != first,
                         20, "the new a1 registered")
@@ -315,6 +316,14 @@ async def test_listener_session_recovers_when_its_dialer_restarts(tmp_sock_dir, 
             await ea2.expect_tokens("r2", from_site="B")
             await eb.send_tokens("r2", "A/a1", [3])
             assert (await ea2.wait_tokens("r2", timeout=10)).tokens == [3]
+            # r3's engine was told, once: a1's lease ran out (PEER_UNREACHABLE) or its new
+            # incarnation was seen first (PEER_RESTARTED), whichever came first here.
+            failed = await eb.wait("r3", timeout=20)
+            assert isinstance(failed, ev.TransferFailed) and failed.transfer_id == 0, failed
+            assert failed.code in (ErrorCode.PEER_RESTARTED, ErrorCode.PEER_UNREACHABLE), failed
+            assert "token IDs not delivered" in failed.reason, failed
+            await eb.send_tokens("r4", "A/a1", [6])  # by its reply every earlier event is here
+            assert eb.take("r3", kinds=(ev.TransferFailed,)) == []
             assert b.peers.get("A/a1").is_up and b.peers.get("A/a1").remote_incarnation != first
     finally:
         proc.kill()

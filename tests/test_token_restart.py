@@ -66,3 +66,26 @@ async def test_a_reconnect_of_the_same_incarnation_resends_and_tells_nothing(tmp
         assert eb.take("t-unacked", kinds=(p.TransferFailed,)) == []
         assert eb.take("t-acked", kinds=(p.TransferFailed,)) == []
         peer.close()
+
+
+async def test_a_handoffs_relay_is_not_told_as_undelivered_tokens(tmp_sock_dir, engines):
+    """RLD's engine owns the request (it also waits for its tokens) and relays it in a handoff:
+    at the peer's restart its outcome is the handoff's ``handoff_done`` (RLD keeps the output),
+    not a ``transfer_failed`` for the relayed token IDs as well."""
+    async with run_agents(two_site_toml(tmp_sock_dir, plaintext=True), sites=("B",), wait_up=False) as ag:
+        b = ag["B"]
+        eb = await engines.connect(tmp_sock_dir / "B.sock", "rld")
+        caps = ("kv.v1", "tokens.v1", "abort.v1", "handoff.v1")
+        peer, _ = await hello(b.wan_address[1], incarnation=77, capabilities=caps)
+        await eb.expect_tokens("h1")
+        await eb.handoff_rld("h1", "A")
+        await eb.handoff_tokens("h1", [11, 12])
+        seen = await peer.until(FrameType.TOKENS)
+        assert seen[-1] is not None and seen[-1][1].handoff, seen
+        peer.close()
+        peer, _ = await hello(b.wan_address[1], incarnation=78, capabilities=caps)
+        done = await eb.wait("h1", kinds=(p.HandoffDone,), timeout=10)
+        assert (done.owner, done.reason) == ("RLD", "md_failed")
+        assert await eb.send_tokens("other", "A", [1]) == 0  # by its reply every earlier event is here
+        assert eb.take("h1", kinds=(p.TransferFailed,)) == []
+        peer.close()

@@ -96,14 +96,14 @@ class FleetPeering:
     """``new_session(peer, index)`` makes, adds and starts a session (the agent's);
     ``busy()`` names the peers with anything open (transfers, token streams, handoffs);
     ``forget(key)`` drops a closed session's per-peer metric series (their labels would grow
-    with every member ever met); ``on_retire(session, why)`` tells the engines whose relayed
+    with every member ever met); ``on_retire(session, why, code)`` tells the engines whose relayed
     tokens to a dropped session were not acknowledged. ``tls``: this agent authenticates its
     peers (set at start): a member must then have registered a certificate."""
 
     def __init__(self, config: Config, peers: "Peers", membership: Membership, metrics: FleetMetrics, *,
                  new_session: Callable[[Peer, int], "PeerSession"], busy: Callable[[], set[str]],
                  log, forget: Callable[[str], None] = lambda key: None,
-                 on_retire: Callable[["PeerSession", str], None] = lambda s, why: None) -> None:
+                 on_retire: Callable[["PeerSession", str, int], None] = lambda s, why, code: None) -> None:
         self.config = config
         self.fleet = config.fleet
         self.peers = peers
@@ -304,7 +304,7 @@ class FleetPeering:
         acknowledged are told now, as when a session is dropped here."""
         self.metrics.closed.labels(reason="dropped_by_peer").inc()
         limited(self, self.log.warning, "fleet member kept nothing of the session: nothing resumed", peer=s.key)
-        self.on_retire(s, why)
+        self.on_retire(s, why, ErrorCode.PEER_UNREACHABLE)
 
     def _declined(self, s: "PeerSession") -> None:
         """Dialer side: the listener resumed session ``s``, which is new here (this agent dropped
@@ -369,7 +369,7 @@ class FleetPeering:
         self.metrics.sessions.set(len(self.lazy))
         limited(self, self.log.info, "fleet session closed", peer=s.key, reason=reason)
         why = why or f"the session with {s.key} was closed ({reason})"
-        self.on_retire(s, why)
+        self.on_retire(s, why, code)
         goodbye = "idle" if reason == "idle" and FLEET_CAPABILITY in (s.remote_caps or ()) else "shutdown"
 
         async def end() -> None:

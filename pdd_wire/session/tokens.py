@@ -124,12 +124,16 @@ class TokenRelay:
 
     def clear(self) -> None:
         """The peer restarted: its streams are gone, and so are ours to it."""
-        self.tok_out.clear()
+        self.drop_out()
         self.tok_in.clear()
+        self._release_held(list(self.held), "unowned")
+
+    def drop_out(self) -> None:
+        """Our streams to the peer are gone (their engines were told): nothing of them is resent."""
+        self.tok_out.clear()
         self.ready.clear()
         self.backlog = 0
         self._unwatch()
-        self._release_held(list(self.held), "unowned")
 
     def close(self) -> None:
         """The session ends: nothing is held any more."""
