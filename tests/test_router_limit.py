@@ -73,11 +73,12 @@ class Engine:
 
 
 @contextlib.asynccontextmanager
-async def _setup(max_inflight: int = 2):
+async def _setup(max_inflight: int = 2, body_s: float = 30.0):
     engine = Engine()
     async with serving(engine.app()) as url:
         cfg = rcfg.RouterConfig(listen=rcfg.Listen(address="127.0.0.1:0"),
-                                request=rcfg.Request(deadline_s=120, connect_s=10, max_inflight=max_inflight),
+                                request=rcfg.Request(deadline_s=120, connect_s=10, max_inflight=max_inflight,
+                                                     body_s=body_s),
                                 pools=rcfg.Pools(P=[rcfg.Member(url=url, site="A")],
                                                  MD=[rcfg.Member(url=url, site="B")]),
                                 choice=rcfg.Choice(ask_agent=False))
@@ -162,6 +163,29 @@ async def test_a_client_gone_mid_stream_gives_its_slot_back():
         for status, text, _ in await asyncio.gather(stays, after):
             assert status == 200 and text.rstrip().endswith("data: [DONE]"), (status, text)
         await until(lambda: _inflight(router) == 0, WAIT_S, "every slot given back")
+
+
+async def test_a_trickled_body_is_408_and_gives_its_slot_back():
+    """A client that sends its headers and then a byte of its body holds the one slot only for
+    ``request.body_s``: then 408 naming it, its connection closed, and the slot serves the next."""
+    async with _setup(max_inflight=1, body_s=0.5) as (router, engine), aiohttp.ClientSession() as s:
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        try:
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")
+            await until(lambda: _inflight(router) == 1, WAIT_S, "the trickling request in its slot")
+            async with asyncio.timeout(WAIT_S):
+                answer = await reader.read()  # to the end: the router closes the connection
+        finally:
+            writer.close()
+        head, _, text = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), answer
+        assert b"request.body_s" in text and b"0.5 s" in text, answer
+        await until(lambda: _inflight(router) == 0, WAIT_S, "the slot given back")
+        engine.release.set()
+        status, text, _ = await _ask(s, router)
+        assert status == 200, (status, text)
+        assert engine.decodes == 1  # the trickled request reached no upstream
 
 
 async def test_a_cancelled_or_failing_handler_gives_its_slot_back():

@@ -83,6 +83,10 @@ class Request(msgspec.Struct, **_cfg):
     to ``/v1/models``."""
     prefill_lease_s: float | None = None
     """``lease_s`` asked of prefill (how long its KV waits for decode); None = the connector's."""
+    body_s: float = 30.0
+    """A client's request body must have arrived this long after its headers (at most
+    ``deadline_s``); else 408 and the connection is closed (a trickled body would hold a slot of
+    ``max_inflight``)."""
     max_inflight: int = 1024
     """Client requests to ``/v1/completions`` and ``/v1/chat/completions`` in flight at once,
     from their arrival to the last byte of their answer. One more is answered ``503`` at once
@@ -199,7 +203,7 @@ def _check_url(url: str, key: str) -> None:
 
 def validate(cfg: RouterConfig) -> RouterConfig:
     parse_hostport(cfg.listen.address, "listen.address")
-    for key in ("deadline_s", "connect_s"):
+    for key in ("deadline_s", "connect_s", "body_s"):
         if not getattr(cfg.request, key) > 0:
             raise ConfigError(f"request.{key}", f"must be > 0, got {getattr(cfg.request, key)}")
     if cfg.request.prefill_lease_s is not None and not cfg.request.prefill_lease_s > 0:

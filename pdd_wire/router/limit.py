@@ -94,6 +94,7 @@ class Inflight:
                                    f"(request.max_inflight); retry after {RETRY_AFTER_S} s",
                               "ServiceUnavailableError")
         resp.headers["Retry-After"] = str(RETRY_AFTER_S)
+        resp.force_close()  # its body is not read: the connection ends with the answer
         return resp
 
     async def _write(self, request: web.Request, resp: web.StreamResponse, t0: float) -> None:

@@ -244,8 +244,14 @@ class Router:
         return await self._inflight.run(request, "/v1/chat/completions", self._serve)
 
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
+        limit = min(self.cfg.request.body_s, self.cfg.request.deadline_s)
         try:
-            body = await request.json(loads=self._decoder.decode)
+            async with asyncio.timeout(limit):  # a trickled body holds a slot (request.max_inflight)
+                body = await request.json(loads=self._decoder.decode)
+        except TimeoutError:
+            resp = error_response(408, f"the request body did not arrive within {limit:g} s (request.body_s)")
+            resp.force_close()
+            return resp
         except (ValueError, msgspec.DecodeError) as exc:
             return error_response(400, f"the body is not JSON: {exc}")
         if not isinstance(body, dict):
