@@ -112,7 +112,7 @@ class Relay:
 
 @contextlib.asynccontextmanager
 async def pair(tmp, etcd, cluster, *, b_heartbeat_s: float = 0.2, b_timeouts: str = "",
-               b_fleet: str = "dial_wait_s = 1", a_static: bool = False):
+               b_fleet: str = "dial_wait_s = 1", a_static: bool = False, a_fleet: str = "dial_wait_s = 30"):
     """a1 and b1, b1 registered behind a :class:`Relay`; yields (a1, b1, relay, engines).
     ``a_static``: a1 also lists b1 (at the relay) among its ``[[peers]]``, b1 knows a1 from etcd."""
     engines = Engines()
@@ -121,7 +121,10 @@ async def pair(tmp, etcd, cluster, *, b_heartbeat_s: float = 0.2, b_timeouts: st
     relay = await Relay(b_port).start()
     try:
         static = f'[[peers]]\nsite = "B"\nnode = "b1"\naddress = "127.0.0.1:{relay.port}"\n' if a_static else ""
-        a = Agent(cfgmod.loads(fleet_toml(tmp, "A", "a1", etcd.endpoints, cluster, lease_ttl_s=30) + static))
+        # a1's dial_wait_s outlasts the declines of a loaded run: a session a1 opened (knocked) and
+        # declined until then would be dropped as dial_timeout, with no need left to open another.
+        a = Agent(cfgmod.loads(fleet_toml(tmp, "A", "a1", etcd.endpoints, cluster, lease_ttl_s=30, fleet=a_fleet)
+                               + static))
         await a.start()
         started.append(a)
         b = Agent(cfgmod.loads(fleet_toml(tmp, "B", "b1", etcd.endpoints, cluster, port=b_port, lease_ttl_s=30,
