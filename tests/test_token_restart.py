@@ -3,13 +3,15 @@ them hears it (``transfer_failed``, transfer id 0, direction out, PEER_RESTARTED
 request ends with an outcome; acknowledged streams and a plain reconnect tell nothing.
 
 A real in-process agent (site B) and a raw peer of tests/support playing A/a1, which reads
-TOKENS and acknowledges only what the test says (proto/transfer.md §12, handshake.md §6).
+TOKENS and acknowledges only what the test says (proto/transfer.md §12, handshake.md §6); for
+the dialer's side, two real agents, B stopped and started again.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+from conftest import until
 from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
 from pdd_wire.wire import FrameType
@@ -89,3 +91,27 @@ async def test_a_handoffs_relay_is_not_told_as_undelivered_tokens(tmp_sock_dir, 
         assert await eb.send_tokens("other", "A", [1]) == 0  # by its reply every earlier event is here
         assert eb.take("h1", kinds=(p.TransferFailed,)) == []
         peer.close()
+
+
+async def test_the_dialer_of_a_restarted_peer_tells_its_engine_too(tmp_sock_dir, engines):
+    """The other side of the handshake: A dials B. B stops while A's engine relays to it; a new B
+    (a new incarnation) answers A's next dial, and A's engine hears of the token IDs the old one
+    never acknowledged."""
+    tomls = two_site_toml(tmp_sock_dir, plaintext=True)
+    async with run_agents(tomls, sites=("A",), wait_up=False) as ag:
+        a = ag["A"]
+        ea = await engines.connect(tmp_sock_dir / "A.sock", "p")
+        async with run_agents(tomls, sites=("B",), wait_up=False) as first:
+            await until(lambda: a.peers.get("B/b1").is_up, 10, "A's session with the first B")
+            old = a.peers.get("B/b1").remote_incarnation
+            assert await ea.send_tokens("t-acked", "B", [1, 2]) == 0
+            await until(lambda: not a.peers.get("B/b1").tokens.backlog, 10, "acknowledged by the first B")
+            assert first["B"].incarnation == old
+        assert await ea.send_tokens("t-unacked", "B", [3, 4]) == 0  # the first B is gone: never acknowledged
+        async with run_agents(tomls, sites=("B",), wait_up=False) as second:
+            failed = await ea.wait("t-unacked", kinds=(p.TransferFailed,), timeout=20)
+            assert (failed.transfer_id, failed.peer, failed.direction, failed.code) == (
+                0, "B/b1", "out", ErrorCode.PEER_RESTARTED), failed
+            assert a.peers.get("B/b1").remote_incarnation == second["B"].incarnation != old
+            assert await ea.send_tokens("t-unacked", "B", [5]) == 0  # a new stream
+            assert ea.take("t-acked", kinds=(p.TransferFailed,)) == []
