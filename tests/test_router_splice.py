@@ -292,6 +292,39 @@ async def test_a_silent_rld_is_a_failed_one(agents, http, fault):
     assert MD.streams()[0].body["prompt"] == PROMPT + OUT[:k]
 
 
+async def test_rld_silence_is_no_failure_where_md_cannot_take_over(agents, http):
+    """MD's warm request failed (RLD keeps the request): RLD pausing past ``rld_silent_s`` is only
+    slow, and finishes the output (bounded by the deadline alone)."""
+    go = asyncio.Event()
+    async with fakes(MODEL, RLD=Script(hold={6: go}), MD=Script(warm_ok=False)) as (P, RLD, MD), \
+            router(agents, P, RLD, MD, deadline_s=60, min_rld_tokens=30, rld_silent_s=0.3) as r:
+        got = asyncio.ensure_future(stream(http, r.url, body()))
+        await until(lambda: sample(r, "pddwire_router_fallbacks_total", kind="md_failed") == 1, 20, "MD failed")
+        await asyncio.sleep(1.0)  # RLD silent for over 3 x rld_silent_s (longer on a loaded machine)
+        go.set()
+        chunks = await got
+        assert outcomes(r) == {"md_failed": 1}
+        assert sample(r, "pddwire_router_fallbacks_total", kind="rld_failed") == 0
+    same_stream(chunks, await single(body()))
+
+
+@pytest.mark.parametrize("pos", [4, 6])
+async def test_the_router_not_reading_rld_at_its_cap_is_not_rld_silence(agents, http, pos):
+    """At ``max_rld_tokens`` the router reads no more of RLD until MD holds the KV: MD's warm
+    request held past ``rld_silent_s`` is no failure of RLD's; the switch happens."""
+    gate = asyncio.Event()
+    async with fakes(MODEL, MD=Script(warm_gate=gate)) as (P, RLD, MD), \
+            router(agents, P, RLD, MD, pos=pos, deadline_s=60, rld_silent_s=0.3) as r:
+        got = asyncio.ensure_future(stream(http, r.url, body()))
+        await until(lambda: sample(r, "pddwire_router_output_tokens_total", pool="RLD") == pos, 20, "RLD at its cap")
+        await asyncio.sleep(1.0)
+        gate.set()
+        chunks = await got
+        assert outcomes(r) == {"switched": 1}
+        assert sample(r, "pddwire_router_fallbacks_total", kind="rld_failed") == 0
+    same_stream(chunks, await single(body()))
+
+
 @pytest.mark.parametrize("at", [0, 6])
 async def test_rld_failing_while_md_failed_ends_in_one_error(agents, http, at):
     """MD's warm request failed (RLD keeps the request), then RLD sends an error event: nothing

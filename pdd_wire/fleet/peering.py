@@ -140,9 +140,11 @@ class FleetPeering:
         # join (back after a leave: re-registered) or update
         entry.unlisted = False
         want = peer_of(record, self.config.site)
+        restarted = record.incarnation != entry.incarnation and record.incarnation != s.remote_incarnation
         if (want.address, want.transport) != (s.peer.address, s.peer.transport):
-            self._retire(entry, "moved", f"peer {s.key} moved to {record.wan}")
-        elif record.incarnation != entry.incarnation and record.incarnation != s.remote_incarnation:
+            self._retire(entry, "moved", f"peer {s.key} moved to {record.wan}",
+                         ErrorCode.PEER_RESTARTED if restarted else ErrorCode.PEER_UNREACHABLE)
+        elif restarted:
             self._retire(entry, "restarted", f"peer {s.key} restarted (a new incarnation registered)",
                          ErrorCode.PEER_RESTARTED)
         elif want.fingerprint != s.peer.fingerprint:

@@ -174,13 +174,14 @@ class Handoff:
                         if nxt is None:
                             nxt = asyncio.ensure_future(anext(events, None))
                         waits.append(nxt)
-                    reading = nxt is not None and not nxt.done()  # RLD's silence counts while it is read
+                    # RLD's silence counts while it is read, and only while MD could take over.
+                    reading = nxt is not None and not nxt.done() and not self.stay
                     limit = min((x for x in (self._wait_limit(), heard + silent - time.monotonic() if reading
                                              else None) if x is not None), default=None)
                     await asyncio.wait(waits, timeout=None if limit is None else max(0.0, limit),
                                        return_when=asyncio.FIRST_COMPLETED)
                     if nxt is None or not nxt.done():
-                        if nxt is not None and time.monotonic() - heard >= silent:
+                        if reading and not self.stay and time.monotonic() - heard >= silent:
                             return self._silent()
                         continue
                     try:
@@ -203,7 +204,7 @@ class Handoff:
                     await asyncio.gather(nxt, return_exceptions=True)
 
     def _silent(self) -> TimeoutError:
-        return TimeoutError(f"RLD {self.rld.url} sent no token for {self.cfg.rld_silent_s} s (handoff.rld_silent_s)")
+        return TimeoutError(f"RLD {self.rld.url} sent nothing for {self.cfg.rld_silent_s} s (handoff.rld_silent_s)")
 
     def _capped(self) -> bool:
         return self.cfg.max_rld_tokens is not None and len(self.out.ids) >= self.cfg.max_rld_tokens

@@ -94,7 +94,7 @@ class Inflight:
                                    f"(request.max_inflight); retry after {RETRY_AFTER_S} s",
                               "ServiceUnavailableError")
         resp.headers["Retry-After"] = str(RETRY_AFTER_S)
-        resp.force_close()  # its body is not read: the connection ends with the answer
+        resp.force_close()  # no keep-alive: the connection ends after the answer (the router never reads the body)
         return resp
 
     async def _write(self, request: web.Request, resp: web.StreamResponse, t0: float) -> None:

@@ -244,13 +244,16 @@ class Router:
         return await self._inflight.run(request, "/v1/chat/completions", self._serve)
 
     async def _serve(self, request: web.Request, path: str) -> web.StreamResponse:
+        ends = asyncio.get_running_loop().time() + self.cfg.request.deadline_s  # the body's time counts
         limit = min(self.cfg.request.body_s, self.cfg.request.deadline_s)
         try:
             async with asyncio.timeout(limit):  # a trickled body holds a slot (request.max_inflight)
                 body = await request.json(loads=self._decoder.decode)
         except TimeoutError:
-            resp = error_response(408, f"the request body did not arrive within {limit:g} s (request.body_s)")
-            resp.force_close()
+            log.info("router_body_timeout", path=path, body_s=limit)
+            resp = error_response(408, f"the request body did not arrive within {limit:g} s (request.body_s)",
+                                  "RequestTimeoutError")
+            resp.force_close()  # no keep-alive (aiohttp drains what still comes, holding no slot)
             return resp
         except (ValueError, msgspec.DecodeError) as exc:
             return error_response(400, f"the body is not JSON: {exc}")
@@ -264,7 +267,7 @@ class Router:
         req = Req(request, path, body, f"rtr-{uuid.uuid4().hex[:16]}", Trace("none"), read=read)
         trace, rid = req.trace, req.rid
         outcome = "error"
-        deadline = asyncio.timeout(self.cfg.request.deadline_s)
+        deadline = asyncio.timeout_at(ends)
         try:
             async with deadline:
                 await self._chooser.choose(req)
