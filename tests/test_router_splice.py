@@ -298,13 +298,8 @@ async def test_rld_silence_is_no_failure_where_md_cannot_take_over(agents, http)
     go = asyncio.Event()
     async with fakes(MODEL, RLD=Script(hold={6: go}), MD=Script(warm_ok=False)) as (P, RLD, MD), \
             router(agents, P, RLD, MD, deadline_s=60, min_rld_tokens=30, rld_silent_s=0.3) as r:
-        got = asyncio.ensure_future(stream(http, r.url, body()))
-        await until(lambda: sample(r, "pddwire_router_fallbacks_total", kind="md_failed") == 1, 20, "MD failed")
-        await asyncio.sleep(1.0)  # RLD silent for over 3 x rld_silent_s (longer on a loaded machine)
-        go.set()
-        chunks = await got
-        assert outcomes(r) == {"md_failed": 1}
-        assert sample(r, "pddwire_router_fallbacks_total", kind="rld_failed") == 0
+        chunks = await _paused(r, http, lambda: sample(r, "pddwire_router_fallbacks_total", kind="md_failed") == 1,
+                               "MD failed", go, "md_failed")
     same_stream(chunks, await single(body()))
 
 
@@ -315,14 +310,23 @@ async def test_the_router_not_reading_rld_at_its_cap_is_not_rld_silence(agents, 
     gate = asyncio.Event()
     async with fakes(MODEL, MD=Script(warm_gate=gate)) as (P, RLD, MD), \
             router(agents, P, RLD, MD, pos=pos, deadline_s=60, rld_silent_s=0.3) as r:
-        got = asyncio.ensure_future(stream(http, r.url, body()))
-        await until(lambda: sample(r, "pddwire_router_output_tokens_total", pool="RLD") == pos, 20, "RLD at its cap")
-        await asyncio.sleep(1.0)
-        gate.set()
-        chunks = await got
-        assert outcomes(r) == {"switched": 1}
-        assert sample(r, "pddwire_router_fallbacks_total", kind="rld_failed") == 0
+        chunks = await _paused(r, http, lambda: sample(r, "pddwire_router_output_tokens_total", pool="RLD") == pos,
+                               "RLD at its cap", gate, "switched")
     same_stream(chunks, await single(body()))
+
+
+async def _paused(r: Router, http: aiohttp.ClientSession, reached, what: str, release: asyncio.Event,
+                  outcome: str) -> list[dict]:
+    """A streamed request, paused once ``reached`` holds for over 3 x ``rld_silent_s`` (0.3 s;
+    longer on a loaded machine) until ``release``; it ends ``outcome``, no RLD failure counted."""
+    got = asyncio.ensure_future(stream(http, r.url, body()))
+    await until(reached, 20, what)
+    await asyncio.sleep(1.0)
+    release.set()
+    chunks = await got
+    assert outcomes(r) == {outcome: 1}
+    assert sample(r, "pddwire_router_fallbacks_total", kind="rld_failed") == 0
+    return chunks
 
 
 @pytest.mark.parametrize("at", [0, 6])
