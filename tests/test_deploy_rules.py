@@ -1,13 +1,14 @@
-"""deploy/prometheus/pdd-wire.rules.yml, the alerting rules an operator loads as they are: each
-metric they name is one a running agent (a fleet member, so its fleet metrics too) or router
-exports, with the labels the rules select and group by; and every alert of docs/operator.md's
-table is among them.
+"""deploy/prometheus/pdd-wire.rules.yml (the alerting rules) and deploy/grafana/pdd-wire.json
+(the dashboard), loaded by an operator as they are: each metric they name is one a running agent
+(a fleet member, so its fleet metrics too) or router exports, with the labels they select and
+group by; and every alert of docs/operator.md's table is among the rules.
 
 A real fleet agent (one etcd member) and a real router, their ``/metrics`` read over HTTP.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -23,9 +24,11 @@ from test_fleet import fleet_toml
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "pdd-wire.rules.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "pdd-wire.json"
 METRIC = re.compile(r"\b(pddwire_[a-z0-9_]+)(\{[^}]*\})?")
 BY = re.compile(r"\bby \(([^)]*)\)")
 PROMETHEUS_LABELS = {"instance", "job"}  # added by the scrape
+HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 
 
 def rules() -> list[dict[str, str]]:
@@ -65,7 +68,7 @@ async def _scrape(url: str) -> str:
         return await r.text()
 
 
-async def test_every_metric_the_rules_name_is_exported_with_their_labels(tmp_sock_dir, etcd):
+async def test_every_metric_the_rules_and_the_dashboard_name_is_exported_with_their_labels(tmp_sock_dir, etcd):
     agent = Agent(cfgmod.loads(fleet_toml(tmp_sock_dir, "A", "a1", etcd.endpoints, "rules", lease_ttl_s=30)))
     await agent.start()
     router = await Router(rcfg.validate(rcfg.RouterConfig(
@@ -74,34 +77,50 @@ async def test_every_metric_the_rules_name_is_exported_with_their_labels(tmp_soc
                          MD=[rcfg.Member(url="http://127.0.0.1:9", site="B")])))).start()
     try:
         assert agent.admin is not None and agent.admin.address
-        agent_page = await _scrape(f"http://{agent.admin.address}/metrics")
-        router_page = await _scrape(f"{router.url}/metrics")
+        pages = {"agent": (exported(await _scrape(f"http://{agent.admin.address}/metrics")), agent),
+                 "router": (exported(await _scrape(f"{router.url}/metrics")), router)}
     finally:
         await router.stop()
         await agent.shutdown(0)
-    pages = {"pdd-wire-agent": exported(agent_page), "pdd-wire-router": exported(router_page)}
     alerts = rules()
-    assert {a["group"] for a in alerts} == set(pages)
+    assert {a["group"] for a in alerts} == {"pdd-wire-agent", "pdd-wire-router"}
     for a in alerts:
         assert a["severity"] in ("critical", "warning", "info") and a["summary"], a
-        expr = a["expr"]
-        if expr.startswith("up{"):  # the scrape itself
+        if a["expr"].startswith("up{"):  # the scrape itself
             assert a["for"] == "1m", a
             continue
-        found = pages[a["group"]]
-        named = METRIC.findall(expr)
-        assert named, a
-        for name, _ in named:
-            assert name in found, f"{a['alert']}: {name} is not on the {a['group']}'s /metrics page"
-        # Labels the rule selects or groups by: the metric's own, or the scrape's.
-        labels = set(re.findall(r"([a-z_]+)\s*[!=]~?\"", "".join(s for _, s in named)))
-        for by in BY.findall(expr):
-            labels |= {x.strip() for x in by.split(",")}
-        have = set().union(*(found[n] for n, _ in named)) | PROMETHEUS_LABELS
+        _check(a["alert"], a["expr"], pages)
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [(p["title"], t["expr"]) for p in dash["panels"] for t in p.get("targets", ())]
+    exprs += [(v["name"], v["query"]) for v in dash["templating"]["list"] if v["type"] == "query"]
+    assert len(exprs) >= 20 and dash["uid"] == "pdd-wire"
+    for title, expr in exprs:
+        _check(title, expr, pages)
+
+
+def _check(what: str, expr: str, pages: dict) -> None:
+    """Every metric ``expr`` names is on its exporter's page (the router's ``pddwire_router_*``,
+    the agent's the rest), and every label it selects or groups by is the metric's own or the
+    scrape's."""
+    named = METRIC.findall(expr)
+    assert named, (what, expr)
+    families = []
+    for name, _ in named:
+        found, owner = pages["router" if name.startswith("pddwire_router_") else "agent"]
+        family = next((name.removesuffix(x) for x in HISTOGRAM_SERIES
+                       if name.endswith(x) and name.removesuffix(x) in found), name)
+        assert family in found, f"{what}: {name} is not on the /metrics page of {type(owner).__name__}"
+        families.append((family, found, owner, family != name))
+    labels = set(re.findall(r"([a-z_]+)\s*[!=]~?\"", "".join(sel for _, sel in named)))
+    for by in BY.findall(expr):
+        labels |= {x.strip() for x in by.split(",")}
+    labels |= set(re.findall(r"label_values\([a-z0-9_]+, ([a-z_]+)\)", expr))
+    have = set(PROMETHEUS_LABELS)
+    for family, found, owner, histogram in families:
         # A metric with labels shows them only once a child exists: those not shown yet are
-        # checked against the metric's declared labels (prometheus_client's collectors).
-        declared = _declared(agent if a["group"] == "pdd-wire-agent" else router, [n for n, _ in named])
-        assert labels <= have | declared, f"{a['alert']}: labels {sorted(labels - have - declared)} unknown"
+        # taken from the metric's declared labels (prometheus_client's collector).
+        have |= found[family] | _declared(owner, [family]) | ({"le"} if histogram else set())
+    assert labels <= have, f"{what}: labels {sorted(labels - have)} unknown in {expr}"
 
 
 def _declared(owner, names: list[str]) -> set[str]:
