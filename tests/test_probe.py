@@ -7,6 +7,7 @@ must report the configured rate within 10%.
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 
 import pytest
@@ -109,3 +110,15 @@ async def test_pipeline_choice_follows_the_live_link_estimate(mbit, pipeline):
         assert d["predicted_wan_s"] == pytest.approx(est["seconds"], rel=0.2)
         # The estimate is the measured link, not a default (its accuracy is the bench's probe figures).
         assert 0.5 * mbit * 1e6 / 8 < est["bandwidth_Bps"] < 1.2 * mbit * 1e6 / 8
+
+
+@pytest.mark.root
+def test_bench_json_prints_the_figures_only():
+    """``scripts/bench --json``: stdout is one JSON figure a line, to be piped as it is; the
+    harness's log lines (the shaper's, the network namespaces' "sites up") go to stderr."""
+    out = subprocess.run([sys.executable, "-m", "pdd_tools", "bench", "--json", "--only", "probe", "--quick"],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    figs = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(figs) >= 3 and all({"figure", "value", "unit"} <= set(f) for f in figs), out.stdout
+    assert "sites up" in out.stderr and "Traceback" not in out.stderr, out.stderr

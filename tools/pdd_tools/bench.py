@@ -7,6 +7,7 @@ line: ``figure``, ``value``, ``unit`` and, where a baseline exists, ``baseline``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -111,8 +112,9 @@ async def _shaper_figures(figs: "Figures") -> None:
     from .shaper import Shaper
 
     async def echo(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while data := await reader.read(1 << 16):
-            writer.write(data)
+        with contextlib.suppress(ConnectionError):  # the shaper resets it as the figure ends
+            while data := await reader.read(1 << 16):
+                writer.write(data)
         writer.close()
 
     server = await asyncio.start_server(echo, "127.0.0.1", 0)
@@ -387,4 +389,9 @@ async def _run(args) -> int:
 def run_bench(args) -> int:
     import uvloop
 
+    from pdd_wire import log
+
+    # stdout is the figures only (a JSON line each with --json): log lines of the harness (the
+    # network namespaces' "sites up") go to stderr; a group may lower the level for itself.
+    log.configure("info", "console", stream=sys.stderr)
     return uvloop.run(_run(args))

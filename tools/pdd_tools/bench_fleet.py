@@ -201,7 +201,7 @@ async def _rss_watcher(endpoints: list[str], cluster: str, n: int) -> None:
 async def add_figures(figs, quick: bool, sizes: tuple[int, ...] = (100, 1000), watchers: int = 100) -> None:
     from pdd_wire import log
 
-    log.configure("warning", "console")  # a line per registration otherwise
+    log.configure("warning", "console", stream=sys.stderr)  # a line per registration otherwise
     probes = 20 if quick else 50
     steady = 12.0 if quick else 30.0
     async with EtcdCluster(1) as etcd:
