@@ -137,7 +137,7 @@ async def _probe_figures(figs: "Figures", quick: bool) -> None:
     from .harness import ADMIN, NetnsAgents
 
     if os.geteuid() != 0:
-        print("# probe figures left out: network namespaces need root")
+        print("# probe figures left out: network namespaces need root", file=sys.stderr)
         return
     rate_bps = 1_000_000_000
     async with NetnsAgents("pddwb", rate_bps=rate_bps, admin=True, streams=4) as net:
@@ -294,7 +294,7 @@ async def _compress_figures(figs: "Figures", quick: bool) -> None:
     for row in await asyncio.to_thread(bench_compress.run, data, 5 if quick else 20, 1.0):
         figs.add(row["figure"], row["value"], row["unit"], note=row.get("note", ""))
     if os.geteuid() != 0:
-        print("# lz4 goodput through the agents left out: network namespaces need root")
+        print("# lz4 goodput through the agents left out: network namespaces need root", file=sys.stderr)
         return
     sample = (data / "kv_llama_tiny_bf16.bin").read_bytes()
     size = 16 * MiB if quick else 32 * MiB

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable
 
@@ -298,7 +299,7 @@ class Baselines:
 def baselines(figs, quick: bool) -> Baselines:
     base = Baselines(quick)
     if base.iperf3 is None:
-        print("# iperf3 not found: goodput ratios against it are left out (apt-get install iperf3)")
+        print("# iperf3 not found: goodput ratios against it are left out (apt-get install iperf3)", file=sys.stderr)
     base.round(64 * MiB)
     hot = bare_pipe_goodput(MiB, reps=1024 if quick else 4096)
     figs.add("bare_pipe_hot_1MiB", hot, "GB/s", "iperf3 -l 1M", base.iperf3,
@@ -421,7 +422,8 @@ async def placed_latency_figures(figs, quick: bool, gbps: float, ratio: float) -
     agents' transfers and token ratio in this run, for the note."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
-        print("# one CPU: token_latency_under_load_p99_placed needs two (cpus.main apart from cpus.bulk)")
+        print("# one CPU: token_latency_under_load_p99_placed needs two (cpus.main apart from cpus.bulk)",
+              file=sys.stderr)
         return
     layout, engines, how = placed_layout(cpus)
     before = os.sched_getaffinity(0)

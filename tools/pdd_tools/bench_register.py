@@ -21,6 +21,7 @@ import argparse
 import asyncio
 import json
 import os
+import sys
 import time
 
 import aiohttp
@@ -127,7 +128,8 @@ async def add_figures(figs, quick: bool) -> None:
                  note=row["note"])
     if left:
         print(f"# register: {', '.join(f'{g} GiB' for g in left)} left out: {avail / GiB:.1f} GiB available "
-              f"(a pool must fit in 60% of it); the largest measured is {max(sizes, default=0)} GiB", flush=True)
+              f"(a pool must fit in 60% of it); the largest measured is {max(sizes, default=0)} GiB", file=sys.stderr,
+              flush=True)
 
 
 def _mem_available() -> int:

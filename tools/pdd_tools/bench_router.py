@@ -267,7 +267,7 @@ async def add_figures(figs, quick: bool) -> None:
     """``scripts/bench --only router`` (needs the vLLM venv that scripts/vllm-env builds)."""
     why = missing()
     if why:
-        print(f"# router figures left out: {why} (run scripts/vllm-env)", flush=True)
+        print(f"# router figures left out: {why} (run scripts/vllm-env)", file=sys.stderr, flush=True)
         return
     # The agents and the router run in this process: their logs go to stderr, never into the
     # figures on stdout (--json); info, for the handoff stalls read from the router's log lines.

@@ -155,7 +155,8 @@ async def _profile(figs, pair: AgentPair, goodput: GoodputFn, ea: EngineClient, 
     size, _, conc = bench_ucx.PLANS["4MiB"]
     spy = _py_spy()
     if spy is None:
-        print("# ucx_agent_profile_4MiB left out: py-spy is not installed (.venv/bin/pip install py-spy)")
+        print("# ucx_agent_profile_4MiB left out: py-spy is not installed (.venv/bin/pip install py-spy)",
+              file=sys.stderr)
         return
     keep = os.environ.get("BENCH_PROFILE_DIR")
     with tempfile.TemporaryDirectory() as scratch:
@@ -176,7 +177,8 @@ async def _profile(figs, pair: AgentPair, goodput: GoodputFn, ea: EngineClient, 
                 with open(f"{tmp}/{name}.txt") as f:
                     total, per = categorize(f.read())
             except OSError:
-                print(f"# ucx_agent_profile_4MiB_{name} left out: py-spy wrote nothing (it needs ptrace)")
+                print(f"# ucx_agent_profile_4MiB_{name} left out: py-spy wrote nothing (it needs ptrace)",
+                      file=sys.stderr)
                 continue
             cpu_ms = used[name] / count * 1e3
             gil_ms = total / RATE / count * 1e3
@@ -195,7 +197,7 @@ async def add_figures(figs, quick: bool, goodput: GoodputFn = bench_goodput.good
 
     ok, why = ucx.available()
     if not ok:
-        print(f"# UCX figures left out: {why}")
+        print(f"# UCX figures left out: {why}", file=sys.stderr)
         return
     rounds, inner, cut = (2, 3, 4) if quick else (3, 5, 1)
     plans = bench_ucx.PLANS

@@ -25,6 +25,7 @@ import json
 import math
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -152,7 +153,7 @@ async def add_figures(figs, quick: bool) -> None:
     venv that scripts/vllm-env builds)."""
     why = missing()
     if why:
-        print(f"# vllm figures left out: {why} (run scripts/vllm-env)", flush=True)
+        print(f"# vllm figures left out: {why} (run scripts/vllm-env)", file=sys.stderr, flush=True)
         return
     f = await run(quick)
     n = f["vllm_concurrency"]
