@@ -259,6 +259,27 @@ async def test_overlapping_calls_share_one_run():
     await shared.close()
 
 
+async def test_a_shared_run_that_fails_fails_every_caller_once():
+    """A round that raises gives every caller of it that error; the next call runs it afresh."""
+    runs, gate = [], asyncio.Event()
+
+    async def probe() -> int:
+        runs.append(1)
+        await gate.wait()
+        if len(runs) == 1:
+            raise ConnectionError("the member went away")
+        return len(runs)
+
+    shared = Shared(probe)
+    callers = [asyncio.ensure_future(shared()) for _ in range(5)]
+    await until(lambda: runs, WAIT_S, "the round started")
+    gate.set()
+    got = await asyncio.gather(*callers, return_exceptions=True)
+    assert all(isinstance(e, ConnectionError) for e in got) and len(runs) == 1, got
+    assert await shared() == 2
+    await shared.close()
+
+
 def test_the_connection_pool_holds_what_the_requests_in_flight_can():
     assert upstream_limit(2) - upstream_limit(1) == UPSTREAM_PER_REQUEST
     assert upstream_limit(1024) > UPSTREAM_PER_REQUEST * 1024
