@@ -85,7 +85,7 @@ class Request(msgspec.Struct, **_cfg):
     """``lease_s`` asked of prefill (how long its KV waits for decode); None = the connector's."""
     body_s: float = 30.0
     """A client's request body must have arrived this long after its headers (at most
-    ``deadline_s``); else 408 and the connection is closed (a trickled body would hold a slot of
+    ``deadline_s``); else 408, keep-alive off (a trickled body would hold a slot of
     ``max_inflight``)."""
     max_inflight: int = 1024
     """Client requests to ``/v1/completions`` and ``/v1/chat/completions`` in flight at once,
