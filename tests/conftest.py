@@ -1,4 +1,5 @@
 import asyncio
+import itertools
 import os
 import sys
 from pathlib import Path
@@ -15,6 +16,24 @@ log.configure(os.environ.get("PDD_TEST_LOG", "warning"), "console")
 def metric(agent, name: str, **labels) -> float:
     """A sample's value from an agent's registry (0 when it was never set)."""
     return agent.metrics.registry.get_sample_value(name, labels) or 0.0
+
+
+_clusters = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    """A one-member etcd on loopback, one per test module (a module that needs more members, or
+    other flags, defines its own)."""
+    from support.fleet import etcd_cluster
+
+    yield from etcd_cluster(1)
+
+
+@pytest.fixture
+def cluster_name() -> str:
+    """A fleet cluster of its own for each test (its etcd key prefix)."""
+    return f"c{os.getpid()}-{next(_clusters)}"
 
 
 async def until(pred, timeout: float = 10, what: str = "") -> None:

@@ -13,13 +13,11 @@ import re
 from pathlib import Path
 
 import aiohttp
-import pytest
 
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
 from pdd_wire.router import Router
 from pdd_wire.router import config as rcfg
-from support.fleet import etcd_cluster
 from test_fleet import fleet_toml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,11 +64,6 @@ def exported(text: str) -> dict[str, tuple[str, set[str]]]:
         if (m := re.match(r"([a-z0-9_]+)\{([^}]*)\}", line)) and m[1] in names:
             names[m[1]][1].update(kv.split("=")[0] for kv in m[2].split(",") if kv)
     return names
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    yield from etcd_cluster(1)
 
 
 async def _scrape(url: str) -> str:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import os
 import signal
 import time
@@ -32,18 +31,12 @@ from support.agents import free_port
 from support.fleet import etcd_client, etcd_cluster, spawn_agent
 
 MiB = 1 << 20
-_prefix = itertools.count(1)
 
 
 @pytest.fixture(scope="module")
 def etcd():
     """A three-member etcd cluster on loopback (fails naming the package when etcd is missing)."""
     yield from etcd_cluster(3)
-
-
-@pytest.fixture
-def cluster_name():
-    return f"t{os.getpid()}-{next(_prefix)}"
 
 
 def fleet_toml(tmp, site: str, node: str, endpoints: list[str], cluster: str, *, fleet: str = "",

@@ -23,9 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import itertools
 import math
-import os
 import signal
 
 import msgspec
@@ -45,18 +43,12 @@ from support.fleet import etcd_client, etcd_cluster
 from support.http import serving
 
 MAX_REQUEST = 3072  # this module's etcd refuses requests over 3 KiB (ours are at most 4 KiB + the live record)
-_names = itertools.count(1)
 KIND = web.AppKey("kind", str)
 
 
 @pytest.fixture(scope="module")
 def etcd():
     yield from etcd_cluster(3, extra=["--max-request-bytes", str(MAX_REQUEST)])
-
-
-@pytest.fixture
-def cluster_name():
-    return f"e{os.getpid()}-{next(_names)}"
 
 
 def fleet(etcd_or_endpoints, cluster: str, **kw) -> Fleet:

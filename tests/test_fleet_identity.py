@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import itertools
 import os
 import ssl
 import time
@@ -35,26 +34,13 @@ from pdd_wire.wire import FrameType
 from pdd_wire.wire import messages as m
 from support.agents import free_port, running
 from support.certs import make_pki
-from support.fleet import etcd_client, etcd_cluster
+from support.fleet import etcd_client
 from support.raw_peer import RawPeer
 
 MiB = 1 << 20
-_prefix = itertools.count(1)
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    yield from etcd_cluster(1)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"), ["a1", "b1", "b2", "b3", "x9"])
-
-
-@pytest.fixture
-def cluster_name():
-    return f"id{os.getpid()}-{next(_prefix)}"
 
 
 def toml(tmp, pki, site: str, node: str, *, etcd=None, cluster: str = "", cert: str | None = None,

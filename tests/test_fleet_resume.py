@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
-import os
 import time
 
 import pytest
@@ -32,20 +30,8 @@ from pdd_wire.errors import ErrorCode
 from pdd_wire.fleet.record import member_key
 from pdd_wire.session.dialer import Dialer
 from support.agents import free_port
-from support.fleet import etcd_client, etcd_cluster
+from support.fleet import etcd_client
 from test_fleet import fleet_toml
-
-_prefix = itertools.count(1)
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    yield from etcd_cluster(1)
-
-
-@pytest.fixture
-def cluster_name():
-    return f"r{os.getpid()}-{next(_prefix)}"
 
 
 class Relay:

@@ -22,12 +22,7 @@ from pdd_wire.router.discovery import PoolDiscovery, discovered
 from pdd_wire.router.pools import Pools
 from pdd_wire.router.server import Router
 from support.agents import free_port
-from support.fleet import etcd_client, etcd_cluster, spawn_agent
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    yield from etcd_cluster(1)
+from support.fleet import etcd_client, spawn_agent
 
 
 def agent_toml(tmp, site: str, node: str, endpoints: list[str], engines: list[tuple[str, str]]) -> str:

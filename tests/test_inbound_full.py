@@ -14,8 +14,6 @@ import io
 import json
 import os
 
-import pytest
-
 from conftest import Engines, metric, until
 from pdd_wire import config as cfgmod
 from pdd_wire.agent import Agent
@@ -24,7 +22,6 @@ from pdd_wire.wire import FrameType
 from pdd_wire.wire import messages as m
 from support.agents import cluster_toml, run_agents, running, two_site_toml
 from support.certs import make_pki
-from support.fleet import etcd_cluster
 from support.raw_peer import RawPeer, hello
 from test_fleet_identity import tls_hello, toml
 
@@ -145,11 +142,6 @@ async def test_a_bulk_connection_over_the_limit_is_refused_by_name_at_the_dialer
         s = a1.sessions["B/b1"]
         assert s.is_up and len(s.links) == 1
         assert await s.ping(timeout=5) is not None
-
-
-@pytest.fixture(scope="module")
-def etcd():
-    yield from etcd_cluster(1)
 
 
 async def test_a_knock_into_a_full_listener_is_answered_dial_back(tmp_sock_dir, tmp_path, etcd):

@@ -10,9 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import itertools
 import json
-import os
 import ssl
 
 import pytest
@@ -27,12 +25,11 @@ from pdd_wire.wire import FrameType
 from pdd_wire.wire import messages as m
 from support.agents import free_port, run_agents, two_site_toml
 from support.certs import make_pki
-from support.fleet import etcd_client, etcd_cluster
+from support.fleet import etcd_client
 from support.raw_peer import RawPeer, hello
 from test_fleet_identity import toml
 
 LOOPS = 20
-_cluster = itertools.count(1)
 
 
 
@@ -96,11 +93,6 @@ async def test_the_state_the_held_lines_ended_in_is_written_after_the_period(tmp
 
 # -- a fleet member: every session it opens is a new session object ----------------------------
 @pytest.fixture(scope="module")
-def etcd():
-    yield from etcd_cluster(1)
-
-
-@pytest.fixture(scope="module")
 def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"), ["a1", "b1"])
 
@@ -133,8 +125,9 @@ async def fleet_reopen(port: int, pki) -> None:
     peer.close()
 
 
-async def test_a_fleet_member_reopening_sessions_in_a_loop_is_logged_once(tmp_sock_dir, info_logs, pki, etcd):
-    cluster = f"lines{os.getpid()}-{next(_cluster)}"
+async def test_a_fleet_member_reopening_sessions_in_a_loop_is_logged_once(tmp_sock_dir, info_logs, pki, etcd,
+                                                                        cluster_name):
+    cluster = cluster_name
     async with fleet_b1(tmp_sock_dir, pki, etcd, cluster) as b1:
         record = MemberRecord(site="A", node="a1", incarnation=99, wan=f"127.0.0.1:{free_port()}",
                               fingerprint=cert_fingerprint(str(pki["a1"][0])))
