@@ -21,6 +21,7 @@ from aiohttp import web
 from conftest import until
 from pdd_wire.router import Router
 from pdd_wire.router import config as rcfg
+from pdd_wire.router.core import MAX_DRAINING
 from pdd_wire.router.limit import UPSTREAM_PER_REQUEST, Inflight, Shared, upstream_limit
 from pdd_wire.router.metrics import RouterMetrics
 from support.http import serving
@@ -280,6 +281,9 @@ async def test_a_shared_run_that_fails_fails_every_caller_once():
     await shared.close()
 
 
-def test_the_connection_pool_holds_what_the_requests_in_flight_can():
-    assert upstream_limit(2) - upstream_limit(1) == UPSTREAM_PER_REQUEST
-    assert upstream_limit(1024) > UPSTREAM_PER_REQUEST * 1024
+async def test_the_running_routers_pool_holds_what_its_requests_in_flight_can():
+    """The connector the router really uses is capped, and above what ``max_inflight`` requests
+    (two connections each) and the warm requests left draining hold at once."""
+    async with _setup(max_inflight=3) as (router, _):
+        limit = router.http.connector.limit
+    assert limit == upstream_limit(3) >= UPSTREAM_PER_REQUEST * 3 + MAX_DRAINING
