@@ -176,9 +176,7 @@ class Handoff:
                         waits.append(nxt)
                     # RLD's silence counts while it is read, and only while MD could take over.
                     reading = nxt is not None and not nxt.done() and not self.stay
-                    limit = min((x for x in (self._wait_limit(), heard + silent - time.monotonic() if reading
-                                             else None) if x is not None), default=None)
-                    await asyncio.wait(waits, timeout=None if limit is None else max(0.0, limit),
+                    await asyncio.wait(waits, timeout=self._wait_limit(heard + silent if reading else None),
                                        return_when=asyncio.FIRST_COMPLETED)
                     if nxt is None or not nxt.done():
                         if reading and not self.stay and time.monotonic() - heard >= silent:
@@ -209,10 +207,11 @@ class Handoff:
     def _capped(self) -> bool:
         return self.cfg.max_rld_tokens is not None and len(self.out.ids) >= self.cfg.max_rld_tokens
 
-    def _wait_limit(self) -> float | None:
+    def _wait_limit(self, rld_silent_at: float | None = None) -> float | None:
         """How long RLD's loop may wait before ``_step`` must look again (MD's limits, a load
-        figure's retry); None: until something happens."""
-        ends = []
+        figure's retry, ``rld_silent_at``: when RLD's silence becomes its failure); None: until
+        something happens."""
+        ends = [] if rld_silent_at is None else [rld_silent_at - time.monotonic()]
         if self.warm is not None and not self.warm.done() and not self.stay:
             ends.append(self._md_ready_left())
         if self.absorb is not None and not self.absorb.done() and not self.stay:
