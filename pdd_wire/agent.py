@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import functools
 import ipaddress
 import os
 import random
@@ -192,9 +191,6 @@ class Agent:
         # 2. sessions (they dial or wait to be dialled), the lease audit; 3. ready
         for peer in cfg.peers:
             s = PeerSession(self, peer)
-            # (a fleet listener that knows this agent only from etcd may drop its side: §6 of
-            # proto/handshake.md, the engines of tokens it never acknowledged are told)
-            s.dialer_loop.on_session_lost = functools.partial(self._tokens_undelivered, s)
             self.peers.add(s)
             s.start()
         if self.membership is not None and self.fleet is not None:

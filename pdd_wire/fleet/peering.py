@@ -301,12 +301,11 @@ class FleetPeering:
 
     def _state_lost(self, s: "PeerSession", why: str) -> None:
         """Dialer side: the listener kept nothing of session ``s`` (it dropped its side, idle, down
-        or unreachable, and its WELCOME says ``resumed`` false). The session goes on with a fresh
-        state (the session drops it next); the engines of token IDs relayed to it and not
-        acknowledged are told now, as when a session is dropped here."""
+        or unreachable, and its WELCOME says ``resumed`` false). Counted and logged; the session
+        goes on with a fresh state (it drops the old one next, telling the engines of token IDs
+        relayed to it and not acknowledged, as a restart does)."""
         self.metrics.closed.labels(reason="dropped_by_peer").inc()
         limited(self, self.log.warning, "fleet member kept nothing of the session: nothing resumed", peer=s.key)
-        self.on_retire(s, why, ErrorCode.PEER_UNREACHABLE)
 
     def _declined(self, s: "PeerSession") -> None:
         """Dialer side: the listener resumed session ``s``, which is new here (this agent dropped

@@ -64,8 +64,8 @@ class Dialer:
                  fingerprint: Callable[[], str] = lambda: "",
                  on_session_lost: Callable[[str], None] = lambda why: None) -> None:
         self.connector = connector
-        #: Told (with the reason) before the session's state is dropped: a fleet tells the engines
-        #: of token IDs relayed and not acknowledged (set by :mod:`pdd_wire.fleet.peering`).
+        #: Told (with the reason) before the session's state is dropped (the session tells the
+        #: engines itself): a fleet counts and logs it (set by :mod:`pdd_wire.fleet.peering`).
         self.on_session_lost = on_session_lost
         #: Told when a WELCOME that resumed a session this dialer does not have is declined (the
         #: fleet counts it); ``declines``: how often (at most MAX_DECLINES).

@@ -251,15 +251,14 @@ class PeerSession:
         first = self.remote_incarnation is None
         restarted = not first and self.remote_incarnation != incarnation
         why = (f"peer {self.key} restarted" if restarted else "" if first  # or a dialer's listener kept nothing
-               else self.dialer_loop.session_lost(info, self.key))  # (its engines told there)
+               else self.dialer_loop.session_lost(info, self.key))
         self.control = conn
         self._last_rx = time.monotonic()
         self.peer_goodbye = None
         if why:
             self.lines.line(self.log.warning, "peer restarted or kept no session: failing its transfers", reason=why)
             self.cancel_later.clear()  # it forgot those transfers anyway
-            if restarted:
-                self.host.tokens_lost(self, why, ErrorCode.PEER_RESTARTED)
+            self.host.tokens_lost(self, why, ErrorCode.PEER_RESTARTED if restarted else ErrorCode.PEER_UNREACHABLE)
             self._peer_restarted(why)
         self.remote_incarnation = incarnation
         terms = negotiate(Limits(self.cfg.transfer.chunk_bytes, self.cfg.transfer.credit_bytes,
