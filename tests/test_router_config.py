@@ -82,6 +82,8 @@ def test_the_embedded_default_is_valid_and_fronts_sites_a_and_b():
     (GOOD + "[handoff]\nabsorb_s = 0\n", "handoff.absorb_s", "must be > 0"),
     (GOOD + "[handoff]\nrld_silent_s = 0\n", "handoff.rld_silent_s", "must be > 0, got 0"),
     (GOOD.replace("deadline_s = 30", "deadline_s = 30\nbody_s = 0"), "request.body_s", "must be > 0, got 0"),
+    (GOOD.replace("deadline_s = 30", "deadline_s = 30\nstream_silent_s = 0"), "request.stream_silent_s",
+     "must be > 0, got 0"),
     (GOOD + "[handoff]\ncontinue_s = -1\n", "handoff.continue_s", "must be > 0, got -1"),
     (GOOD.replace("deadline_s = 30", "deadline_s = 30\nmax_inflight = 0"), "request.max_inflight", "must be >= 1"),
     (GOOD.replace("deadline_s = 30", "deadline_s = 30\nmax_inflight = -5"), "request.max_inflight", "must be >= 1"),

@@ -87,6 +87,12 @@ class Request(msgspec.Struct, **_cfg):
     """A client's request body must have arrived this long after its headers (at most
     ``deadline_s``); else 408, keep-alive off (a trickled body would hold a slot of
     ``max_inflight``)."""
+    stream_silent_s: float = 60.0
+    """A streamed answer relayed from one member (P-MD's MD, P-RLD's RLD or P) silent this long
+    after its first event has failed: the client gets a 502 error event and ``[DONE]``, the
+    upstream request is closed (vLLM aborts it). Its first event is waited for up to the
+    deadline (a queued request, a prompt's KV on its way); P-RLD-MD has ``handoff.rld_silent_s``
+    and ``handoff.continue_s`` instead."""
     max_inflight: int = 1024
     """Client requests to ``/v1/completions`` and ``/v1/chat/completions`` in flight at once,
     from their arrival to the last byte of their answer. One more is answered ``503`` at once
@@ -203,7 +209,7 @@ def _check_url(url: str, key: str) -> None:
 
 def validate(cfg: RouterConfig) -> RouterConfig:
     parse_hostport(cfg.listen.address, "listen.address")
-    for key in ("deadline_s", "connect_s", "body_s"):
+    for key in ("deadline_s", "connect_s", "body_s", "stream_silent_s"):
         if not getattr(cfg.request, key) > 0:
             raise ConfigError(f"request.{key}", f"must be > 0, got {getattr(cfg.request, key)}")
     if cfg.request.prefill_lease_s is not None and not cfg.request.prefill_lease_s > 0:

@@ -47,6 +47,7 @@ from .upstream import (
     dest,
     error_of,
     error_response,
+    paced_events,
     read_capped,
     sse_events,
     token_count,
@@ -451,7 +452,8 @@ class Router:
             await out.prepare(req.request)
             req.request[STREAM] = out
             n0 = trace.tokens
-            async for event in sse_events(r.content):
+            what = f"{up.pool} member {up.url}'s stream"
+            async for event in paced_events(sse_events(r.content), self.cfg.request.stream_silent_s, what):
                 if event.startswith(b"data: {"):
                     with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
                         trace.saw(token_count(self._decoder.decode(event[6:])))

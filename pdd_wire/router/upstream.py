@@ -3,9 +3,11 @@ OpenAI bodies and SSE streams."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import re
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
 import msgspec
@@ -234,6 +236,31 @@ async def sse_events(content: aiohttp.StreamReader):
             raise aiohttp.ClientPayloadError(f"an event longer than {MAX_EVENT_BYTES} bytes")
     if buf.strip():
         raise aiohttp.ClientPayloadError(f"the stream ended inside an event ({len(buf)} bytes unterminated)")
+
+
+async def paced_events(events: AsyncIterator[bytes], silent_s: float, what: str) -> AsyncIterator[bytes]:
+    """``events`` as they come: the first whenever it comes (a queued request, a prompt's KV still
+    on its way), each later one within ``silent_s`` of the one before. A stream silent that long
+    after its first event has failed: ``aiohttp.ServerTimeoutError`` naming ``what`` and the key."""
+    first = True
+    while True:
+        try:
+            if first:
+                event = await anext(events)
+            else:
+                limit = asyncio.timeout(silent_s)
+                try:
+                    async with limit:
+                        event = await anext(events)
+                except TimeoutError:
+                    if not limit.expired():
+                        raise  # not ours (an aiohttp read timeout)
+                    raise aiohttp.ServerTimeoutError(f"{what} went silent mid-stream: no event for "
+                                                     f"{silent_s:g} s (request.stream_silent_s)") from None
+        except StopAsyncIteration:
+            return
+        first = False
+        yield event
 
 
 def tokenize_request(path: str, body: dict) -> tuple[list[int] | None, dict]:
