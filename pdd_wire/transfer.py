@@ -34,6 +34,9 @@ class Transfer:
     def __init__(self, tid: int, request_id: str, engine, peer_key: str, blocks: BlockMap,
                  chunk_bytes: int, deadline: float) -> None:
         self.tid = tid
+        # The id the engine knows it by (send_kv's answer): a transfer restarted whole keeps its
+        # first one, though the new one has a tid of its own on the wire.
+        self.engine_tid = tid
         self.request_id = request_id
         self.engine = engine
         self.peer_key = peer_key

@@ -7,7 +7,8 @@ The attack classes of issue 11 covered here: a token flood to requests nobody po
 injection into another peer's request, out-of-vocabulary token ids, unposted-table exhaustion by
 one peer, guessable request-id squatting, REQUEST_ABORT from another site, and a connection
 flood while a legitimate peer restarts (idle, slow, bulk preambles, bulk preambles with a forged
-BULK_HELLO), and a peer that asks for token resends over and over while it reads nothing.
+BULK_HELLO), a peer that asks for token resends over and over while it reads nothing, and one
+that lets unposted sends expire to push another site's given-up requests out.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 
 from conftest import fill_random, metric, same_bytes, until
 from pdd_wire.engine import protocol as p
-from pdd_wire.errors import ErrorCode
+from pdd_wire.errors import EngineRequestError, ErrorCode
 from pdd_wire.inbound import UNVERIFIED
 from pdd_wire.session.tokens import MAX_HELD_REQUESTS, MAX_HELD_TOKENS
 from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL, preamble
@@ -427,4 +428,33 @@ async def test_a_handoff_relay_squatted_first_by_another_peer_does_not_stand_in(
         await asyncio.gather(rt, mt)
         check_stream("h1", 200, rld.emitted, md.emitted)
         assert md.done.owner == "MD" and await same_bytes(mb.buf, mc.buf)
+        c_never_dropped(b, c)
+
+
+async def test_one_peers_expired_sends_do_not_push_out_anothers_given_up_request(tmp_sock_dir, engines):
+    """C's KV for "g" waited unposted past its lease: B remembers that site C gave "g" up, so a
+    receive B's engine posts for it later fails at once instead of holding its blocks for its
+    ttl. The attacker then lets more unposted sends expire than B remembers in all
+    (4 x max_transfers): each site has its own share, so C's "g" is still remembered."""
+    async with attacked(tmp_sock_dir, engines) as (b, c, eb, ec, rb, rc, mb, mc, attacker):
+        await ec.send_kv("g", [rc.blocks(0, 1)], to=["B"], lease_s=0.2)
+        ev = await ec.wait("g", timeout=30)
+        assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.NOT_POSTED, ev
+        begin = dict(total_bytes=MiB, chunk_bytes=MiB, n_chunks=1, block_bytes=MiB, n_blocks=1, post_wait_ms=1)
+        tid, batch = 1, MAX_TRANSFERS - 2
+        for _ in range(-(-(4 * MAX_TRANSFERS + 1) // batch)):
+            for i in range(batch):
+                attacker.send(FrameType.KV_BEGIN, m.KvBegin(f"x{tid}", **begin), transfer_id=tid)
+                tid += 1
+            got = 0
+            async with asyncio.timeout(30):
+                while got < batch:
+                    attacker.send(FrameType.PING, m.Ping(nonce=tid, sent_ns=1))
+                    seen = await attacker.until(FrameType.PONG)
+                    got += sum(1 for f in seen if f is not None and f[0] == FrameType.KV_REJECT
+                               and f[1].code == ErrorCode.NOT_POSTED)
+                    await asyncio.sleep(0.01)
+        with pytest.raises(EngineRequestError) as exc:
+            await eb.post_recv("g", [rb.blocks(0, 1)], from_site="C")
+        assert exc.value.code == ErrorCode.NOT_POSTED, exc.value
         c_never_dropped(b, c)

@@ -90,12 +90,17 @@ async def test_a_matched_prefix_longer_than_the_receiver_allows_is_sent_whole(tm
         # The engine itself counts only 2 of them as its own hit: at most 2 may be left out.
         tx0 = metric(agents["A"], "pddwire_bytes_total", peer="B/b1", lane="bulk", direction="tx")
         await D.post_recv("r4", [rd.blocks(8, 6)], from_site="A", max_skip_blocks=2)
-        await P.send_kv("r4", [rp.blocks(0, 6)], to=["B"], block_hashes=hashes)
+        [sent] = await P.send_kv("r4", [rp.blocks(0, 6)], to=["B"], block_hashes=hashes)
         ev = await D.wait("r4", timeout=10)
         assert isinstance(ev, p.KvReceived) and ev.reused_blocks == 0 and ev.bytes == 6 * MiB, ev
         assert bytes(dst.buf[8 * MiB:14 * MiB]) == bytes(src.buf[:6 * MiB])
-        assert isinstance(await P.wait("r4", timeout=10), p.KvSent)  # A counts bytes as they are acknowledged
+        done = await P.wait("r4", timeout=10)  # A counts bytes as they are acknowledged
+        # Sent again whole as a new transfer on the wire, but told under the id send_kv answered.
+        assert isinstance(done, p.KvSent) and done.transfer_id == sent["transfer_id"], (done, sent)
         assert metric(agents["A"], "pddwire_bytes_total", peer="B/b1", lane="bulk", direction="tx") - tx0 == 6 * MiB
+        # Reusing nothing, r4's lease (its query's) is gone: the blocks are not held for it.
+        assert ("A/a1", "r4") not in agents["B"].inventory.leases
+        assert all(agents["B"].inventory.blocks[h].leases == 0 for h in hashes[:4])
         # Within the cap: the 4 held blocks are not sent.
         await D.post_recv("r5", [rd.blocks(8, 6)], from_site="A", max_skip_blocks=4)
         await P.send_kv("r5", [rp.blocks(0, 6)], to=["B"], block_hashes=hashes)

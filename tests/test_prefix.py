@@ -64,7 +64,9 @@ def test_inventory_match_lease_evict_expire():
 
 def test_leases_are_per_peer_and_report_what_they_drop():
     """Two peers' leases for one request id stand side by side; a peer's next query for the
-    request replaces only its own lease, and leases dropped at max_leases are returned."""
+    request replaces only its own lease; a peer over its share (``max_leases`` leases,
+    ``max_lease_blocks`` blocks) drops its own oldest, never another peer's, and what is dropped
+    is returned; a query that matches nothing takes no lease."""
     inv = Inventory(max_leases=3)
     eng = object()
     x, y = chain_hashes(list(range(64)), 16, model="x"), chain_hashes(list(range(64)), 16, model="y")
@@ -80,12 +82,27 @@ def test_leases_are_per_peer_and_report_what_they_drop():
     assert k == 2 and dropped == [a] and not inv.current(a) and inv.places(a) == []
     a2 = inv.get(("A/a1", "r"))
     assert a2 is not None and inv.places(a2) == [(1, 0, 2)] and inv.current(c)
-    k, dropped = inv.lease("A/a1", "s", x, now=0.0, ttl=10.0)
-    assert dropped == []
-    k, dropped = inv.lease("A/a1", "t", x, now=0.0, ttl=10.0)  # the 4th: the oldest (C's) is dropped
-    assert dropped == [c] and not inv.current(c) and inv.places(c) == []
-    assert sorted(inv.leases) == [("A/a1", "r"), ("A/a1", "s"), ("A/a1", "t")]
-    assert inv.blocks[x[0]].leases == 3 and inv.blocks[y[0]].leases == 0
+    assert inv.lease("A/a1", "s", x, now=0.0, ttl=10.0) == (4, [])
+    assert inv.lease("A/a1", "t", x, now=0.0, ttl=10.0) == (4, [])  # A's 3rd: within its share
+    k, dropped = inv.lease("A/a1", "u", x, now=0.0, ttl=10.0)  # A's 4th: A's oldest goes, C's stays
+    assert dropped == [a2] and not inv.current(a2) and inv.current(c)
+    assert sorted(inv.leases) == [("A/a1", "s"), ("A/a1", "t"), ("A/a1", "u"), ("C/c1", "r")]
+    assert inv.blocks[x[0]].leases == 3 and inv.blocks[y[0]].leases == 1
+    assert inv.lease("C/c1", "none", [12345], now=0.0, ttl=10.0) == (0, [])  # matched nothing: no lease
+    assert ("C/c1", "none") not in inv.leases and inv.by_peer["C/c1"] == {"r": None}
+    # Blocks: a peer's leases hold at most max_lease_blocks together; over it, its oldest go.
+    inv = Inventory(max_leases=100, max_lease_blocks=6)
+    inv.stored(eng, x + y, [(1, i) for i in range(8)])
+    assert inv.lease("C/c1", "q", y, now=0.0, ttl=10.0) == (4, [])
+    assert inv.lease("A/a1", "r", x, now=0.0, ttl=10.0) == (4, [])
+    r = inv.get(("A/a1", "r"))
+    k, dropped = inv.lease("A/a1", "s", x[:3], now=0.0, ttl=10.0)  # 4 + 3 > 6: A's "r" goes
+    assert k == 3 and dropped == [r] and inv.peer_blocks == {"A/a1": 3, "C/c1": 4}
+    k, dropped = inv.lease("A/a1", "big", x + y, now=0.0, ttl=10.0)  # 8 held: one lease holds 6 at most
+    assert k == 6 and [d.request_id for d in dropped] == ["s"] and inv.peer_blocks == {"A/a1": 6, "C/c1": 4}
+    for key in list(inv.leases):
+        inv.release(key)
+    assert inv.by_peer == {} and inv.peer_blocks == {}
 
 
 async def setup(engines, tmp, n=16):
@@ -208,24 +225,24 @@ async def test_another_peers_prefix_query_for_the_same_request_leaves_a_matched_
         assert metric(agents["B"], "pddwire_prefix_leases_broken_total") == 0
 
 
-async def test_a_lease_dropped_at_max_leases_restarts_its_transfer_whole(tmp_sock_dir, engines):
-    """B holds at most 4 x max_transfers = 8 leases. C's eight lookups drop the oldest, the lease
-    A's in-flight transfer was matched with: that transfer restarts with every block (PREFIX_LOST)
-    and lands whole, instead of ending with reused blocks nothing holds any more."""
+async def test_another_peers_lookups_leave_a_matched_lease_alone(tmp_sock_dir, engines):
+    """Each peer holds its own share of B's leases (4 x max_transfers = 8): C's lookups, three
+    times that many, drop only C's own oldest, never the lease A's in-flight transfer was matched
+    with, which lands with its reused blocks."""
     async with matched_in_flight(tmp_sock_dir, engines, extra="[transfer]\nmax_transfers = 2\n") as (
             relay, agents, P, M, Q, src, dst, rm, hy):
-        for i in range(8):
+        for i in range(24):
             await Q.choose_pipeline(f"q{i}", to="B", input_tokens=2 * 16, expected_output_tokens=100,
                                     kv_bytes_per_token=MiB // 16, block_hashes=hy[:2], block_tokens=16)
-        assert ("A/a1", "r") not in agents["B"].inventory.leases
+        leases = agents["B"].inventory.leases
+        assert ("A/a1", "r") in leases and len([k for k in leases if k[0] == "C/c1"]) == 8
         relay.resume()
         ev = await M.wait("r", timeout=30)
         assert isinstance(ev, p.KvReceived) and ev.peer == "A/a1", ev
-        assert ev.reused_blocks == 0 and ev.reused == [] and ev.bytes == 12 * MiB, ev
+        assert ev.reused_blocks == 10 and ev.reused == [(rm.region, 0, 10)] and ev.bytes == 2 * MiB, ev
         assert isinstance(await P.wait("r", timeout=10), p.KvSent)
-        assert bytes(dst.buf[16 * MiB:28 * MiB]) == bytes(src.buf[:12 * MiB])
-        assert metric(agents["B"], "pddwire_prefix_leases_broken_total") == 1
-        assert metric(agents["A"], "pddwire_retransmits_total", peer="B/b1", reason="prefix_lost") > 0
+        assert bytes(dst.buf[26 * MiB:28 * MiB]) == bytes(src.buf[10 * MiB:12 * MiB])
+        assert metric(agents["B"], "pddwire_prefix_leases_broken_total") == 0
 
 
 async def test_leases_expire_and_engine_loss_empties_the_inventory(tmp_sock_dir, engines):
@@ -273,3 +290,31 @@ def test_md_inventory_tracks_prefill_cache_on_the_trace():
     assert tr["lacked_share"] == 0 and tr["tracking"] >= 1.0 and tr["p_hit_blocks"] > 0
     tight = inventory_tracking(64 << 10, n_requests=600, warmup=200)
     assert tight["p_hit_blocks"] < tr["p_hit_blocks"]  # eviction shows up on both sides
+
+
+async def test_a_prefix_query_keeps_to_the_peers_max_body(tmp_sock_dir, engines):
+    """B takes control bodies of at most 4 KiB (``limits.max_body``, its floor). A's send of a
+    600-block prompt asks about as many leading hashes as fit B's limit -- not all 599, which B
+    would refuse with FRAME_TOO_LARGE, dropping the session's connections -- and reuses what B
+    holds of them."""
+    n, blk = 600, 4096
+    tomls = two_site_toml(tmp_sock_dir)
+    tomls["B"] += "\n[limits]\nmax_body = 4096\n"
+    async with run_agents(tomls) as agents:
+        P = await engines.connect(tmp_sock_dir / "A.sock", "prefill")
+        M = await engines.connect(tmp_sock_dir / "B.sock", "md")
+        src, dst = engines.memory(n * blk), engines.memory(2 * n * blk)
+        await fill_random(src)
+        rp = await P.register(src, block_bytes=blk)
+        rm = await M.register(dst, block_bytes=blk)
+        hashes = chain_hashes(list(range(n * 4)), 4, model="tiny")
+        assert await M.kv_stored([rm.blocks(0, n)], hashes) == n  # B holds the whole prompt
+        fit = (4096 - 64 - len(b"long")) // 9
+        await M.post_recv("long", [rm.blocks(n, n)], from_site="A")
+        await P.send_kv("long", [rp.blocks(0, n)], to=["B"], block_hashes=hashes)
+        ev = await M.wait("long", timeout=30)
+        assert isinstance(ev, p.KvReceived) and ev.reused_blocks == fit, ev
+        assert isinstance(await P.wait("long", timeout=10), p.KvSent)
+        assert bytes(dst.buf[(n + fit) * blk:2 * n * blk]) == bytes(src.buf[fit * blk:n * blk])
+        assert metric(agents["B"], "pddwire_errors_total", code="FRAME_TOO_LARGE") == 0
+        assert metric(agents["A"], "pddwire_reconnects_total", peer="B/b1") == 0

@@ -10,10 +10,12 @@ expires. While leased, a block is not evicted on request; a forced eviction *bre
 and the request's transfer falls back to shipping those blocks.
 
 Leases are keyed by (peer, request id): a peer's PREFIX_QUERY never touches another peer's
-lease for the same request id. A lease that goes away early -- replaced by its peer's next query
-for the request, or dropped to stay within ``max_leases`` -- is returned to the caller (the KV
-desk), which breaks the transfer relying on it: that transfer restarts whole, never lands with
-another lease's blocks as its prefix.
+lease for the same request id. Each peer holds at most ``max_leases`` leases, of at most
+``max_lease_blocks`` blocks together; its new lease drops its own oldest ones beyond that, never
+another peer's. A query that matches nothing takes no lease. A lease that goes away early --
+replaced by its peer's next query for the request, or dropped to stay within the peer's share --
+is returned to the caller (the KV desk), which breaks the transfer relying on it: that transfer
+restarts whole, never lands with another lease's blocks as its prefix.
 
 Pure: no I/O and no clock of its own (times are passed in). Bounded by the blocks engines
 registered (one entry per block they report).
@@ -52,9 +54,13 @@ class Held:
 
 @dataclass
 class Inventory:
-    max_leases: int = 65536
+    max_leases: int = 65536  # per peer
+    max_lease_blocks: int = 1 << 20  # per peer: the hashes its leases hold together
     blocks: dict[int, Held] = field(default_factory=dict)
     leases: "collections.OrderedDict[LeaseKey, Lease]" = field(default_factory=collections.OrderedDict)
+    # peer -> its leases' request ids, oldest first, and the blocks they hold together
+    by_peer: dict[str, "collections.OrderedDict[str, None]"] = field(default_factory=dict)
+    peer_blocks: dict[str, int] = field(default_factory=dict)
     by_request: dict[str, set[str]] = field(default_factory=dict)  # request id -> peers holding a lease
     at: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (id(owner), region, block) -> hash
 
@@ -121,12 +127,16 @@ class Inventory:
               ttl: float) -> tuple[int, list[Lease]]:
         """Match ``hashes`` and hold the matched blocks for ``peer``'s ``request_id`` until
         ``now + ttl``. Returns (matched blocks, the leases that went away: this peer's previous
-        lease for the request, which the new one replaces, and the oldest leases dropped to stay
-        within ``max_leases``). Other peers' leases for the request are not touched."""
+        lease for the request, which the new one replaces, and this peer's oldest leases dropped
+        to stay within its ``max_leases`` and ``max_lease_blocks``). Other peers' leases are not
+        touched. Nothing matched: no lease is taken."""
         dropped = [old] if (old := self.release((peer, request_id))) is not None else []
-        k = self.match(hashes)
-        while len(self.leases) >= self.max_leases:
-            oldest = self.release(next(iter(self.leases)))
+        k = min(self.match(hashes), self.max_lease_blocks)
+        if k == 0:
+            return 0, dropped
+        mine = self.by_peer.setdefault(peer, collections.OrderedDict())
+        while mine and (len(mine) >= self.max_leases or self.peer_blocks[peer] + k > self.max_lease_blocks):
+            oldest = self.release((peer, next(iter(mine))))
             assert oldest is not None
             dropped.append(oldest)
         lease = Lease(peer, request_id, list(hashes[:k]), now + ttl)
@@ -134,6 +144,8 @@ class Inventory:
             self.blocks[h].leases += 1
         self.leases[lease.key] = lease
         self.by_request.setdefault(request_id, set()).add(peer)
+        self.by_peer.setdefault(peer, mine)[request_id] = None
+        self.peer_blocks[peer] = self.peer_blocks.get(peer, 0) + k
         return k, dropped
 
     def extend(self, key: LeaseKey, until: float) -> None:
@@ -176,6 +188,12 @@ class Inventory:
             peers.discard(lease.peer)
             if not peers:
                 del self.by_request[lease.request_id]
+        mine = self.by_peer.get(lease.peer)
+        if mine is not None:
+            mine.pop(lease.request_id, None)
+            self.peer_blocks[lease.peer] -= len(lease.hashes)
+            if not mine:
+                del self.by_peer[lease.peer], self.peer_blocks[lease.peer]
         for h in lease.hashes:
             held = self.blocks.get(h)
             if held is not None and held.leases:

@@ -67,7 +67,8 @@ class KvDesk:
         # Requests whose sender gave up before their receive was posted ((sender's site,
         # request_id) -> (code, reason, until)): a post for one fails at once instead of waiting
         # out its ttl.
-        self.gave_up: collections.OrderedDict[tuple[str, str], tuple[int, str, float]] = collections.OrderedDict()
+        # site -> request id -> (code, reason, until), oldest first: each site its own share
+        self.gave_up: dict[str, collections.OrderedDict[str, tuple[int, str, float]]] = {}
         # The engine that last posted or sent for a request, and the sites tied to it: it gets the
         # request's tokens and aborts, from those sites only.
         self.owners: collections.OrderedDict[str, Owner] = collections.OrderedDict()
@@ -112,7 +113,7 @@ class KvDesk:
 
     def incoming_begin(self, session: "PeerSession", tid: int, begin: m.KvBegin) -> None:
         """A peer announced KV for a request: match it to its post, or let it wait for one."""
-        self.gave_up.pop((session.peer.site, begin.request_id), None)  # sent (again): a post may match
+        self._forget_gave_up(session.peer.site, begin.request_id)  # sent (again): a post may match
         post = self.posts.get(begin.request_id)
         if post is not None:
             self._match(session, tid, begin, post)
@@ -178,11 +179,20 @@ class KvDesk:
     def _gave_up(self, site: str, request_id: str, code: int, reason: str) -> None:
         """Remember (bounded, for transfer.post_ttl_s) that ``site`` will send nothing for ``request_id``."""
         until = asyncio.get_running_loop().time() + self.config.transfer.post_ttl_s
-        key = (site, request_id)
-        self.gave_up[key] = (int(code), reason, until)
-        self.gave_up.move_to_end(key)
-        while len(self.gave_up) > self.config.transfer.max_transfers * 4:
-            self.gave_up.popitem(last=False)
+        mine = self.gave_up.setdefault(site, collections.OrderedDict())
+        mine[request_id] = (int(code), reason, until)
+        mine.move_to_end(request_id)
+        while len(mine) > self.config.transfer.max_transfers * 4:  # per site: no peer pushes out another's
+            mine.popitem(last=False)
+
+    def _forget_gave_up(self, site: str, request_id: str) -> tuple[int, str, float] | None:
+        mine = self.gave_up.get(site)
+        if mine is None:
+            return None
+        found = mine.pop(request_id, None)
+        if not mine:
+            del self.gave_up[site]
+        return found
 
     def _given_up(self, request_id: str, from_site: str | None) -> tuple[int, str, float] | None:
         """What a post for ``request_id`` from ``from_site`` (None: any site) must fail with: a
@@ -190,7 +200,7 @@ class KvDesk:
         sites = [from_site] if from_site is not None else list(self.peers.by_site)
         found = None
         for site in sites:
-            found = self.gave_up.pop((site, request_id), None) or found
+            found = self._forget_gave_up(site, request_id) or found
         return found
 
     def _match(self, session: "PeerSession", tid: int, begin: m.KvBegin, post: Post, *, late: bool = False) -> None:
@@ -213,8 +223,11 @@ class KvDesk:
                 why = f"only {held} are leased to {session.key}" if held < skip else "at least one block is sent"
                 session.reject_in(tid, begin, ErrorCode.PREFIX_LOST, f"{skip} prefix blocks skipped of the "
                                   f"{post.blocks.n_blocks} posted for {begin.request_id!r}: {why}")
+                self._unlease(session, begin.request_id)
                 return
             dest = post.blocks.after_blocks(skip)
+        else:
+            self._unlease(session, begin.request_id)  # sent whole: a lease its query took pins blocks for nothing
         self.drop_post(begin.request_id, settled=session)
         t = session.accept_in(tid, begin, post.engine, dest, late=late)
         if t is not None:
@@ -366,7 +379,7 @@ class KvDesk:
                                      handoff=handoff)
                 return
             reused = self.inventory.places(t.lease)
-        t.engine.send(p.KvReceived(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
+        t.engine.send(p.KvReceived(request_id=t.request_id, transfer_id=t.engine_tid, peer=t.peer_key, bytes=t.total,
                                    seconds=round(time.monotonic() - t.started, 6), reused_blocks=skip,
                                    reused=reused))
         if handoff:
@@ -374,7 +387,7 @@ class KvDesk:
 
     def kv_sent(self, t: "OutTransfer") -> None:
         self._prediction_checked(t)
-        t.engine.send(p.KvSent(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key, bytes=t.total,
+        t.engine.send(p.KvSent(request_id=t.request_id, transfer_id=t.engine_tid, peer=t.peer_key, bytes=t.total,
                                seconds=round(time.monotonic() - t.started, 6)))
 
     def _prediction_checked(self, t: "OutTransfer") -> None:
@@ -397,7 +410,7 @@ class KvDesk:
                 return
         self.log.warning("transfer failed", request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
                          direction=direction, code=ErrorCode(code).name, reason=message)
-        t.engine.send(p.TransferFailed(request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
+        t.engine.send(p.TransferFailed(request_id=t.request_id, transfer_id=t.engine_tid, peer=t.peer_key,
                                        direction=direction, code=int(code), reason=message))
         if direction == "in" and handoff:
             self.handoffs.kv_failed(t.request_id, "kv_cancelled")
@@ -417,16 +430,23 @@ class KvDesk:
     # ------------------------------------------------------------------ prefix inventory
     def prefix_query(self, session: "PeerSession", msg: m.PrefixQuery) -> int:
         """A sender asks how many leading blocks of a chain this node holds: lease them."""
-        if len(msg.hashes) > 1 << 16 or msg.lease_ms <= 0:
+        if len(msg.hashes) > m.MAX_PREFIX_HASHES or msg.lease_ms <= 0:
             return 0
         ttl = min(msg.lease_ms / 1000, self.config.transfer.prefix_lease_s * 4)
         k, dropped = self.inventory.lease(session.key, msg.request_id, msg.hashes,
                                           asyncio.get_running_loop().time(), ttl)
-        # The peer's previous lease for the request (replaced) and the oldest ones (over
-        # max_leases) are gone: a transfer still relying on one starts over with every block.
-        self.prefix_broken(dropped, "the matched prefix lease was replaced or dropped (transfer.max_leases)",
+        # The peer's previous lease for the request (replaced) and its oldest ones (over its share,
+        # 4 x transfer.max_transfers) are gone: a transfer still relying on one starts over whole.
+        self.prefix_broken(dropped, "the matched prefix lease was replaced or dropped (over the peer's share)",
                            released=True)
         return k
+
+    def _unlease(self, session: "PeerSession", request_id: str) -> None:
+        """The peer's transfer of ``request_id`` reuses nothing here (refused PREFIX_LOST, or sent
+        whole): end the lease its query took, unless a transfer still relies on it."""
+        lease = self.inventory.get((session.key, request_id))
+        if lease is not None and not any(t.lease is lease for t in session.inn.values()):
+            self.inventory.release(lease.key)
 
     def prefix_release(self, request_id: str) -> bool:
         """The engine has used the request's reused blocks: end the request's leases (every

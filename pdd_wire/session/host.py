@@ -64,6 +64,7 @@ class Shell(Protocol):
     acks: "AckBatch"
     chunk_bytes: int
     peer_max_chunk: int
+    peer_max_body: int
 
     @property
     def is_up(self) -> bool: ...

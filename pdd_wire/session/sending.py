@@ -99,10 +99,11 @@ class Sender:
         self._sending[request_id] += 1
         t.timer = loop.call_at(t.deadline, self._deadline, t)
         s.metrics.child(s.metrics.inflight, "out").inc()
-        if hashes and blocks.n_blocks > 1 and s.is_up and "prefix.v1" in (s.remote_caps or ()):
+        asked = min(len(hashes), blocks.n_blocks - 1, self.query_room(request_id)) if hashes else 0
+        if hashes and asked > 0 and s.is_up and "prefix.v1" in (s.remote_caps or ()):
             # Ask first which leading blocks the receiver's node holds; at least one block is
             # always sent (the last one is usually partial and never shared anyway).
-            t.hashes = hashes[:min(len(hashes), blocks.n_blocks - 1)]
+            t.hashes = hashes[:asked]
             t.state = State.QUERYING
             s.send_frame(FrameType.PREFIX_QUERY, m.PrefixQuery(request_id, t.hashes, int(cfg.prefix_lease_s * 1000)),
                          tid=t.tid)
@@ -110,6 +111,11 @@ class Sender:
         else:
             self._announce(t)
         return t
+
+    def query_room(self, request_id: str) -> int:
+        """The hashes one PREFIX_QUERY may carry: what fits the peer's ``max_body``, at most
+        65536 (a query is of the leading blocks, so fewer hashes ask about a shorter prefix)."""
+        return min(m.MAX_PREFIX_HASHES, m.u64s_that_fit(self.s.peer_max_body, request_id))
 
     def _query_wait(self) -> float:
         return max(self.s.cfg.transfer.prefix_query_s, 4 * (self.s.link.est.rtt_s or 0.0))
@@ -126,7 +132,7 @@ class Sender:
             return None
         fut = asyncio.get_running_loop().create_future()
         self._lookups.setdefault(request_id, []).append(fut)
-        s.send_frame(FrameType.PREFIX_QUERY, m.PrefixQuery(request_id, hashes,
+        s.send_frame(FrameType.PREFIX_QUERY, m.PrefixQuery(request_id, hashes[:self.query_room(request_id)],
                                                            int(s.cfg.transfer.prefix_lease_s * 1000)))
         try:
             async with asyncio.timeout(timeout or self._query_wait()):
@@ -163,7 +169,8 @@ class Sender:
 
     def _restart_full(self, t: OutTransfer, message: str) -> None:
         """The receiver lost the prefix it matched (a broken lease): send the request again,
-        every block, as a new transfer. The engine sees only the new transfer's outcome."""
+        every block, as a new transfer. The engine sees only the new transfer's outcome, under the
+        transfer id it was given."""
         s = self.s
         s.log.warning("receiver lost the matched prefix; sending every block", request_id=t.request_id,
                       transfer_id=t.tid, reason=message)
@@ -172,7 +179,7 @@ class Sender:
         if left <= 0:
             s.host.transfer_failed(t, "out", int(ErrorCode.TRANSFER_TIMEOUT), "deadline passed")
             return
-        self.start(t.engine, t.request_id, t.full_blocks, left)
+        self.start(t.engine, t.request_id, t.full_blocks, left).engine_tid = t.engine_tid
 
     def _announce(self, t: OutTransfer) -> None:
         remaining = max(1, int((t.deadline - asyncio.get_running_loop().time()) * 1000))

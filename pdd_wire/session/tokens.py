@@ -238,8 +238,7 @@ class TokenRelay:
     def send(self, request_id: str, tokens: list[int], *, handoff: bool = False) -> int:
         """Queue token IDs for ``request_id``; returns the sequence number of the first one.
         Frames carry at most ``limits.max_tokens_per_frame`` tokens."""
-        # A token ID takes at most 9 bytes of msgpack; the rest of the body is the request id.
-        room = (self.s.peer_max_body - 64 - len(request_id.encode())) // 9
+        room = m.u64s_that_fit(self.s.peer_max_body, request_id)
         step = max(1, min(self.s.cfg.limits.max_tokens_per_frame, room))
         cap = self.s.cfg.limits.max_unacked_tokens
         # A handoff's relay is not refused here: a refused run would leave its stream out of step

@@ -30,6 +30,7 @@ MAX_DEADLINE_MS = 7 * 86400 * 1000  # errors.MAX_DURATION_S
 MAX_TOKEN_ID = (1 << 32) - 1  # engines are held to token ids below 2^32 too
 MAX_REQUEST_ID = 256  # characters on the wire (engines are held to 256 bytes)
 MAX_TEXT = 4096  # characters of a free-text reason or message (ERROR: 512)
+MAX_PREFIX_HASHES = 1 << 16  # hashes of one PREFIX_QUERY (a longer one is answered matched 0)
 U16 = Annotated[int, Meta(ge=0, le=0xFFFF)]
 U63 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 U64 = Annotated[int, Meta(ge=0)]  # msgpack ints end at 2^64-1
@@ -393,6 +394,12 @@ TYPE_OF: dict[type, int] = {v: k for k, v in BODY_TYPES.items()}
 
 _encoder = msgspec.msgpack.Encoder()
 _decoders: dict[int, msgspec.msgpack.Decoder[Any]] = {t: msgspec.msgpack.Decoder(cls) for t, cls in BODY_TYPES.items()}
+
+
+def u64s_that_fit(max_body: int, request_id: str) -> int:
+    """How many uint64s (9 bytes of msgpack at most) a body of ``max_body`` bytes holds beside
+    ``request_id`` and a few small fields: a TOKENS run's token ids, a PREFIX_QUERY's hashes."""
+    return max(0, (max_body - 64 - len(request_id.encode())) // 9)
 
 
 def encode_body(msg: Any) -> bytes:
