@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import msgspec
+import pytest
+
 from conftest import metric, until
 from pdd_wire.errors import ErrorCode
 from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL
@@ -48,6 +51,17 @@ async def test_out_of_range_values_close_that_connection_and_unknown_codes_are_n
         assert await peer.pong(9)
         assert b.sessions["A/a1"].is_up
         peer.close()
+
+
+@pytest.mark.parametrize("ftype", [FrameType.KV_REJECT, FrameType.KV_CANCEL, FrameType.ERROR])
+def test_code_zero_from_a_peer_is_no_ok_an_engine_could_be_told(ftype):
+    """0 (OK) is never sent (proto/errors.md): a KV_REJECT, KV_CANCEL or ERROR carrying it is
+    decoded as PEER_ERROR with the original named, as an unassigned code is -- an engine is
+    never told a transfer failed with code 0."""
+    fields = {FrameType.KV_REJECT: ["r", 0, "zero"], FrameType.KV_CANCEL: ["r", 0, "zero", False],
+              FrameType.ERROR: [0, "zero"]}[ftype]
+    msg = m.decode_body(ftype, msgspec.msgpack.encode(fields))
+    assert msg.code == ErrorCode.PEER_ERROR and msg.message == "zero (peer code 0)", msg
 
 
 async def test_a_chunk_without_its_checksum_closes_the_bulk_connection_only(tmp_sock_dir):

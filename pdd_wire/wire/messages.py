@@ -52,8 +52,9 @@ StreamIndex = Annotated[int, Meta(ge=0, le=63)]
 Incarnation = Annotated[int, Meta(ge=1, le=(1 << 63) - 1)]
 DeadlineMs = Annotated[int, Meta(ge=0, le=MAX_DEADLINE_MS)]
 
-#: The codes this agent knows (proto/errors.md); a peer's other codes become PEER_ERROR.
-_KNOWN_CODES = frozenset(int(c) for c in ErrorCode)
+#: The codes this agent knows (proto/errors.md); a peer's other codes, and 0 (OK: never sent, so
+#: a failure "OK" would tell an engine nothing), become PEER_ERROR.
+_KNOWN_CODES = frozenset(int(c) for c in ErrorCode if c != ErrorCode.OK)  # OK (0) is never sent
 
 
 def _clip(msg: msgspec.Struct, field: str, limit: int = MAX_TEXT) -> None:
