@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from . import policy
 from .config import Config
-from .desk.admission import Gate, check_request_id
+from .desk.admission import Gate, check_request_id, check_site
 from .desk.handoff import HandoffDesk
 from .desk.kv import KvDesk
 from .engine import protocol as p
@@ -87,6 +87,7 @@ class EngineRequests:
                 return self._send_tokens(ec, msg)
             case p.ExpectTokens():
                 check_request_id(msg.request_id)
+                check_site("from_site", msg.from_site)
                 self.kv.check_mine(ec, msg.request_id, "expect_tokens")  # no taking over a live engine's request
                 sites = None if msg.from_site is None else frozenset({msg.from_site})
                 return {"delivered": self.kv.own(msg.request_id, ec, sites, widen=False)}

@@ -202,6 +202,17 @@ def test_a_negative_request_id_is_malformed(rid):
     assert err.value.code == ErrorCode.MALFORMED_BODY
 
 
+@pytest.mark.parametrize("op,field", [("hello", "engine"), ("register", "name")])
+def test_an_engine_or_region_name_over_256_characters_is_malformed(op, field):
+    """Both names are in every log line about them: bounded (proto/engine.md §3)."""
+    base = {"op": op, "id": 1, **({"size": 1, "block_bytes": 1} if op == "register" else {"engine": "e"})}
+    (msg,) = p.Decoder(to_agent=True).feed(raw({**base, field: "é" * 256}))
+    assert getattr(msg, field) == "é" * 256
+    with pytest.raises(ProtocolError) as err:
+        p.Decoder(to_agent=True).feed(raw({**base, field: "n" * 257}))
+    assert err.value.code == ErrorCode.MALFORMED_BODY and field in str(err.value)
+
+
 def test_the_largest_request_id_is_accepted_and_echoed():
     (msg,) = p.Decoder(to_agent=True).feed(raw({"op": "status", "id": (1 << 64) - 1}))
     assert msg.id == (1 << 64) - 1
@@ -224,6 +235,24 @@ async def test_choose_pipeline_and_prefix_release_check_the_request_id(tmp_sock_
         assert (await a.choose_pipeline("r" * 256, to="B", input_tokens=100, expected_output_tokens=10,
                                         kv_bytes_per_token=1000))["pipeline"]
         assert await a.prefix_release("r" * 256) is False
+
+
+async def test_a_from_site_that_is_no_site_name_is_refused(tmp_sock_dir, engines):
+    """``post_recv`` and ``expect_tokens`` tie a request to a site: "A/a1" (a node) or "" could
+    never fill it -- the KV would be refused NOT_POSTED and the tokens dropped -- so they are
+    BAD_REQUEST, naming the field; a site name no peer has (yet) is accepted."""
+    async with run_agents(two_site_toml(tmp_sock_dir)):
+        b = await engines.connect(tmp_sock_dir / "B.sock", "b")
+        r = (await b.register(engines.memory(4 * MiB), block_bytes=MiB)).region
+        for site in ("A/a1", "", "-A", "a" * 64):
+            with pytest.raises(EngineRequestError, match="from_site .* is not a site name") as err:
+                await b.post_recv("x", [(r, 0, 1)], from_site=site)
+            assert err.value.code == ErrorCode.BAD_REQUEST
+            with pytest.raises(EngineRequestError, match="from_site .* is not a site name") as err:
+                await b.expect_tokens("x", site)
+            assert err.value.code == ErrorCode.BAD_REQUEST
+        await b.post_recv("x", [(r, 0, 1)], from_site="Z")  # no such peer yet: accepted
+        assert await b.expect_tokens("y", "a" * 63) == 0
 
 
 async def test_extents_are_checked_with_the_codes_the_spec_gives(tmp_sock_dir, engines):

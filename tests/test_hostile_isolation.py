@@ -443,7 +443,7 @@ async def test_one_peers_expired_sends_do_not_push_out_anothers_given_up_request
         begin = dict(total_bytes=MiB, chunk_bytes=MiB, n_chunks=1, block_bytes=MiB, n_blocks=1, post_wait_ms=1)
         tid, batch = 1, MAX_TRANSFERS - 2
         for _ in range(-(-(4 * MAX_TRANSFERS + 1) // batch)):
-            for i in range(batch):
+            for _i in range(batch):
                 attacker.send(FrameType.KV_BEGIN, m.KvBegin(f"x{tid}", **begin), transfer_id=tid)
                 tid += 1
             got = 0

@@ -1,8 +1,9 @@
 """What every engine request passes before a desk takes it: the agent still takes new work,
-and the request id is one the wire can carry."""
+the request id is one the wire can carry, and a site named is a site name."""
 
 from __future__ import annotations
 
+from ..config import NAME
 from ..errors import EngineRequestError, ErrorCode
 from ..probe import PROBE_PREFIX
 
@@ -27,3 +28,12 @@ def check_request_id(request_id: str) -> None:
     if request_id.startswith(PROBE_PREFIX[0]):
         raise EngineRequestError("request ids starting with a NUL character are reserved (probes)",
                                  ErrorCode.BAD_REQUEST)
+
+
+def check_site(key: str, site: str | None) -> None:
+    """``site`` (None: any) names a site as peers are named (``[A-Za-z0-9][A-Za-z0-9._-]{0,62}``):
+    a post or a token stream tied to "A/a1" or "" could never be filled, and would end only at
+    its ttl. Not checked against the configured peers: a peer may join later."""
+    if site is not None and not NAME.match(site):
+        raise EngineRequestError(f"{key} {site!r} is not a site name (1-63 of [A-Za-z0-9._-], starting with a "
+                                 "letter or digit; a node is named in send_kv's to, never here)", ErrorCode.BAD_REQUEST)

@@ -37,7 +37,7 @@ from ..errors import EngineRequestError, ErrorCode, check_duration
 from ..log import limited
 from ..metrics import Metrics
 from ..wire import messages as m
-from .admission import Gate, check_request_id
+from .admission import Gate, check_request_id, check_site
 from .handoff import HandoffDesk
 from .inventory import Inventory, Lease
 from .posts import Owner, Post, Unposted, blockmap
@@ -79,6 +79,7 @@ class KvDesk:
     def post(self, ec: "EngineConn", msg: p.PostRecv) -> None:
         self.gate.check()
         check_request_id(msg.request_id)
+        check_site("from_site", msg.from_site)
         if msg.request_id in self.posts:
             raise EngineRequestError(f"request {msg.request_id!r} already has a posted receive",
                                      ErrorCode.DUPLICATE_TRANSFER)

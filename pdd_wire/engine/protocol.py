@@ -29,8 +29,12 @@ class Msg(msgspec.Struct, tag_field="op", forbid_unknown_fields=False, kw_only=T
 
 
 # -- requests (engine -> agent) ---------------------------------------------------------
+#: An engine's name and a region's: in every log line about them, so bounded.
+Label = Annotated[str, msgspec.Meta(max_length=256)]
+
+
 class Hello(Msg, tag="hello"):
-    engine: str
+    engine: Label
     pid: int = 0
     version: int = ENGINE_PROTOCOL_VERSION
 
@@ -41,7 +45,7 @@ class Register(Msg, tag="register"):
     size: int
     block_bytes: int
     kind: str = "host-fd"
-    name: str = ""
+    name: Label = ""
 
 
 class Deregister(Msg, tag="deregister"):
