@@ -35,7 +35,8 @@ def test_unit_has_every_setting_the_daemon_allows():
     assert s["CapabilityBoundingSet"] == [""] and s["UMask"] == ["0077"] and s["ProtectSystem"] == ["strict"]
     assert s["Type"] == ["notify"] and s["NotifyAccess"] == ["main"]
     assert s["RestrictAddressFamilies"] == ["AF_UNIX AF_INET AF_INET6 AF_NETLINK"]
-    assert s["SystemCallFilter"] == ["@system-service", "~@privileged"]
+    # chown (in @privileged) allowed again: listen.engine_gid's group recipe chowns the socket.
+    assert s["SystemCallFilter"] == ["@system-service", "~@privileged", "@chown"]
     # Not /usr/local/bin: the documented venv, replaceable with `systemctl edit`.
     assert all(not v.startswith("/usr/local/") for v in s["ExecStart"]), s["ExecStart"]
     assert s["ExecStart"] == ["/opt/pdd-wire/bin/pdd-wired --site %i --config /etc/pdd-wire/%i.toml"]
