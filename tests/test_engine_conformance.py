@@ -244,7 +244,7 @@ async def test_a_from_site_that_is_no_site_name_is_refused(tmp_sock_dir, engines
     async with run_agents(two_site_toml(tmp_sock_dir)):
         b = await engines.connect(tmp_sock_dir / "B.sock", "b")
         r = (await b.register(engines.memory(4 * MiB), block_bytes=MiB)).region
-        for site in ("A/a1", "", "-A", "a" * 64):
+        for site in ("A/a1", "", "-A", "a" * 64, "A\n"):
             with pytest.raises(EngineRequestError, match="from_site .* is not a site name") as err:
                 await b.post_recv("x", [(r, 0, 1)], from_site=site)
             assert err.value.code == ErrorCode.BAD_REQUEST

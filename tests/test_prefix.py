@@ -318,3 +318,17 @@ async def test_a_prefix_query_keeps_to_the_peers_max_body(tmp_sock_dir, engines)
         assert bytes(dst.buf[(n + fit) * blk:2 * n * blk]) == bytes(src.buf[fit * blk:n * blk])
         assert metric(agents["B"], "pddwire_errors_total", code="FRAME_TOO_LARGE") == 0
         assert metric(agents["A"], "pddwire_reconnects_total", peer="B/b1") == 0
+
+
+async def test_a_query_that_repeats_a_hash_matches_nothing(tmp_sock_dir, engines):
+    """A chain never repeats a hash; a query that does (a long lease of one block, which every
+    forced eviction would scan) is answered matched 0 and leases nothing."""
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        P, M, src, dst, rp, rm = await setup(engines, tmp_sock_dir)
+        hashes = chain_hashes(list(range(4 * 16)), 16, model="tiny")
+        assert await M.kv_stored([rm.blocks(0, 4)], hashes) == 4
+        ask = dict(to="B", input_tokens=4 * 16, expected_output_tokens=10, kv_bytes_per_token=MiB // 16,
+                   block_tokens=16)
+        assert (await P.choose_pipeline("dup", block_hashes=[hashes[0]] * 3, **ask))["prefix_hit_tokens"] == 0
+        assert ("A/a1", "dup") not in agents["B"].inventory.leases
+        assert (await P.choose_pipeline("ok", block_hashes=hashes[:3], **ask))["prefix_hit_tokens"] == 48

@@ -36,6 +36,7 @@ class Lease:
     hashes: list[int]
     expires: float
     broken: bool = False
+    delivered: bool = False  # an engine was told its blocks (kv_received): it holds them until prefix_release
 
     @property
     def key(self) -> LeaseKey:

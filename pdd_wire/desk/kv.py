@@ -180,8 +180,15 @@ class KvDesk:
     def _gave_up(self, site: str, request_id: str, code: int, reason: str) -> None:
         """Remember (bounded, for transfer.post_ttl_s) that ``site`` will send nothing for ``request_id``."""
         until = asyncio.get_running_loop().time() + self.config.transfer.post_ttl_s
+        now = until - self.config.transfer.post_ttl_s
+        for s in list(self.gave_up):  # what has expired goes (a site that left keeps nothing for long)
+            old = self.gave_up[s]
+            while old and next(iter(old.values()))[2] <= now:
+                old.popitem(last=False)
+            if not old:
+                del self.gave_up[s]
         mine = self.gave_up.setdefault(site, collections.OrderedDict())
-        mine[request_id] = (int(code), reason, until)
+        mine[request_id] = (int(code), reason[:256], until)  # the reason may be the peer's text
         mine.move_to_end(request_id)
         while len(mine) > self.config.transfer.max_transfers * 4:  # per site: no peer pushes out another's
             mine.popitem(last=False)
@@ -218,6 +225,7 @@ class KvDesk:
                 session.reject_in(tid, begin, ErrorCode.PREFIX_LOST,
                                   f"{skip} prefix blocks matched for {begin.request_id!r}, but its receive allows "
                                   f"at most {post.max_skip}")
+                self._unlease(session, begin.request_id)
                 return
             held = 0 if lease is None or lease.broken else len(lease.hashes)  # (a broken lease holds nothing)
             if held < skip or skip >= post.blocks.n_blocks:  # the sender sends every block instead; the post stays
@@ -380,6 +388,7 @@ class KvDesk:
                                      handoff=handoff)
                 return
             reused = self.inventory.places(t.lease)
+            t.lease.delivered = True  # the engine holds these blocks now, until its prefix_release
         t.engine.send(p.KvReceived(request_id=t.request_id, transfer_id=t.engine_tid, peer=t.peer_key, bytes=t.total,
                                    seconds=round(time.monotonic() - t.started, 6), reused_blocks=skip,
                                    reused=reused))
@@ -409,8 +418,8 @@ class KvDesk:
             if not self.gate.closed and not post.engine.closed and t.request_id not in self.posts:
                 self._add_post(Post(t.request_id, post.engine, post.blocks, post.from_site, post.ttl, post.max_skip))
                 return
-        self.log.warning("transfer failed", request_id=t.request_id, transfer_id=t.tid, peer=t.peer_key,
-                         direction=direction, code=ErrorCode(code).name, reason=message)
+        self.log.warning("transfer failed", request_id=t.request_id, transfer_id=t.tid, engine_transfer_id=t.engine_tid,
+                         peer=t.peer_key, direction=direction, code=ErrorCode(code).name, reason=message)
         t.engine.send(p.TransferFailed(request_id=t.request_id, transfer_id=t.engine_tid, peer=t.peer_key,
                                        direction=direction, code=int(code), reason=message))
         if direction == "in" and handoff:
@@ -431,8 +440,8 @@ class KvDesk:
     # ------------------------------------------------------------------ prefix inventory
     def prefix_query(self, session: "PeerSession", msg: m.PrefixQuery) -> int:
         """A sender asks how many leading blocks of a chain this node holds: lease them."""
-        if len(msg.hashes) > m.MAX_PREFIX_HASHES or msg.lease_ms <= 0:
-            return 0
+        if len(msg.hashes) > m.MAX_PREFIX_HASHES or msg.lease_ms <= 0 or len(set(msg.hashes)) != len(msg.hashes):
+            return 0  # (a chain never repeats a hash: repeats would only make evictions scan long leases)
         ttl = min(msg.lease_ms / 1000, self.config.transfer.prefix_lease_s * 4)
         k, dropped = self.inventory.lease(session.key, msg.request_id, msg.hashes,
                                           asyncio.get_running_loop().time(), ttl)
@@ -444,9 +453,10 @@ class KvDesk:
 
     def _unlease(self, session: "PeerSession", request_id: str) -> None:
         """The peer's transfer of ``request_id`` reuses nothing here (refused PREFIX_LOST, or sent
-        whole): end the lease its query took, unless a transfer still relies on it."""
+        whole): end the lease its query took, unless a transfer still relies on it or an engine
+        was told its blocks (kv_received: they are the engine's until prefix_release)."""
         lease = self.inventory.get((session.key, request_id))
-        if lease is not None and not any(t.lease is lease for t in session.inn.values()):
+        if lease is not None and not lease.delivered and not any(t.lease is lease for t in session.inn.values()):
             self.inventory.release(lease.key)
 
     def prefix_release(self, request_id: str) -> bool:

@@ -453,13 +453,18 @@ class Router:
             req.request[STREAM] = out
             n0 = trace.tokens
             what = f"{up.pool} member {up.url}'s stream"
-            async for event in paced_events(sse_events(r.content), self.cfg.request.stream_silent_s, what):
-                if event.startswith(b"data: {"):
-                    with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
-                        trace.saw(token_count(self._decoder.decode(event[6:])))
-                await out.write(event)
-                if event.startswith(b"data: [DONE]"):
-                    req.request[DONE_SENT] = True
+            try:
+                async for event in paced_events(sse_events(r.content), self.cfg.request.stream_silent_s, what):
+                    if event.startswith(b"data: {"):
+                        with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
+                            trace.saw(token_count(self._decoder.decode(event[6:])))
+                    await out.write(event)
+                    if event.startswith(b"data: [DONE]"):
+                        req.request[DONE_SENT] = True
+            except aiohttp.ServerTimeoutError:
+                if not req.request.get(DONE_SENT):
+                    raise
+                # Silent after its [DONE], its connection open: the client has the whole answer.
             self.metrics.output_tokens.labels(pool=up.pool).inc(trace.tokens - n0)
             await out.write_eof()
             return out
