@@ -38,6 +38,7 @@ from ..log import limited
 from ..metrics import Metrics
 from ..wire import messages as m
 from .admission import Gate, check_request_id, check_site
+from .given_up import GivenUp
 from .handoff import HandoffDesk
 from .inventory import Inventory, Lease
 from .posts import Owner, Post, Unposted, blockmap
@@ -68,7 +69,7 @@ class KvDesk:
         # request_id) -> (code, reason, until)): a post for one fails at once instead of waiting
         # out its ttl.
         # site -> request id -> (code, reason, until), oldest first: each site its own share
-        self.gave_up: dict[str, collections.OrderedDict[str, tuple[int, str, float]]] = {}
+        self.gave_up = GivenUp(config.transfer.max_transfers * 4, config.transfer.post_ttl_s)
         # The engine that last posted or sent for a request, and the sites tied to it: it gets the
         # request's tokens and aborts, from those sites only.
         self.owners: collections.OrderedDict[str, Owner] = collections.OrderedDict()
@@ -90,7 +91,7 @@ class KvDesk:
         ttl = check_duration("ttl_s", self.config.transfer.post_ttl_s if msg.ttl_s is None else msg.ttl_s)
         if msg.max_skip_blocks is not None and msg.max_skip_blocks < 0:
             raise EngineRequestError(f"max_skip_blocks must be >= 0, got {msg.max_skip_blocks}", ErrorCode.BAD_REQUEST)
-        gone = self._given_up(msg.request_id, msg.from_site)
+        gone = self.gave_up.take(msg.request_id, [msg.from_site] if msg.from_site else list(self.peers.by_site))
         if gone is not None and gone[2] > asyncio.get_running_loop().time():
             raise EngineRequestError(gone[1], ErrorCode(gone[0]))
         post = self._add_post(Post(msg.request_id, ec, blockmap(ec, msg.blocks), msg.from_site, ttl,
@@ -114,7 +115,7 @@ class KvDesk:
 
     def incoming_begin(self, session: "PeerSession", tid: int, begin: m.KvBegin) -> None:
         """A peer announced KV for a request: match it to its post, or let it wait for one."""
-        self._forget_gave_up(session.peer.site, begin.request_id)  # sent (again): a post may match
+        self.gave_up.forget(session.peer.site, begin.request_id)  # sent (again): a post may match
         post = self.posts.get(begin.request_id)
         if post is not None:
             self._match(session, tid, begin, post)
@@ -178,38 +179,7 @@ class KvDesk:
             waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.NOT_POSTED, reason)
 
     def _gave_up(self, site: str, request_id: str, code: int, reason: str) -> None:
-        """Remember (bounded, for transfer.post_ttl_s) that ``site`` will send nothing for ``request_id``."""
-        until = asyncio.get_running_loop().time() + self.config.transfer.post_ttl_s
-        now = until - self.config.transfer.post_ttl_s
-        for s in list(self.gave_up):  # what has expired goes (a site that left keeps nothing for long)
-            old = self.gave_up[s]
-            while old and next(iter(old.values()))[2] <= now:
-                old.popitem(last=False)
-            if not old:
-                del self.gave_up[s]
-        mine = self.gave_up.setdefault(site, collections.OrderedDict())
-        mine[request_id] = (int(code), reason[:256], until)  # the reason may be the peer's text
-        mine.move_to_end(request_id)
-        while len(mine) > self.config.transfer.max_transfers * 4:  # per site: no peer pushes out another's
-            mine.popitem(last=False)
-
-    def _forget_gave_up(self, site: str, request_id: str) -> tuple[int, str, float] | None:
-        mine = self.gave_up.get(site)
-        if mine is None:
-            return None
-        found = mine.pop(request_id, None)
-        if not mine:
-            del self.gave_up[site]
-        return found
-
-    def _given_up(self, request_id: str, from_site: str | None) -> tuple[int, str, float] | None:
-        """What a post for ``request_id`` from ``from_site`` (None: any site) must fail with: a
-        sender of that site gave up on it. Only those sites' word counts."""
-        sites = [from_site] if from_site is not None else list(self.peers.by_site)
-        found = None
-        for site in sites:
-            found = self._forget_gave_up(site, request_id) or found
-        return found
+        self.gave_up.add(site, request_id, code, reason, asyncio.get_running_loop().time())
 
     def _match(self, session: "PeerSession", tid: int, begin: m.KvBegin, post: Post, *, late: bool = False) -> None:
         if post.from_site is not None and post.from_site != session.peer.site:
@@ -452,9 +422,8 @@ class KvDesk:
         return k
 
     def _unlease(self, session: "PeerSession", request_id: str) -> None:
-        """The peer's transfer of ``request_id`` reuses nothing here (refused PREFIX_LOST, or sent
-        whole): end the lease its query took, unless a transfer still relies on it or an engine
-        was told its blocks (kv_received: they are the engine's until prefix_release)."""
+        """The peer's transfer of ``request_id`` reuses nothing here: end the lease its query took,
+        unless a transfer relies on it or an engine was told its blocks (until prefix_release)."""
         lease = self.inventory.get((session.key, request_id))
         if lease is not None and not lease.delivered and not any(t.lease is lease for t in session.inn.values()):
             self.inventory.release(lease.key)
