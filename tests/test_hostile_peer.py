@@ -246,3 +246,30 @@ async def test_request_aborts_tied_to_nothing_are_counted_and_logged_once_per_pe
         ignored = [ln for ln in info_logs.getvalue().splitlines() if "REQUEST_ABORT" in ln]
         assert len(ignored) == 1 and "A/a1" in ignored[0], ignored
         peer.close()
+
+
+async def test_a_token_stream_forgotten_here_goes_on_from_the_senders_next_frame(tmp_sock_dir, engines):
+    """B keeps the last 4 x max_transfers (here 16) token streams per peer. Between two frames of
+    request r0, A sends frames of 16 other streams: B forgets r0. A's next frame (seq 3; 0-2 were
+    acknowledged, so A holds nothing before it) is delivered from index 3 -- not taken as a gap
+    whose resend (of frames A no longer has) would stall r0 for good."""
+    tomls = two_site_toml(tmp_sock_dir, plaintext=True)
+    tomls["B"] = tomls["B"].replace("[transfer]\n", "[transfer]\nmax_transfers = 4\n")
+    async with run_agents(tomls, sites=("B",), wait_up=False) as ag:
+        b = ag["B"]
+        e = await engines.connect(tmp_sock_dir / "B.sock", "b")
+        await e.expect_tokens("r0", "A")
+        peer, _ = await hello_as_a(b)
+        alive = asyncio.create_task(peer.keepalive())
+        try:
+            peer.send(FrameType.TOKENS, m.Tokens("r0", 0, [11, 12, 13]))
+            for i in range(16):
+                peer.send(FrameType.TOKENS, m.Tokens(f"x{i}", 0, [7]))
+            peer.send(FrameType.TOKENS, m.Tokens("r0", 3, [14, 15, 16]))
+            assert await peer.pong(4)
+            got = [(t.seq, t.tokens) for t in [await e.wait_tokens("r0", timeout=10) for _ in range(2)]]
+            assert got == [(0, [11, 12, 13]), (3, [14, 15, 16])], got
+            assert metric(b, "pddwire_token_gaps_total", peer="A/a1") == 0
+        finally:
+            alive.cancel()
+            peer.close()

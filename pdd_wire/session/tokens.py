@@ -369,7 +369,11 @@ class TokenRelay:
                                f"tokens to peer {self.s.key}", ErrorCode.LIMIT_EXCEEDED)
 
     def on_tokens(self, msg: m.Tokens) -> None:
-        expect = self.tok_in.get(msg.request_id, 0)
+        # A stream not known here that does not start at 0 is one forgotten here (least recently
+        # used) while its sender kept it: a sender resends from its first unacknowledged frame, in
+        # order, so what came before was delivered. Asking for it again would stall the stream for
+        # good (the sender no longer holds it): its frames are taken from where they start.
+        expect = self.tok_in.get(msg.request_id, msg.seq)
         end = msg.seq + len(msg.tokens)
         if end <= expect:
             self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect), lane=Lane.TOKEN)
