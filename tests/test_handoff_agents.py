@@ -137,6 +137,8 @@ async def test_request_that_finishes_on_rld_before_md_is_ready(tmp_sock_dir, eng
         await asyncio.gather(rld.run(30), md.run(30))
         check_stream("r6", 20, rld.emitted)
         assert rld.done.reason == "finished_on_rld" and md.done.reason == "finished"
+        # An abort of the settled request ends nothing there: it counts nothing (engine.md `abort`).
+        assert await R.abort("r6") == 0
 
 
 async def test_tokens_and_kv_that_arrive_before_md_registers_are_kept(tmp_sock_dir, engines):

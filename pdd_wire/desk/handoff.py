@@ -219,13 +219,15 @@ class HandoffDesk:
 
     def abort(self, ec: "EngineConn", request_id: str, reason: str) -> int:
         """The engine aborted the request: RLD keeps nothing to hand over (MD is told), MD
-        releases it (RLD keeps it, if RLD is still there)."""
+        releases it (RLD keeps it, if RLD is still there). Counts 1 only if it ended something: a
+        handoff whose handoff_done was told already is only forgotten."""
         e = self.live.get(request_id)
         if e is None or e.engine is not ec:
             return 0
+        ended = e.sm.done is None
         self._engine_failed(e, reason or "aborted", "rld_failed")
         self._forget(request_id)
-        return 1
+        return int(ended)
 
     def request_aborted(self, session: "PeerSession", request_id: str, reason: str) -> "EngineConn | None":
         """The peer says the request is dead: settle and forget its handoff with that peer."""
