@@ -326,6 +326,11 @@ def tool_main(argv: list[str] | None = None) -> int:
     except urllib.error.HTTPError as exc:
         print(f"pdd-wire: {exc.url}: HTTP {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
         return 1
+    except BrokenPipeError:
+        # stdout's reader went away (`pdd-wire status --json | head`): quiet, as SIGPIPE would be
+        # (stdout pointed at /dev/null so that the interpreter's own flush at exit says nothing).
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     except OSError as exc:
         print(f"pdd-wire: {exc}", file=sys.stderr)
         return 1

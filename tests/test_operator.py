@@ -9,6 +9,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -85,6 +88,20 @@ def test_status_with_no_agent_names_the_address_and_who_runs(short_dir):
     assert r.returncode == 1 and f"listen.admin in {cfg}" in r.stderr, r.stderr
     r = tool("status")
     assert r.returncode == 2 and "--admin" in r.stderr, r.stderr
+
+
+def test_a_reader_that_goes_away_is_no_error():
+    """``pdd-wire config --site A | head -1``: stdout's reader is gone before the tool writes. It
+    ends quietly, as SIGPIPE would (141), not with "[Errno 32] Broken pipe" on stderr."""
+    r, w = os.pipe()
+    os.close(r)
+    code = "import sys; from pdd_wire.cli import tool_main; sys.exit(tool_main())"
+    try:
+        p = subprocess.run([sys.executable, "-c", code, "config", "--site", "A"], stdout=w,
+                           stderr=subprocess.PIPE, text=True, timeout=30, stdin=subprocess.DEVNULL)
+    finally:
+        os.close(w)
+    assert p.returncode == 141 and p.stderr == "", (p.returncode, p.stderr)
 
 
 async def test_status_names_the_agent_and_refuses_another_sites(daemons, short_dir):
