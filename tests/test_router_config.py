@@ -131,3 +131,22 @@ def test_the_command_line_checks_a_config_and_prints_the_default(tmp_path):
     assert bad.returncode == 2 and "did you mean 'address'" in bad.stderr
     dflt = subprocess.run([*run, "--print-default"], capture_output=True, text=True, timeout=60, check=False)
     assert dflt.returncode == 0 and rcfg.loads(dflt.stdout) == rcfg.default_config()
+
+
+def test_an_address_in_use_is_said_once_and_exits_1(tmp_path):
+    """``pdd-wire router`` whose listen address is taken: one line naming it, exit 1, and
+    nothing it had opened left to the garbage collector ("Unclosed client session")."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        f = tmp_path / "router.toml"
+        f.write_text(GOOD.replace('address = "127.0.0.1:9000"', f'address = "127.0.0.1:{port}"'))
+        assert f"127.0.0.1:{port}" in f.read_text()
+        run = [sys.executable, "-c", "import sys; from pdd_wire.cli import tool_main; sys.exit(tool_main())",
+               "router", "--config", str(f)]
+        r = subprocess.run(run, capture_output=True, text=True, timeout=60, check=False, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert "Unclosed" not in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -133,7 +133,11 @@ class Router:
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
         await self._runner.setup()
         host, port = parse_hostport(self.cfg.listen.address, "listen.address")
-        await web.TCPSite(self._runner, host, port).start()
+        try:
+            await web.TCPSite(self._runner, host, port).start()
+        except BaseException:  # (the address in use): what was set up is closed, not left to the GC
+            await self.stop()
+            raise
         self.port = self._runner.addresses[0][1]
         log.info("router_listening", address=f"{host}:{self.port}",
                  pools={r: [u.url for u in self.pools.members(r)] for r in ("P", "RLD", "MD")})
