@@ -313,7 +313,8 @@ def check_dirs(config) -> list[str]:
     if config.tls.mode != "auto":
         return out
     path, key = _auto_dir(config)
-    return out + private_dir(path, key, create=False)
+    # Once each: by default the PKI's parent is the socket's directory, checked (and warned of) twice.
+    return list(dict.fromkeys(out + private_dir(path, key, create=False)))
 
 
 def log_tls_mode(log, config, pki: Pki | None) -> None:

@@ -67,6 +67,7 @@ def test_check_run_as_root_accepts_the_services_own_runtime_directory(short_dir)
     r = cli("--site", "A", "--config", str(write(short_dir, "a.toml", text)), "--check")
     assert r.returncode == 0 and "config OK" in r.stdout, r.stderr
     assert "warning" in r.stderr and str(run) in r.stderr and "must run as that user" in r.stderr, r.stderr
+    assert r.stderr.count("must run as that user") == 1, r.stderr  # the PKI's parent is that directory too
 
 
 def test_check_creates_nothing(short_dir):
