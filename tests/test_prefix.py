@@ -102,7 +102,7 @@ def test_leases_are_per_peer_and_report_what_they_drop():
     assert k == 6 and [d.request_id for d in dropped] == ["s"] and inv.peer_blocks == {"A/a1": 6, "C/c1": 4}
     for key in list(inv.leases):
         inv.release(key)
-    assert inv.by_peer == {} and inv.peer_blocks == {}
+    assert inv.by_peer == {} and inv.peer_blocks == {} and inv.holders == {}
 
 
 async def setup(engines, tmp, n=16):

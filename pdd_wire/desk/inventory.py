@@ -62,6 +62,7 @@ class Inventory:
     # peer -> its leases' request ids, oldest first, and the blocks they hold together
     by_peer: dict[str, "collections.OrderedDict[str, None]"] = field(default_factory=dict)
     peer_blocks: dict[str, int] = field(default_factory=dict)
+    holders: dict[int, set[LeaseKey]] = field(default_factory=dict)  # hash -> the leases holding it
     by_request: dict[str, set[str]] = field(default_factory=dict)  # request id -> peers holding a lease
     at: dict[tuple[int, int, int], int] = field(default_factory=dict)  # (id(owner), region, block) -> hash
 
@@ -102,11 +103,11 @@ class Inventory:
             del self.blocks[h]
             self.at.pop((id(held.owner), held.region, held.block), None)
             evicted.append(h)
-            if held.leases:
-                for lease in self.leases.values():
-                    if not lease.broken and h in lease.hashes:
-                        lease.broken = True
-                        broken.append(lease)
+            for key in self.holders.get(h, ()):  # the leases holding it (an index: no scan of every lease)
+                lease = self.leases[key]
+                if not lease.broken:
+                    lease.broken = True
+                    broken.append(lease)
         return evicted, kept, broken
 
     def forget_owner(self, owner: object) -> list[Lease]:
@@ -143,6 +144,7 @@ class Inventory:
         lease = Lease(peer, request_id, list(hashes[:k]), now + ttl)
         for h in lease.hashes:
             self.blocks[h].leases += 1
+            self.holders.setdefault(h, set()).add(lease.key)
         self.leases[lease.key] = lease
         self.by_request.setdefault(request_id, set()).add(peer)
         self.by_peer.setdefault(peer, mine)[request_id] = None
@@ -199,6 +201,11 @@ class Inventory:
             held = self.blocks.get(h)
             if held is not None and held.leases:
                 held.leases -= 1
+            keys = self.holders.get(h)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self.holders[h]
         return lease
 
     def expire(self, now: float) -> list[Lease]:
