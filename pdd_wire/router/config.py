@@ -87,7 +87,7 @@ class Request(msgspec.Struct, **_cfg):
     """A client's request body must have arrived this long after its headers (at most
     ``deadline_s``); else 408, keep-alive off (a trickled body would hold a slot of
     ``max_inflight``)."""
-    stream_silent_s: float = 60.0
+    stream_silent_s: float = 120.0
     """A streamed answer relayed from one member (P-MD's MD, P-RLD's RLD or P) silent this long
     after its first event has failed: the client gets a 502 error event and ``[DONE]``, the
     upstream request is closed (vLLM aborts it). Its first event is waited for up to the
