@@ -72,6 +72,9 @@ FORWARDED_HEADER = "x-pdd-wire-forwarded"
 #: A non-streamed answer relayed whole: prompt logprobs of a 128k-token prompt are far over the
 #: 64 MiB the router reads of what it parses, and are the user's to have.
 RELAY_MAX_BODY = 1 << 30
+#: After a relayed stream's ``[DONE]`` (the client's answer ended), the rest of the upstream body is
+#: read this long at most, to keep the connection for the next request.
+AFTER_DONE_S = 1.0
 
 
 @web.middleware
@@ -131,12 +134,13 @@ class Router:
         # handler_cancellation: a client that goes away cancels its handler, which closes the
         # upstream connections it holds (vLLM then aborts those requests).
         self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True)
-        await self._runner.setup()
         host, port = parse_hostport(self.cfg.listen.address, "listen.address")
         try:
+            await self._runner.setup()
             await web.TCPSite(self._runner, host, port).start()
         except BaseException:  # (the address in use): what was set up is closed, not left to the GC
-            await self.stop()
+            with contextlib.suppress(Exception):  # the start's own error is the one to tell
+                await self.stop()
             raise
         self.port = self._runner.addresses[0][1]
         log.info("router_listening", address=f"{host}:{self.port}",
@@ -286,6 +290,9 @@ class Router:
             return await self._fail(request, 502, f"upstream answered HTTP {exc.status}: "
                                     f"{exc.body[:300].decode(errors='replace')}", "BadGatewayError")
         except TimeoutError as exc:
+            if request.get(DONE_SENT):  # after the client's [DONE] (reading what follows it): answered
+                outcome = "ok"
+                return request[STREAM]
             if not deadline.expired():  # aiohttp's connect timeout is a TimeoutError too
                 outcome = "upstream_failed"
                 return await self._upstream_failed(request, rid, exc)
@@ -457,18 +464,23 @@ class Router:
             req.request[STREAM] = out
             n0 = trace.tokens
             what = f"{up.pool} member {up.url}'s stream"
-            try:
-                async for event in paced_events(sse_events(r.content), self.cfg.request.stream_silent_s, what):
+            raw = sse_events(r.content)
+            async with contextlib.aclosing(raw), \
+                    contextlib.aclosing(paced_events(raw, self.cfg.request.stream_silent_s, what)) as events:
+                async for event in events:
                     if event.startswith(b"data: {"):
                         with contextlib.suppress(msgspec.DecodeError, AttributeError, TypeError):
                             trace.saw(token_count(self._decoder.decode(event[6:])))
                     await out.write(event)
                     if event.startswith(b"data: [DONE]"):
                         req.request[DONE_SENT] = True
-            except aiohttp.ServerTimeoutError:
-                if not req.request.get(DONE_SENT):
-                    raise
-                # Silent after its [DONE], its connection open: the client has the whole answer.
+                        break  # the client has the whole answer: it ends now
             self.metrics.output_tokens.labels(pool=up.pool).inc(trace.tokens - n0)
             await out.write_eof()
+            if req.request.get(DONE_SENT):
+                # vLLM ends its body right after [DONE]: read that end, briefly, so that the connection
+                # goes back to the pool; an upstream that holds it open silent loses it (closed).
+                with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+                    async with asyncio.timeout(AFTER_DONE_S):
+                        await r.content.read()
             return out

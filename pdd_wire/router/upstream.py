@@ -7,7 +7,7 @@ import asyncio
 import math
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import aiohttp
 import msgspec
@@ -238,7 +238,7 @@ async def sse_events(content: aiohttp.StreamReader):
         raise aiohttp.ClientPayloadError(f"the stream ended inside an event ({len(buf)} bytes unterminated)")
 
 
-async def paced_events(events: AsyncIterator[bytes], silent_s: float, what: str) -> AsyncIterator[bytes]:
+async def paced_events(events: AsyncIterator[bytes], silent_s: float, what: str) -> AsyncGenerator[bytes, None]:
     """``events`` as they come: the first whenever it comes (a queued request, a prompt's KV still
     on its way), each later one within ``silent_s`` of the one before. A stream silent that long
     after its first event has failed: ``aiohttp.ServerTimeoutError`` naming ``what`` and the key."""
