@@ -147,6 +147,23 @@ async def test_a_restarted_peers_early_relay_is_forgotten(tmp_sock_dir):
         peer.close()
 
 
+async def test_an_early_relay_resent_over_what_is_kept_adds_only_its_new_tokens(tmp_sock_dir):
+    """A resend that overlaps the relayed tokens kept for a request MD has not registered yet (the
+    receiver forgot the stream, then the connection dropped) adds its new tail, in step: it is
+    not dropped whole, which would put every later frame out of step with MD's positions."""
+    async with _agent_b(tmp_sock_dir) as b:
+        peer, _ = await hello(b.wan_address[1], capabilities=CAPS)
+        peer.send(FrameType.TOKENS, m.Tokens("h7", 0, [1, 2, 3], handoff=True), lane=Lane.TOKEN)
+        assert await peer.pong(1)
+        b.sessions["A/a1"].tokens.drop("h7")  # forgotten here (as the least recently used stream)
+        peer.send(FrameType.TOKENS, m.Tokens("h7", 2, [3, 4], handoff=True), lane=Lane.TOKEN)
+        peer.send(FrameType.TOKENS, m.Tokens("h7", 4, [5], handoff=True), lane=Lane.TOKEN)
+        assert await peer.pong(2)
+        assert metric(b, "pddwire_tokens_dropped_total", peer="A/a1", reason="over_bounds") == 0
+        assert b.handoffs.early["A/a1"]["h7"].tokens == [1, 2, 3, 4, 5]
+        peer.close()
+
+
 async def test_a_peers_abort_reasons_do_not_grow_the_metrics_label_set(tmp_sock_dir, engines):
     """HANDOFF_ABORT's reason is free text (up to 4096 characters): it reaches MD's engine as it
     is, and is counted as ``other``."""

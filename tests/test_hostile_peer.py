@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from conftest import metric, until
+from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
 from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL
 from pdd_wire.wire import FrameType, Lane, encode_body, encode_bytes
@@ -186,7 +187,6 @@ async def test_an_empty_kv_chunk_fails_its_transfer_and_an_empty_lz4_one_is_aske
     answered KV_NACK CHUNK_BUSY, which a sender resends without counting: a loop for ever. It is
     a chunk of the wrong size, checksum flag or not: the transfer fails MALFORMED_BODY
     (proto/transfer.md §7); with LZ4 it does not decode: KV_NACK CHUNK_CHECKSUM."""
-    from pdd_wire.engine import protocol as p
     from pdd_wire.wire import Flags
 
     async with agent_b(tmp_sock_dir) as b:
@@ -270,6 +270,14 @@ async def test_a_token_stream_forgotten_here_goes_on_from_the_senders_next_frame
             got = [(t.seq, t.tokens) for t in [await e.wait_tokens("r0", timeout=10) for _ in range(2)]]
             assert got == [(0, [11, 12, 13]), (3, [14, 15, 16])], got
             assert metric(b, "pddwire_token_gaps_total", peer="A/a1") == 0
+            # The engine aborts r0: the stream is dropped here, and what A still had on its way
+            # reaches that engine no more (it owns r0 no longer): held for an owner, then dropped.
+            await e.abort("r0")
+            peer.send(FrameType.TOKENS, m.Tokens("r0", 6, [17]))
+            assert await peer.pong(5)
+            assert "r0" in b.sessions["A/a1"].tokens.held
+            await e.status()  # a round trip: an event sent before its answer would be here now
+            assert e.take("r0", kinds=(p.TokensReceived,)) == []
         finally:
             alive.cancel()
             peer.close()

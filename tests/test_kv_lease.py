@@ -109,3 +109,20 @@ async def test_a_matched_prefix_longer_than_the_receiver_allows_is_sent_whole(tm
         with pytest.raises(EngineRequestError) as exc:
             await D.post_recv("r6", [rd.blocks(8, 6)], max_skip_blocks=-1)
         assert exc.value.code == ErrorCode.BAD_REQUEST
+
+
+def test_a_given_up_record_past_its_time_counts_for_nothing():
+    """Requests given up are kept per site for ``ttl``: one past its time (not pruned yet) does not
+    shadow another site's live one, and expired records go at the next record of any site."""
+    from pdd_wire.desk.given_up import GivenUp
+
+    g = GivenUp(per_site=2, ttl=10.0)
+    g.add("A", "r", ErrorCode.NOT_POSTED, "A gave up", now=0.0)
+    g.add("B", "r", ErrorCode.TRANSFER_CANCELLED, "B cancelled", now=5.0)
+    rec = g.take("r", ["B", "A"], now=12.0)
+    assert rec is not None and rec[1] == "B cancelled", rec  # A's (expired) was later in the order
+    g.add("C", "q", ErrorCode.NOT_POSTED, "C", now=30.0)  # prunes what expired, every site
+    assert set(g.sites) == {"C"}
+    for i in range(3):
+        g.add("C", f"s{i}", ErrorCode.NOT_POSTED, "y" * 1000, now=30.0)
+    assert list(g.sites["C"]) == ["s1", "s2"] and len(g.sites["C"]["s2"][1]) == 256  # per site; reason clipped

@@ -39,9 +39,12 @@ class GivenUp:
             del self.sites[site]
         return found
 
-    def take(self, request_id: str, sites: Iterable[str]) -> Record | None:
-        """What a post for ``request_id`` from any of ``sites`` must fail with (forgotten now)."""
+    def take(self, request_id: str, sites: Iterable[str], now: float) -> Record | None:
+        """What a post for ``request_id`` from any of ``sites`` must fail with (forgotten now); a
+        record past its time, not pruned yet, counts for nothing."""
         found = None
         for site in sites:
-            found = self.forget(site, request_id) or found
+            rec = self.forget(site, request_id)
+            if rec is not None and rec[2] > now:
+                found = rec
         return found

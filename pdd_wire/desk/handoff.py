@@ -278,10 +278,11 @@ class HandoffDesk:
         # A handoff's relay never becomes a plain ``tokens`` event: kept for MD's entry, or dropped.
         if e is None:
             early = self._early(msg.request_id, session)
-            if len(early.tokens) == msg.seq and len(early.tokens) + len(msg.tokens) <= MAX_EARLY_TOKENS:
-                early.tokens.extend(msg.tokens)
+            fresh = msg.tokens[len(early.tokens) - msg.seq:]  # a resend may overlap what is kept
+            if msg.seq <= len(early.tokens) and len(early.tokens) + len(fresh) <= MAX_EARLY_TOKENS:
+                early.tokens.extend(fresh)
                 mine = self.early[session.key]
-                self._early_total[session.key] += len(msg.tokens)
+                self._early_total[session.key] += len(fresh)
                 while self._early_total[session.key] > MAX_EARLY_TOTAL and mine:
                     self._drop_early(session.key, next(iter(mine)))
                 return True

@@ -91,8 +91,8 @@ class KvDesk:
         ttl = check_duration("ttl_s", self.config.transfer.post_ttl_s if msg.ttl_s is None else msg.ttl_s)
         if msg.max_skip_blocks is not None and msg.max_skip_blocks < 0:
             raise EngineRequestError(f"max_skip_blocks must be >= 0, got {msg.max_skip_blocks}", ErrorCode.BAD_REQUEST)
-        gone = self.gave_up.take(msg.request_id, [msg.from_site] if msg.from_site else list(self.peers.by_site))
-        if gone is not None and gone[2] > asyncio.get_running_loop().time():
+        now, sites = asyncio.get_running_loop().time(), [msg.from_site] if msg.from_site else list(self.peers.by_site)
+        if (gone := self.gave_up.take(msg.request_id, sites, now)) is not None:
             raise EngineRequestError(gone[1], ErrorCode(gone[0]))
         post = self._add_post(Post(msg.request_id, ec, blockmap(ec, msg.blocks), msg.from_site, ttl,
                                    msg.max_skip_blocks))
@@ -415,15 +415,13 @@ class KvDesk:
         ttl = min(msg.lease_ms / 1000, self.config.transfer.prefix_lease_s * 4)
         k, dropped = self.inventory.lease(session.key, msg.request_id, msg.hashes,
                                           asyncio.get_running_loop().time(), ttl)
-        # The peer's previous lease for the request (replaced) and its oldest ones (over its share,
-        # 4 x transfer.max_transfers) are gone: a transfer still relying on one starts over whole.
+        # Its replaced lease and its oldest (over its share) are gone: a transfer on one starts over whole.
         self.prefix_broken(dropped, "the matched prefix lease was replaced or dropped (over the peer's share)",
                            released=True)
         return k
 
     def _unlease(self, session: "PeerSession", request_id: str) -> None:
-        """The peer's transfer of ``request_id`` reuses nothing here: end the lease its query took,
-        unless a transfer relies on it or an engine was told its blocks (until prefix_release)."""
+        """End the lease the peer's query took, if no transfer relies on it and no engine holds it."""
         lease = self.inventory.get((session.key, request_id))
         if lease is not None and not lease.delivered and not any(t.lease is lease for t in session.inn.values()):
             self.inventory.release(lease.key)
@@ -487,6 +485,8 @@ class KvDesk:
         for peer in list(self.unposted.get(request_id, {})):
             waiting = self._unwait(request_id, peer)
             waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.TRANSFER_CANCELLED, reason)
+        if (owner := self.owners.get(request_id)) is not None and owner.engine is ec:
+            del self.owners[request_id]  # tokens still on their way reach it no more (held, then dropped)
         return n
 
     def request_aborted(self, session: "PeerSession", msg: m.RequestAbort) -> None:

@@ -1,9 +1,11 @@
-"""Token-ID relay for one peer session: per-request sequence numbers, in order, exactly once.
+"""Token-ID relay for one peer session: per-request sequence numbers, in order, once (the limits:
+``proto/transfer.md`` §12, "Exactly once, in order").
 
 Token frames take the TOKEN lane of the control connection: they never queue behind KV, which
 moves on the data path. The sender keeps every frame until TOKENS_ACK covers it and sends the
 unacknowledged ones again after a reconnect; the receiver delivers each index once, drops what
-it already delivered, and asks for a resend when it sees a gap. Rules: ``proto/transfer.md``.
+it already delivered, asks for a resend when it sees a gap, and takes a stream it forgot from
+where its next frame starts. Rules: ``proto/transfer.md``.
 
 Frames are written *paced*: only while the control connection has room (half of
 ``limits.control_buffer_bytes`` unsent, :meth:`FrameProtocol.paced_room`), the rest as it drains,
