@@ -116,8 +116,9 @@ async def test_the_first_event_is_waited_for_and_a_pause_under_the_limit_is_no_f
 
 async def test_a_stream_silent_after_its_done_is_no_failure(http):
     """MD sends the whole answer and ``[DONE]``, then holds its connection open, silent: the
-    client's answer ends at its ``[DONE]`` -- not after ``stream_silent_s`` (here longer than the
-    wait), nor at the deadline -- and the request is ``ok``, not ``upstream_failed``."""
+    client's answer ends 1 s after its ``[DONE]`` (what follows is read that long) -- not after
+    ``stream_silent_s`` (here longer than the wait), nor at the deadline -- and the request is
+    ``ok``, not ``upstream_failed``."""
     async with fakes(MODEL, MD=Script(done_then_stall=True)) as (P, RLD, MD), router(P, RLD, MD, 40) as r:
         got = await asyncio.wait_for(events(http, r.url), 20)
         assert ids(got) == OUT

@@ -72,7 +72,7 @@ FORWARDED_HEADER = "x-pdd-wire-forwarded"
 #: A non-streamed answer relayed whole: prompt logprobs of a 128k-token prompt are far over the
 #: 64 MiB the router reads of what it parses, and are the user's to have.
 RELAY_MAX_BODY = 1 << 30
-#: After a relayed stream's ``[DONE]`` (the client's answer ended), the rest of the upstream body is
+#: After a relayed stream's ``[DONE]`` (the client has its whole answer), the rest of the upstream body is
 #: read this long at most, to keep the connection for the next request.
 AFTER_DONE_S = 1.0
 
@@ -474,13 +474,13 @@ class Router:
                     await out.write(event)
                     if event.startswith(b"data: [DONE]"):
                         req.request[DONE_SENT] = True
-                        break  # the client has the whole answer: it ends now
-            self.metrics.output_tokens.labels(pool=up.pool).inc(trace.tokens - n0)
-            await out.write_eof()
+                        break  # the client has the whole answer: nothing more is relayed
             if req.request.get(DONE_SENT):
                 # vLLM ends its body right after [DONE]: read that end, briefly, so that the connection
                 # goes back to the pool; an upstream that holds it open silent loses it (closed).
                 with contextlib.suppress(TimeoutError, aiohttp.ClientError):
                     async with asyncio.timeout(AFTER_DONE_S):
                         await r.content.read()
+            self.metrics.output_tokens.labels(pool=up.pool).inc(trace.tokens - n0)
+            await out.write_eof()
             return out
