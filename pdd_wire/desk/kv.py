@@ -65,10 +65,8 @@ class KvDesk:
         # KV_BEGINs waiting for their post: request id -> peer ("site/node") -> the wait.
         self.unposted: dict[str, dict[str, Unposted]] = {}
         self.unposted_per_peer: collections.Counter[str] = collections.Counter()
-        # Requests whose sender gave up before their receive was posted ((sender's site,
-        # request_id) -> (code, reason, until)): a post for one fails at once instead of waiting
-        # out its ttl.
-        # site -> request id -> (code, reason, until), oldest first: each site its own share
+        # Requests whose sender gave up before their receive was posted, per site: a post for one
+        # fails at once instead of waiting out its ttl.
         self.gave_up = GivenUp(config.transfer.max_transfers * 4, config.transfer.post_ttl_s)
         # The engine that last posted or sent for a request, and the sites tied to it: it gets the
         # request's tokens and aborts, from those sites only.
@@ -411,7 +409,7 @@ class KvDesk:
     def prefix_query(self, session: "PeerSession", msg: m.PrefixQuery) -> int:
         """A sender asks how many leading blocks of a chain this node holds: lease them."""
         if len(msg.hashes) > m.MAX_PREFIX_HASHES or msg.lease_ms <= 0 or len(set(msg.hashes)) != len(msg.hashes):
-            return 0  # (a chain never repeats a hash: repeats would only make evictions scan long leases)
+            return 0  # (a chain never repeats a hash: such a query asks about no prefix)
         ttl = min(msg.lease_ms / 1000, self.config.transfer.prefix_lease_s * 4)
         k, dropped = self.inventory.lease(session.key, msg.request_id, msg.hashes,
                                           asyncio.get_running_loop().time(), ttl)
