@@ -226,7 +226,7 @@ class Config(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=Tr
 
 
 #: A site, node or cluster name (proto/README.md, Conventions).
-NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")  # \Z: $ lets a final newline through
 
 
 def parse_hostport(value: str, key: str) -> tuple[str, int]:

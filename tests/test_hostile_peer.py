@@ -12,7 +12,7 @@ import pytest
 
 from conftest import metric, until
 from pdd_wire.engine import protocol as p
-from pdd_wire.errors import ErrorCode
+from pdd_wire.errors import ErrorCode, ProtocolError
 from pdd_wire.transport.tcp import KIND_BULK, KIND_CONTROL
 from pdd_wire.wire import FrameType, Lane, encode_body, encode_bytes
 from pdd_wire.wire import messages as m
@@ -63,6 +63,20 @@ def test_code_zero_from_a_peer_is_no_ok_an_engine_could_be_told(ftype):
               FrameType.ERROR: [0, "zero"]}[ftype]
     msg = m.decode_body(ftype, msgspec.msgpack.encode(fields))
     assert msg.code == ErrorCode.PEER_ERROR and msg.message == "zero (peer code 0)", msg
+
+
+@pytest.mark.parametrize("site", ["A\n", "-A", "a" * 64, "A/a1"])
+def test_a_site_name_is_the_whole_string_the_spec_allows(site):
+    """1-63 of [A-Za-z0-9._-], starting alphanumeric (proto/messages.md), and nothing after:
+    a regex's ``$`` would also let a final newline through (it did, on the wire and in the
+    config alike)."""
+    with pytest.raises(ProtocolError) as exc:
+        m.decode_body(FrameType.HELLO, msgspec.msgpack.encode({"versions": [1], "site": site, "node": "a1",
+                                                               "incarnation": 7}))
+    assert exc.value.code == ErrorCode.OUT_OF_RANGE
+    from pdd_wire.config import NAME
+
+    assert not NAME.match(site) and NAME.match("A") and NAME.match("a" * 63)
 
 
 async def test_a_chunk_without_its_checksum_closes_the_bulk_connection_only(tmp_sock_dir):

@@ -34,6 +34,6 @@ def check_site(key: str, site: str | None) -> None:
     """``site`` (None: any) names a site as peers are named (``[A-Za-z0-9][A-Za-z0-9._-]{0,62}``):
     a post or a token stream tied to "A/a1" or "" could never be filled, and would end only at
     its ttl. Not checked against the configured peers: a peer may join later."""
-    if site is not None and not NAME.fullmatch(site):  # (match's $ lets a final newline through)
+    if site is not None and not NAME.match(site):
         raise EngineRequestError(f"{key} {site!r} is not a site name (1-63 of [A-Za-z0-9._-], starting with a "
                                  "letter or digit; a node is named in send_kv's to, never here)", ErrorCode.BAD_REQUEST)

@@ -34,7 +34,7 @@ MAX_PREFIX_HASHES = 1 << 16  # hashes of one PREFIX_QUERY (a longer one is answe
 U16 = Annotated[int, Meta(ge=0, le=0xFFFF)]
 U63 = Annotated[int, Meta(ge=0, le=(1 << 63) - 1)]
 U64 = Annotated[int, Meta(ge=0)]  # msgpack ints end at 2^64-1
-Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")]
+Name = Annotated[str, Meta(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}\Z")]  # \Z: $ lets a final newline through
 RequestId = Annotated[str, Meta(min_length=1, max_length=MAX_REQUEST_ID)]
 Text = str  # free text is never refused: __post_init__ cuts it to MAX_TEXT (both when built and decoded)
 Code = U16  # an unassigned code becomes PEER_ERROR when decoded (errors.peer_code)
