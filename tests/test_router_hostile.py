@@ -14,30 +14,17 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from pdd_wire.router import Router, loads
+from pdd_wire.router import Router
 from pdd_wire.router import upstream as upstream_mod
 from support.agents import free_port
 from support.http import serving
+from support.routers import p_md_router
 
 PROMPT = "hello there"
 
 
 def _router(p: str, md: str, port: int = 0) -> Router:
-    return Router(loads(f"""
-[listen]
-address = "127.0.0.1:{port}"
-[request]
-deadline_s = 10
-connect_s = 2
-[[pools.P]]
-url = "{p}"
-site = "A"
-[[pools.MD]]
-url = "{md}"
-site = "B"
-[choice]
-ask_agent = false
-"""))
+    return p_md_router(p, md, port=port, deadline_s=10, connect_s=2)
 
 
 @contextlib.asynccontextmanager

@@ -20,8 +20,8 @@ import pytest_asyncio
 
 from conftest import until
 from pdd_wire.router import Router
-from pdd_wire.router.config import loads
 from support.fake_vllm import Model, Script, fakes
+from support.routers import p_md_router
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -37,25 +37,8 @@ async def http():
         yield s
 
 
-def router(P, RLD, MD, stream_silent_s: float) -> Router:
-    return Router(loads(f"""
-[listen]
-address = "127.0.0.1:0"
-[request]
-deadline_s = {DEADLINE_S}
-stream_silent_s = {stream_silent_s}
-[[pools.P]]
-url = "{P.url}"
-site = "A"
-[[pools.RLD]]
-url = "{RLD.url}"
-site = "A"
-[[pools.MD]]
-url = "{MD.url}"
-site = "B"
-[choice]
-ask_agent = false
-"""))
+def router(P, MD, stream_silent_s: float) -> Router:
+    return p_md_router(P.url, MD.url, deadline_s=DEADLINE_S, stream_silent_s=stream_silent_s)
 
 
 def body() -> dict:
@@ -86,7 +69,7 @@ async def test_a_stream_silent_mid_stream_fails_and_is_closed(http, k):
     """MD stalls after k tokens: the client has those k, then a 502 error event naming the
     key, then one ``[DONE]``; the request counts ``upstream_failed``; the router closed MD's
     stream (vLLM aborts such a request)."""
-    async with fakes(MODEL, MD=Script(stall_at=k)) as (P, RLD, MD), router(P, RLD, MD, 0.5) as r:
+    async with fakes(MODEL, MD=Script(stall_at=k)) as (P, RLD, MD), router(P, MD, 0.5) as r:
         got = await asyncio.wait_for(events(http, r.url), DEADLINE_S / 2)
         assert ids(got) == OUT[:k]
         err = json.loads(got[-1][6:])["error"]
@@ -102,7 +85,7 @@ async def test_the_first_event_is_waited_for_and_a_pause_under_the_limit_is_no_f
     pause shorter than it: the whole answer, ``ok``."""
     first, later = asyncio.Event(), asyncio.Event()
     async with fakes(MODEL, MD=Script(hold={0: first, 5: later})) as (P, RLD, MD), \
-            router(P, RLD, MD, 2.0) as r:
+            router(P, MD, 2.0) as r:
         got = asyncio.ensure_future(events(http, r.url))
         await asyncio.sleep(6.0)
         first.set()
@@ -119,7 +102,7 @@ async def test_a_stream_silent_after_its_done_is_no_failure(http):
     client's answer ends 1 s after its ``[DONE]`` (what follows is read that long) -- not after
     ``stream_silent_s`` (here longer than the wait), nor at the deadline -- and the request is
     ``ok``, not ``upstream_failed``."""
-    async with fakes(MODEL, MD=Script(done_then_stall=True)) as (P, RLD, MD), router(P, RLD, MD, 40) as r:
+    async with fakes(MODEL, MD=Script(done_then_stall=True)) as (P, RLD, MD), router(P, MD, 40) as r:
         got = await asyncio.wait_for(events(http, r.url), 20)
         assert ids(got) == OUT
         await until(lambda: outcome(r) != {}, 10, "the request counted")

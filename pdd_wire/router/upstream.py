@@ -242,25 +242,20 @@ async def paced_events(events: AsyncIterator[bytes], silent_s: float, what: str)
     """``events`` as they come: the first whenever it comes (a queued request, a prompt's KV still
     on its way), each later one within ``silent_s`` of the one before. A stream silent that long
     after its first event has failed: ``aiohttp.ServerTimeoutError`` naming ``what`` and the key."""
-    first = True
+    limit = asyncio.timeout(None)  # the first event: no limit
     while True:
         try:
-            if first:
+            async with limit:
                 event = await anext(events)
-            else:
-                limit = asyncio.timeout(silent_s)
-                try:
-                    async with limit:
-                        event = await anext(events)
-                except TimeoutError:
-                    if not limit.expired():
-                        raise  # not ours (an aiohttp read timeout)
-                    raise aiohttp.ServerTimeoutError(f"{what} went silent mid-stream: no event for "
-                                                     f"{silent_s:g} s (request.stream_silent_s)") from None
         except StopAsyncIteration:
             return
-        first = False
+        except TimeoutError:
+            if not limit.expired():
+                raise  # not ours (an aiohttp read timeout)
+            raise aiohttp.ServerTimeoutError(f"{what} went silent mid-stream: no event for "
+                                             f"{silent_s:g} s (request.stream_silent_s)") from None
         yield event
+        limit = asyncio.timeout(silent_s)
 
 
 def tokenize_request(path: str, body: dict) -> tuple[list[int] | None, dict]:
