@@ -236,6 +236,21 @@ def test_release_after_commit_resumes_rld_with_held_tokens():
     assert rld.on_reconnect() == []
 
 
+
+def test_a_release_because_mds_engine_aborted_ends_rld_without_resuming():
+    """MD's engine aborted the request (RELEASE "aborted"): RLD settles ``aborted``, before or
+    after the commit, and neither emits what it held nor starts generating again."""
+    rld = rld_(CATCH_UP)
+    gen(rld, 3)
+    assert rld.on_message(HandoffRelease(RID, EP, "aborted")) == [Done("RLD", "aborted")]
+    rld, md = rld_(ONE_SHOT), md_()
+    feed(md, relayed(gen(rld, 3)))
+    md.on_kv_ready()
+    rld.on_message(Progress(0))  # commit at 3
+    assert rld.on_token_generated(T(3)) == []  # held
+    assert rld.on_message(HandoffRelease(RID, EP, "aborted")) == [Done("RLD", "aborted", "one-shot")]
+    assert rld.on_reconnect() == []
+
 def test_md_lost_after_commit_rld_never_resumes():
     rld = rld_(ONE_SHOT)
     gen(rld, 3)

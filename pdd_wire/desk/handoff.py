@@ -51,6 +51,7 @@ from ..metrics import Metrics
 from ..wire import messages as m
 from .admission import Gate, check_request_id
 from .handoff_protocol import (
+    ABORTED,
     CAPABILITY,
     Done,
     Emit,
@@ -225,7 +226,8 @@ class HandoffDesk:
         if e is None or e.engine is not ec:
             return 0
         ended = e.sm.done is None
-        self._engine_failed(e, reason or "aborted", "rld_failed")
+        # MD releases with ABORTED whatever the engine's reason: RLD must not take the output back.
+        self._engine_failed(e, ABORTED if e.role == "MD" else reason or ABORTED, "rld_failed")
         self._forget(request_id)
         return int(ended)
 

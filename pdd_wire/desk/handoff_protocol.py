@@ -81,6 +81,9 @@ HandoffMessage = HandoffProgress | HandoffCommit | HandoffTaken | HandoffRelease
 HANDOFF_MESSAGES: tuple[type, ...] = (HandoffProgress, HandoffCommit, HandoffTaken, HandoffRelease, HandoffAbort)
 #: Capability an agent advertises (HELLO/WELCOME) before the peer may send it these frame types.
 CAPABILITY = "handoff.v1"
+#: The RELEASE reason of an MD whose engine aborted the request: RLD settles and does not go on
+#: (``Done(RLD, "aborted")``, as for the REQUEST_ABORT that follows).
+ABORTED = "aborted"
 
 
 # ----------------------------------------------------------------------------- actions
@@ -345,6 +348,12 @@ class RldHandoff:
                                    f"(no commit outstanding)")
 
     def _on_release(self, reason: str) -> list[Action]:
+        if reason == ABORTED and self.state in (RldState.RELAYING, RldState.COMMITTED):
+            # MD's engine aborted the request (its REQUEST_ABORT follows): nobody goes on.
+            self.state = RldState.RLD_OWNS
+            self.gave_up = True
+            self._held.clear()
+            return [self._settle("RLD", ABORTED)]
         if self.state is RldState.RELAYING:
             self.state = RldState.RLD_OWNS
             return [self._settle("RLD", "md_released")]
