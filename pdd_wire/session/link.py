@@ -112,11 +112,13 @@ class Pings:
         nonce = next(self._nonce)
         if self.s.send_frame(FrameType.PING, m.Ping(nonce, time.monotonic_ns())):
             self.s.est.ping_sent(nonce, time.monotonic())
+            self.s.outbox.ping_written(nonce)
         return nonce
 
     def pong(self, msg: m.Pong) -> None:
         rtt = (time.monotonic_ns() - msg.sent_ns) / 1e9
         self.s.link.pong(msg.nonce, rtt)
+        self.s.outbox.pong(msg.nonce)
         w = self._waiters.pop(msg.nonce, None)
         if w is not None and not w.done():
             w.set_result(rtt)

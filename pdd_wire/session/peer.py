@@ -12,7 +12,6 @@ by the sans-IO core (:mod:`.protocol`), how chunks move by the data path (:mod:`
 from __future__ import annotations
 
 import asyncio
-import collections
 import secrets
 import time
 from collections.abc import Mapping
@@ -38,6 +37,7 @@ from .dialer import Dialer
 from .host import SessionHost
 from .lines import peer_lines
 from .link import LinkState, Pings
+from .outbox import Outbox
 from .protocol import SendWindow, code_name
 from .receiving import Receiver
 from .sending import Sender
@@ -74,8 +74,7 @@ class PeerSession:
         self.receiver = Receiver(self)
         self.tokens = TokenRelay(self)
         self.acks = AckBatch(self.send_frame)  # KV_ACKs of this loop turn, sent as ranges
-        self.cancel_later: collections.deque[tuple[int, m.KvCancel]] = collections.deque(
-            maxlen=2 * self.cfg.transfer.max_transfers)  # KV_CANCELs unsent (peer down), sent on reconnect
+        self.outbox = Outbox(self, 4 * self.cfg.transfer.max_transfers, self.cfg.limits.control_buffer_bytes // 4)
         self.up = asyncio.Event()
         self.down_since: float | None = time.monotonic()
         self.peer_goodbye: str | None = None  # the reason of the peer's last GOODBYE ("idle": fleet idle close)
@@ -257,7 +256,7 @@ class PeerSession:
         self.peer_goodbye = None
         if why:
             self.lines.line(self.log.warning, "peer restarted or kept no session: failing its transfers", reason=why)
-            self.cancel_later.clear()  # it forgot those transfers anyway
+            self.outbox.clear()  # it forgot what they would end anyway
             self.host.tokens_lost(self, why, ErrorCode.PEER_RESTARTED if restarted else ErrorCode.PEER_UNREACHABLE)
             self._peer_restarted(why)
         self.remote_incarnation = incarnation
@@ -279,10 +278,8 @@ class PeerSession:
         if not first:
             self.metrics.reconnects.labels(peer=self.key).inc()
         self.lines.state(self.log.info, "peer up", resumed=not first and not why, streams=self.streams)
-        self.pings.send()  # an RTT at once
-        while self.cancel_later:
-            tid, cancel = self.cancel_later.popleft()
-            self.send_frame(FrameType.KV_CANCEL, cancel, tid=tid)
+        self.outbox.resend()  # first: what the last connection may have lost ends before anything new
+        self.pings.send()  # an RTT at once (and the outbox's confirmation)
         self.receiver.session_up()
         self.sender.resume()
         self.tokens.resend_unacked()
@@ -447,13 +444,15 @@ class PeerSession:
         return True
 
     def send_message(self, body, *, lane: int = Lane.TOKEN) -> bool:
-        """A control message, its frame type from its body; False if down (the caller resends)."""
+        """A control message, its frame type from its body; False if down (the caller resends; a
+        handoff's ABORT and RELEASE are kept in the outbox instead, their handoff may be forgotten)."""
+        if isinstance(body, (m.HandoffAbort, m.HandoffRelease)):
+            return self.outbox.send(("handoff", body.request_id, body.epoch), m.TYPE_OF[type(body)], body, lane=lane)
         return self.send_frame(m.TYPE_OF[type(body)], body, lane=lane)
 
     def cancel_transfer(self, tid: int, msg: m.KvCancel) -> None:
-        """KV_CANCEL now, or at the next reconnect (the other side must not keep it open)."""
-        if not self.send_frame(FrameType.KV_CANCEL, msg, tid=tid):
-            self.cancel_later.append((tid, msg))
+        """KV_CANCEL, kept until the peer is known to have read it (it must not keep the transfer open)."""
+        self.outbox.send(("cancel", tid), FrameType.KV_CANCEL, msg, tid=tid)
 
     def tokens_arrived(self, msg: m.Tokens) -> None:
         self.host.tokens_received(self, msg)
@@ -515,12 +514,14 @@ class PeerSession:
             any(t.request_id == request_id for t in self.inn.values())
 
     def send_abort(self, request_id: str, reason: str) -> bool:
-        """Tell the peer the request is dead (REQUEST_ABORT), if it is up and understands it. Its
-        offer for the request goes too (the peer withdraws nothing it learns is dead this way)."""
+        """Tell the peer the request is dead (REQUEST_ABORT), if it understands it: now, or once the
+        session resumes (the outbox). Its offer for the request goes too (the peer withdraws nothing
+        it learns is dead this way)."""
         self.tokens.drop(request_id)
         self.sender.offers.pop(request_id, None)
-        if self.is_up and self.remote_caps is not None and "abort.v1" in self.remote_caps:
-            return self.send_frame(FrameType.REQUEST_ABORT, m.RequestAbort(request_id, reason), lane=Lane.TOKEN)
+        if self.remote_caps is not None and "abort.v1" in self.remote_caps:
+            return self.outbox.send(("abort", request_id), FrameType.REQUEST_ABORT, m.RequestAbort(request_id, reason),
+                                    lane=Lane.TOKEN)
         return False
 
     async def engine_gone(self, engine) -> None:

@@ -363,8 +363,8 @@ class Sender:
             return
         self._release(t)
         t.state = State.FAILED
-        self.s.send_frame(FrameType.KV_CANCEL, m.KvCancel(t.request_id, int(ErrorCode.TRANSFER_CANCELLED),
-                                                          "withdrawn by the sender", False), tid=t.tid)
+        self.s.cancel_transfer(t.tid, m.KvCancel(t.request_id, int(ErrorCode.TRANSFER_CANCELLED),
+                                                 "withdrawn by the sender", False))
 
     def _deadline(self, t: OutTransfer) -> None:
         self.fail(t, ErrorCode.TRANSFER_TIMEOUT, "transfer deadline passed before the receiver confirmed",

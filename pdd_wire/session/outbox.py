@@ -1,0 +1,104 @@
+"""Control frames that end something at the peer and must reach it even if the connection they
+were written to dies: KV_CANCEL, REQUEST_ABORT, and a handoff's HANDOFF_ABORT and HANDOFF_RELEASE
+(``proto/transfer.md`` §10 and §11, ``proto/handoff.md`` §8).
+
+A frame written to a control connection can still be lost: a silent link is found dead only
+after ``timeouts.dead_after_s``, and what was written meanwhile goes with the connection. So each
+such frame is kept, per peer, until a PONG answers a PING written after it on the same connection
+(the peer reads its control connection in order, so it read the frame first; one PING follows at
+the end of the loop turn, so this takes a round trip), and is sent again,
+first of all, when the session resumes after a reconnect. A frame that could not be written (the
+peer down) waits for that resume. None of these frames is answered and each is idempotent at the
+peer: a second copy finds nothing left to end. After a peer restart (or a session neither side
+resumes) they are dropped: the peer kept nothing they could end.
+
+Bounded per peer: ``4 x transfer.max_transfers`` frames and a quarter of
+``limits.control_buffer_bytes`` (so that sending them all again never makes the connection look
+unread), the oldest dropped first (its peer then ends that state on its own clock: a transfer's
+deadline, a receive's ``ttl_s``, a handoff's deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from typing import Any, Protocol
+
+from ..wire import HEADER_SIZE, Lane, encode_body
+
+
+class OutboxLink(Protocol):
+    """What the outbox needs of its session (a :class:`~pdd_wire.session.PeerSession`)."""
+
+    log: Any
+    pings: Any  # its :class:`~.link.Pings`
+
+    def send_frame(self, ftype: int, body: Any, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool: ...
+
+
+class Outbox:
+    """The frames of one peer session kept until the peer is known to have read them."""
+
+    def __init__(self, session: OutboxLink, cap: int, cap_bytes: int) -> None:
+        self.s = session
+        self.cap, self.cap_bytes = cap, cap_bytes
+        #: key -> (type, body, transfer id, lane, the last PING written before it or None: unwritten, size)
+        self._kept: collections.OrderedDict[tuple, tuple[int, Any, int, int, int | None, int]] = \
+            collections.OrderedDict()
+        self.bytes = 0  # the frames' sizes on the wire, together
+        self.last_ping = 0  # the nonce of the last PING written (pings count up from 1)
+        self.dropped = 0  # frames dropped unconfirmed because the outbox was full
+        self._ping_due = False
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def send(self, key: tuple, ftype: int, body: Any, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool:
+        """Write the frame now if the control connection is up, and keep it until confirmed.
+        ``key`` names what it ends (a later frame with the same key replaces it)."""
+        written = self.s.send_frame(ftype, body, tid=tid, lane=lane)
+        if written and not self._ping_due:  # confirmed within a round trip, not a heartbeat
+            self._ping_due = True
+            asyncio.get_running_loop().call_soon(self._ping)
+        self.forget(key)
+        size = HEADER_SIZE + len(encode_body(body))
+        self._kept[key] = (ftype, body, tid, lane, self.last_ping if written else None, size)
+        self.bytes += size
+        while len(self._kept) > self.cap or self.bytes > self.cap_bytes:
+            self.bytes -= self._kept.popitem(last=False)[1][5]
+            self.dropped += 1
+            if self.dropped == 1 or self.dropped % 1024 == 0:
+                self.s.log.warning("outbox full: the oldest unconfirmed cancel or abort was dropped (the peer "
+                                   "ends it on its own clock)", dropped=self.dropped, cap=self.cap)
+        return written
+
+    def _ping(self) -> None:
+        self._ping_due = False
+        self.s.pings.send()
+
+    def ping_written(self, nonce: int) -> None:
+        self.last_ping = nonce
+
+    def pong(self, nonce: int) -> None:
+        """The peer answered PING ``nonce``: it read every frame written before that PING."""
+        for key in [k for k, v in self._kept.items() if v[4] is not None and v[4] < nonce]:
+            self.forget(key)
+
+    def resend(self) -> None:
+        """The session resumed on a new control connection: every frame kept goes again, in order
+        (before anything else is sent on it); a PING written after them confirms them."""
+        for key, (ftype, body, tid, lane, _, size) in list(self._kept.items()):
+            written = self.s.send_frame(ftype, body, tid=tid, lane=lane)
+            self._kept[key] = (ftype, body, tid, lane, self.last_ping if written else None, size)
+
+    def forget(self, key: tuple) -> None:
+        """What the frame would end was begun anew (the engine reused a request id): a copy sent
+        later must not end the new one."""
+        kept = self._kept.pop(key, None)
+        if kept is not None:
+            self.bytes -= kept[5]
+
+    def clear(self) -> None:
+        """The peer restarted, or kept nothing of the session: nothing is left there to end."""
+        self._kept.clear()
+        self.bytes = 0
