@@ -264,7 +264,8 @@ class HandoffDesk:
                     early.messages.append(msg)
             return  # no handoff here: a late copy (the spec says ignore it)
         if e.session is not session:
-            e.log.warning("handoff message from another peer; ignored", other=session.key, msg=type(msg).__name__)
+            session.lines.line(e.log.warning, "handoff message from another peer; ignored",  # once per period
+                               detail={"other": session.key, "msg": type(msg).__name__})
             return
         self._feed(e, lambda: e.sm.on_message(msg))
 
@@ -432,7 +433,7 @@ class HandoffDesk:
             acts = event()
         except HandoffProtocolError as exc:
             self.metrics.handoff_errors.labels(peer=e.session.key).inc()
-            e.log.warning("handoff protocol error", error=str(exc))
+            e.session.lines.line(e.log.warning, "handoff protocol error", detail={"error": str(exc)})  # a peer's
             if e.role == "MD" and e.sm.done is None:
                 # MD cannot trust its copy of the relay any more: give the request back.
                 acts = e.sm.on_md_failed("protocol_error")

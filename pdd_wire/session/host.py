@@ -56,6 +56,7 @@ class Shell(Protocol):
     host: SessionHost[Any]
     metrics: "Metrics"
     log: Any
+    lines: Any  # its PeerLines: lines a peer can repeat at will go out once per period
     data: "DataPath"
     link: "LinkState"
     remote_caps: frozenset[str] | None

@@ -71,6 +71,13 @@ class PeerLines:
         """``method(event, **fields, **detail)`` unless it repeats (``detail`` does not make a line new)."""
         return limited(self, method, event, every_s=PERIOD_S, detail=detail, **fields)
 
+    def goodbye(self, method: Any, reason: str) -> bool:
+        """A peer's GOODBYE: the reasons the spec names make lines of their own; any other text
+        (the peer's to vary) rides along with one line per period."""
+        named = reason in ("shutdown", "idle")
+        return self.line(method, "peer said goodbye", reason=reason if named else "other",
+                         detail=None if named else {"text": reason})
+
     def state(self, method: Any, event: str, **fields: Any) -> None:
         """A line saying the peer is up or down now; held back, it is written after the period
         if no line written since says the same."""

@@ -22,7 +22,6 @@ import structlog
 from .. import policy, transport
 from ..config import Peer, parse_hostport
 from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError
-from ..log import limited
 from ..loopwatch import LateTicks
 from ..memory import BlockMap
 from ..transfer import InTransfer, OutTransfer
@@ -406,12 +405,13 @@ class PeerSession:
                 self.host.request_aborted(self, msg)
             case m.Error():
                 # A refused handshake repeats with every attempt: one line per 30 s (docs/operator.md)
-                limited(self, self.log.warning, "peer reported an error", code=code_name(msg.code), message=msg.message)
+                self.lines.line(self.log.warning, "peer reported an error", code=code_name(msg.code),
+                                detail={"message": msg.message})  # (its text does not make a line new)
                 self.metrics.error(code_name(msg.code))
                 if self.control is None:
                     self.dialer_loop.refused(msg.code, msg.message)
             case m.Goodbye():
-                self.lines.line(self.log.info, "peer said goodbye", reason=msg.reason)
+                self.lines.goodbye(self.log.info, msg.reason)
                 self.peer_goodbye = msg.reason
                 self.host.peer_goodbye(self, msg.reason)
             case _:

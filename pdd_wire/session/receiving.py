@@ -308,8 +308,8 @@ class Receiver:
     def reject(self, tid: int, begin: m.KvBegin, code: int, message: str) -> None:
         s = self.s
         s.count_error(code)
-        s.log.warning("refused incoming KV", transfer_id=tid, request_id=begin.request_id,
-                      code=code_name(code), reason=message)
+        s.lines.line(s.log.warning, "refused incoming KV", code=code_name(code),  # (each is counted)
+                     detail={"transfer_id": tid, "request_id": begin.request_id[:64], "reason": message})
         s.send_frame(FrameType.KV_REJECT, m.KvReject(begin.request_id, int(code), message), tid=tid)
 
     def inline_chunk(self, conn: "FrameProtocol", frame: Frame) -> None:
@@ -362,13 +362,14 @@ class Receiver:
                 # UCX path got a message of another length for it; KV_NACK's code stays the same)
                 if wrong_size:
                     s.count_error(ErrorCode.SIZE_MISMATCH)
-                    s.log.warning("chunk came as a UCX message of the wrong size (nothing written); asking for it "
-                                  "again", transfer_id=tid, request_id=t.request_id, chunk=k)
+                    s.lines.line(s.log.warning, "chunk came as a UCX message of the wrong size (nothing written); "
+                                 "asking for it again",
+                                 detail={"transfer_id": tid, "request_id": t.request_id, "chunk": k})
                 else:
                     s.metrics.checksum_failures.labels(peer=s.key).inc()
                     s.count_error(ErrorCode.CHUNK_CHECKSUM)
-                    s.log.warning("chunk payload checksum failed; asking for it again", transfer_id=tid,
-                                  request_id=t.request_id, chunk=k)
+                    s.lines.line(s.log.warning, "chunk payload checksum failed; asking for it again",
+                                 detail={"transfer_id": tid, "request_id": t.request_id, "chunk": k})
                 s.send_frame(FrameType.KV_NACK, m.KvNack(k), tid=tid)
             case Landing.ACK | Landing.ACK_COMPLETE:
                 s.metrics.child(s.metrics.bytes, s.key, "bulk", "rx").inc(nbytes)

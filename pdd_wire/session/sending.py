@@ -276,9 +276,9 @@ class Sender:
         s.metrics.retransmits.labels(peer=s.key, reason="checksum").inc()
         t = self.flow.out[tid]
         # (over UCX there is no checksum: the receiver got a message of the wrong size for it)
-        s.log.warning("chunk refused by the receiver (over TCP its checksum failed; over UCX it came in a "
-                      "message of the wrong size); sending it again", transfer_id=tid, request_id=t.request_id,
-                      chunk=k, path=s.data.active)
+        s.lines.line(s.log.warning, "chunk refused by the receiver (over TCP its checksum failed; over UCX it "
+                     "came in a message of the wrong size); sending it again", path=s.data.active,
+                     detail={"transfer_id": tid, "request_id": t.request_id, "chunk": k})
         self.requeue(tid, k)
 
     def send_failed(self, tid: int, k: int, why: str) -> None:

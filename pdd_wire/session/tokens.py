@@ -70,6 +70,7 @@ class TokenLink(Protocol):
     cfg: "Config"
     metrics: "Metrics"
     log: Any
+    lines: Any  # its PeerLines: lines a peer can repeat at will, once per period
     peer_max_body: int
 
     @property
@@ -383,8 +384,8 @@ class TokenRelay:
         if msg.seq > expect:
             # A gap: something before this frame was lost. Drop it and ask for everything from
             # the first missing token; the sender still holds all it has not seen acknowledged.
-            self.s.log.warning("token gap; asking for a resend", request_id=msg.request_id, expected=expect,
-                               got=msg.seq)
+            self.s.lines.line(self.s.log.warning, "token gap; asking for a resend",  # a peer's to repeat
+                              detail={"request_id": msg.request_id[:64], "expected": expect, "got": msg.seq})
             self.s.metrics.token_gaps.labels(peer=self.s.key).inc()
             self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect, True), lane=Lane.TOKEN)
             return

@@ -17,6 +17,7 @@ import structlog
 
 from .. import compress as cz
 from ..errors import ErrorCode, ProtocolError, peer_code
+from ..log import limited
 from ..memory import scatter
 from ..wire import FrameType, Lane, decode_body, encode, encode_body
 from ..wire import messages as m
@@ -76,6 +77,12 @@ def bulk_send(conn: FrameProtocol, tid: int, k: int, views, lz: Compression | No
                              flags=flags, xxh3=payload_checksum([data])))
             return
     conn.send(encode(FrameType.KV_CHUNK, lane=Lane.BULK, transfer_id=tid, seq=k, payload=views))
+
+
+def _bulk_error(session, code: int, message: str) -> None:
+    """An ERROR frame on a bulk connection (main loop): one line per code per period."""
+    limited(session.lines if session is not None else _bulk_error, log.warning,
+            "peer reported an error on a bulk connection", code=code, detail={"message": message})
 
 
 class BulkHandler:
@@ -261,8 +268,8 @@ class BulkHandler:
             case m.Error() if self.welcomed is not None and not self.welcomed.done():  # BULK_HELLO refused
                 self._counted(peer_code(msg.code))
                 self.welcomed.set_exception(refusal(msg.code, msg.message))  # the dialer logs it, rate-limited
-            case m.Error():
-                log.warning("peer reported an error on a bulk connection", code=msg.code, message=msg.message)
+            case m.Error():  # logged on the main loop, once per period per code (a peer may send them at will)
+                self.main.call_soon_threadsafe(_bulk_error, self.session, msg.code, msg.message)
             case _:
                 self._fail(conn, ProtocolError(f"unexpected {FrameType(h.type).name} on a bulk connection",
                                                ErrorCode.UNEXPECTED_FRAME))
@@ -270,6 +277,8 @@ class BulkHandler:
     def _on_lost(self, conn: FrameProtocol, exc) -> None:
         self._lz = None
         self._held = None
+        self._lz_buf, self._lz_stage = bytearray(), bytearray()  # up to a chunk each: not kept past the connection
+        conn.reader.release()
         claim, self._claim = self._claim, None
         if claim is not None:
             claim[0].settle(claim[1], False)

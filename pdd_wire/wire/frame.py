@@ -167,6 +167,8 @@ class _Defer:
 #: byte) until :meth:`FrameReader.resume` names where the payload goes. The caller stops feeding
 #: the reader meanwhile (a bulk connection pauses reading its socket).
 DEFER: Any = _Defer()
+#: The most scratch space a reader takes for payloads its sink declined (read and dropped).
+SCRATCH_BYTES = 1 << 20
 
 #: ``sink(header, body) -> buffers`` gives where a frame's payload must land, None to have it
 #: read into scratch space (and then discarded by the caller), or :data:`DEFER`.
@@ -321,6 +323,14 @@ class FrameReader:
         self._start_payload(h, got)
         return None
 
+    def release(self) -> None:
+        """The connection is gone: let go of the buffers (an object kept alive a while longer by a
+        reference cycle then holds only itself)."""
+        self._scratch = None
+        self._segments = []
+        self._body = bytearray()
+        self._bview = memoryview(self._body)
+
     @property
     def waiting(self) -> bool:
         """The sink answered :data:`DEFER` and :meth:`resume` has not been called yet."""
@@ -335,10 +345,15 @@ class FrameReader:
 
     def _start_payload(self, h: Header, got: Sequence[memoryview] | None) -> None:
         if got is None:
-            # The sink declined: read into scratch space, reused, for the caller to drop.
-            if self._scratch is None or len(self._scratch) < h.payload_len:
-                self._scratch = bytearray(h.payload_len)
-            segs = [memoryview(self._scratch)[: h.payload_len]]
+            # The sink declined: read into scratch space for the caller to drop, at most
+            # SCRATCH_BYTES of it written over and over (hashed as it arrives): a header that
+            # declares 64 MiB and then stalls costs the reader that much, not 64 MiB.
+            size = min(h.payload_len, SCRATCH_BYTES)
+            if self._scratch is None or len(self._scratch) < size:
+                self._scratch = bytearray(size)
+            view = memoryview(self._scratch)[:size]
+            whole, rest = divmod(h.payload_len, size)
+            segs = [view] * whole + ([view[:rest]] if rest else [])
         else:
             segs = [s for s in got if len(s)]
             if sum(len(s) for s in segs) != h.payload_len:

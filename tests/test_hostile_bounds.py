@@ -1,0 +1,113 @@
+"""What a peer holding valid credentials costs the agent when it declares what it never sends, or
+repeats frames whose text it varies: bounded (proto/frames.md §3, docs/operator.md "Logs").
+
+A real agent B; the peer is written from proto/ alone (support.raw_peer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import tracemalloc
+
+import xxhash
+
+from conftest import metric
+from pdd_wire.errors import ErrorCode
+from pdd_wire.transport.tcp import KIND_BULK
+from pdd_wire.wire import FrameReader, FrameType, Lane
+from pdd_wire.wire import messages as m
+from pdd_wire.wire.frame import F_CHECKSUM, SCRATCH_BYTES, Header, encode_header
+from support.agents import run_agents, two_site_toml
+from support.raw_peer import RawPeer, hello
+
+MiB = 1 << 20
+
+
+@contextlib.asynccontextmanager
+async def agent_b(tmp):
+    async with run_agents(two_site_toml(tmp, plaintext=True), sites=("B",), wait_up=False) as ag:
+        yield ag["B"]
+
+
+def chunk_header(tid: int, payload_len: int, xxh3: int) -> bytes:
+    return encode_header(Header(type=FrameType.KV_CHUNK, flags=F_CHECKSUM, lane=Lane.BULK, transfer_id=tid, seq=0,
+                                payload_len=payload_len, payload_xxh3=xxh3), b"")
+
+
+def test_a_declined_payload_is_read_through_a_bounded_scratch_and_still_checked():
+    """A payload no sink takes is read and dropped through at most SCRATCH_BYTES, hashed as it
+    arrives: its checksum verdict is the same as if it had been kept whole."""
+    payload = os.urandom(3 * MiB + 12345)
+    for xxh3, ok in ((xxhash.xxh3_64_intdigest(payload), True), (1, False)):
+        reader = FrameReader(max_body=1 << 16, max_payload=64 * MiB, sink=lambda h, body: None)
+        data = chunk_header(5, len(payload), xxh3) + payload
+        frames = []
+        for i in range(0, len(data), 100_000):
+            frames += reader.feed(data[i:i + 100_000])
+            assert reader._scratch is None or len(reader._scratch) <= SCRATCH_BYTES
+        (f,) = frames
+        assert f.header.payload_len == len(payload) and f.payload_ok is ok
+        reader.release()
+        assert reader._scratch is None
+
+
+async def test_chunks_declared_and_never_sent_cost_the_agent_scratch_not_their_size(tmp_sock_dir):
+    """Each bulk connection gets one KV_CHUNK header declaring 64 MiB (for a transfer never
+    announced) and a few bytes, then silence; streams replaced eight times. Before, each such
+    header made the reader allocate the whole declared payload (64 MiB each, 512 MiB here), and a
+    peer replacing its streams grew the agent without bound."""
+    async with agent_b(tmp_sock_dir) as b:
+        peer, welcome = await hello(b.wan_address[1])
+        alive = asyncio.create_task(peer.keepalive())
+        tracemalloc.start()
+        try:
+            base = tracemalloc.get_traced_memory()[0]
+            conns = []
+            for i in range(8):  # each BULK_HELLO for a stream replaces the stream's connection
+                bulk = await RawPeer.dial(b.wan_address[1], KIND_BULK)
+                bulk.send(FrameType.BULK_HELLO, m.BulkHello(session=welcome.session, stream=i % 4, site="A",
+                                                            node="a1"))
+                t, _, _ = await bulk.next()
+                assert t == FrameType.BULK_WELCOME
+                bulk.writer.write(chunk_header(777, 64 * MiB, 1) + bytes(1000))
+                conns.append(bulk)
+            # A chunk of no transfer waits up to 2 s for its KV_BEGIN, then is read into scratch.
+            await asyncio.sleep(3)
+            grew = tracemalloc.get_traced_memory()[0] - base
+        finally:
+            tracemalloc.stop()
+        assert grew < 16 * MiB, f"{grew / MiB:.0f} MiB"
+        assert await peer.pong(5)  # the session is untouched
+        alive.cancel()
+        for c in conns:
+            c.close()
+        peer.close()
+
+
+def lines(logs, event: str) -> list[str]:
+    return [ln for ln in logs.getvalue().splitlines() if f'"event": "{event}"' in ln]
+
+
+async def test_frames_a_peer_repeats_with_varying_text_are_logged_once_per_period(tmp_sock_dir, info_logs):
+    """ERROR with a new message each time, GOODBYE with a new reason, a token gap for a new
+    request: each was a log line per frame (a peer could fill the disk at MB/s). One line per
+    period per peer now, the text of the first one with it; the counters have every one."""
+    async with agent_b(tmp_sock_dir) as b:
+        peer, _ = await hello(b.wan_address[1])
+        info_logs.seek(0)
+        info_logs.truncate()
+        for i in range(300):
+            peer.send(FrameType.ERROR, m.Error(int(ErrorCode.INTERNAL), f"error number {i}"))
+            peer.send(FrameType.GOODBYE, m.Goodbye(f"going away, take {i}"))
+            peer.send(FrameType.TOKENS, m.Tokens(f"gap-{i}", 0, [1]))
+            peer.send(FrameType.TOKENS, m.Tokens(f"gap-{i}", 5, [2]))  # 1..4 never sent: a gap
+        assert await peer.pong(7)
+        errors = lines(info_logs, "peer reported an error")
+        assert len(errors) == 1 and "error number 0" in errors[0], errors
+        byes = lines(info_logs, "peer said goodbye")
+        assert len(byes) == 1 and "going away, take 0" in byes[0], byes
+        assert len(lines(info_logs, "token gap; asking for a resend")) == 1
+        assert metric(b, "pddwire_token_gaps_total", peer="A/a1") == 300
+        peer.close()
