@@ -236,7 +236,6 @@ def test_release_after_commit_resumes_rld_with_held_tokens():
     assert rld.on_reconnect() == []
 
 
-
 def test_a_release_because_mds_engine_aborted_ends_rld_without_resuming():
     """MD's engine aborted the request (RELEASE "aborted"): RLD settles ``aborted``, before or
     after the commit, and neither emits what it held nor starts generating again."""
@@ -249,6 +248,7 @@ def test_a_release_because_mds_engine_aborted_ends_rld_without_resuming():
     rld.on_message(Progress(0))  # commit at 3
     assert rld.on_token_generated(T(3)) == []  # held
     assert rld.on_message(HandoffRelease(RID, EP, "aborted")) == [Done("RLD", "aborted", "one-shot")]
+    assert rld.on_token_generated(T(4)) == []  # a step already running: nothing is emitted
     assert rld.on_reconnect() == []
 
 def test_md_lost_after_commit_rld_never_resumes():

@@ -91,15 +91,16 @@ def lines(logs, event: str) -> list[str]:
 
 
 async def test_frames_a_peer_repeats_with_varying_text_are_logged_once_per_period(tmp_sock_dir, info_logs):
-    """ERROR with a new message each time, GOODBYE with a new reason, a token gap for a new
+    """ERROR with a new message and code each time, GOODBYE with a new reason, a token gap for a new
     request: each was a log line per frame (a peer could fill the disk at MB/s). One line per
     period per peer now, the text of the first one with it; the counters have every one."""
     async with agent_b(tmp_sock_dir) as b:
         peer, _ = await hello(b.wan_address[1])
         info_logs.seek(0)
         info_logs.truncate()
+        codes = [int(c) for c in ErrorCode if c != ErrorCode.OK]  # more than the limiter's 64 keys
         for i in range(300):
-            peer.send(FrameType.ERROR, m.Error(int(ErrorCode.INTERNAL), f"error number {i}"))
+            peer.send(FrameType.ERROR, m.Error(codes[i % len(codes)], f"error number {i}"))
             peer.send(FrameType.GOODBYE, m.Goodbye(f"going away, take {i}"))
             peer.send(FrameType.TOKENS, m.Tokens(f"gap-{i}", 0, [1]))
             peer.send(FrameType.TOKENS, m.Tokens(f"gap-{i}", 5, [2]))  # 1..4 never sent: a gap

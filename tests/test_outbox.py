@@ -147,6 +147,7 @@ class _Session:
 
     def __init__(self) -> None:
         self.up = True
+        self.closing = False
         self.sent: list[tuple[int, object, int]] = []
         self.pings = self
         self.nonce = 0

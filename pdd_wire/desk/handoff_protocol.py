@@ -233,10 +233,10 @@ class RldHandoff:
         if st is RldState.COMMITTED:
             self._held.append(token)  # generated past p: never emitted unless MD releases
             return []
-        if st is RldState.RLD_OWNS:
+        if st is RldState.RLD_OWNS and not self.gave_up:
             self.emitted += 1
             return [Emit(pos, token)]
-        return []  # MD_OWNS: a step that was already running when RLD stopped
+        return []  # MD_OWNS, or given up: a step that was already running when RLD stopped
 
     def on_message(self, msg: HandoffMessage) -> list[Action]:
         """A handoff message from MD. Messages of another epoch are ignored."""

@@ -501,8 +501,10 @@ class KvDesk:
                 # A receive's bulk writes stop only once its cancel is done (transfer_failed first): an engine
                 # told "aborted" before could reuse blocks still written. Cancelled: the takeover ends it.
                 try:
+                    # KV_CANCEL too: the peer ignores those it cancelled itself, and ends one of the
+                    # request it began after the abort (a reused id; the abort was sent again).
                     await session.cancel_request(rid, ErrorCode.TRANSFER_CANCELLED,
-                                                 f"aborted at {session.key}: {reason}", notify_peer=False)
+                                                 f"aborted at {session.key}: {reason}", notify_peer=True)
                 except Exception:
                     self.log.exception("cancelling an aborted request's transfers failed", request_id=rid)
                     if session.has_request(rid):

@@ -32,6 +32,7 @@ class OutboxLink(Protocol):
 
     log: Any
     pings: Any  # its :class:`~.link.Pings`
+    closing: bool
 
     def send_frame(self, ftype: int, body: Any, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool: ...
 
@@ -74,7 +75,8 @@ class Outbox:
 
     def _ping(self) -> None:
         self._ping_due = False
-        self.s.pings.send()
+        if not self.s.closing:  # GOODBYE is the last frame
+            self.s.pings.send()
 
     def ping_written(self, nonce: int) -> None:
         self.last_ping = nonce
@@ -92,8 +94,7 @@ class Outbox:
             self._kept[key] = (ftype, body, tid, lane, self.last_ping if written else None, size)
 
     def forget(self, key: tuple) -> None:
-        """What the frame would end was begun anew (the engine reused a request id): a copy sent
-        later must not end the new one."""
+        """Keep the frame under ``key`` no longer (confirmed, or replaced by a newer one)."""
         kept = self._kept.pop(key, None)
         if kept is not None:
             self.bytes -= kept[5]

@@ -405,8 +405,8 @@ class PeerSession:
                 self.host.request_aborted(self, msg)
             case m.Error():
                 # A refused handshake repeats with every attempt: one line per 30 s (docs/operator.md)
-                self.lines.line(self.log.warning, "peer reported an error", code=code_name(msg.code),
-                                detail={"message": msg.message})  # (its text does not make a line new)
+                self.lines.line(self.log.warning, "peer reported an error",  # its code and text: no new line
+                                detail={"code": code_name(msg.code), "message": msg.message})
                 self.metrics.error(code_name(msg.code))
                 if self.control is None:
                     self.dialer_loop.refused(msg.code, msg.message)
@@ -452,7 +452,7 @@ class PeerSession:
 
     def cancel_transfer(self, tid: int, msg: m.KvCancel) -> None:
         """KV_CANCEL, kept until the peer is known to have read it (it must not keep the transfer open)."""
-        self.outbox.send(("cancel", tid), FrameType.KV_CANCEL, msg, tid=tid)
+        self.outbox.send(("cancel", tid, msg.by_receiver), FrameType.KV_CANCEL, msg, tid=tid)  # (ids: each side's)
 
     def tokens_arrived(self, msg: m.Tokens) -> None:
         self.host.tokens_received(self, msg)

@@ -80,9 +80,9 @@ def bulk_send(conn: FrameProtocol, tid: int, k: int, views, lz: Compression | No
 
 
 def _bulk_error(session, code: int, message: str) -> None:
-    """An ERROR frame on a bulk connection (main loop): one line per code per period."""
+    """An ERROR frame on a bulk connection (main loop): one line per period, whatever its code and text."""
     limited(session.lines if session is not None else _bulk_error, log.warning,
-            "peer reported an error on a bulk connection", code=code, detail={"message": message})
+            "peer reported an error on a bulk connection", detail={"code": code, "message": message})
 
 
 class BulkHandler:
@@ -268,8 +268,11 @@ class BulkHandler:
             case m.Error() if self.welcomed is not None and not self.welcomed.done():  # BULK_HELLO refused
                 self._counted(peer_code(msg.code))
                 self.welcomed.set_exception(refusal(msg.code, msg.message))  # the dialer logs it, rate-limited
-            case m.Error():  # logged on the main loop, once per period per code (a peer may send them at will)
-                self.main.call_soon_threadsafe(_bulk_error, self.session, msg.code, msg.message)
+            case m.Error():  # logged on the main loop, once per period (a peer may send them at will)
+                try:
+                    self.main.call_soon_threadsafe(_bulk_error, self.session, msg.code, msg.message)
+                except RuntimeError:  # the main loop is closed (the agent stopped)
+                    pass
             case _:
                 self._fail(conn, ProtocolError(f"unexpected {FrameType(h.type).name} on a bulk connection",
                                                ErrorCode.UNEXPECTED_FRAME))

@@ -330,6 +330,7 @@ class FrameReader:
         self._segments = []
         self._body = bytearray()
         self._bview = memoryview(self._body)
+        self._state, self._n, self._header, self._hasher = self._HDR, 0, None, None
 
     @property
     def waiting(self) -> bool:
