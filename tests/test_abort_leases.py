@@ -96,6 +96,22 @@ async def test_a_peers_abort_reaches_a_receiving_engine_after_its_transfer_stopp
         assert tf.code == ErrorCode.TRANSFER_CANCELLED
 
 
+async def test_an_abort_while_a_receive_quiesces_leaves_the_request_id_free_to_post_again(tmp_sock_dir, engines):
+    """B's engine aborts r while a receive of it from A is moving and a second KV_BEGIN of it (another
+    engine at A) waits unposted at B. A answers the REQUEST_ABORT with a KV_CANCEL for that second
+    transfer; it must find the wait gone (rejected at the abort, before B waits for its receive to
+    quiesce), not record r as given up by A: B's engine may post r again at once."""
+    async with run_agents(two_site_toml(tmp_sock_dir)) as agents:
+        a, b = await moving(engines, tmp_sock_dir, agents, "r5")
+        a2 = await engines.connect(tmp_sock_dir / "A.sock", "a2")
+        ra2 = await a2.register(engines.memory(16 * MiB), block_bytes=MiB)
+        await a2.send_kv("r5", [ra2.blocks(0, 4)], to=["B"])
+        await until(lambda: "r5" in agents["B"].kv.unposted)
+        await b.abort("r5", "client gone")
+        rb = await b.register(engines.memory(16 * MiB), block_bytes=MiB)
+        await b.post_recv("r5", [rb.blocks(0, 4)], from_site="A")  # the same id, reused: accepted
+
+
 async def test_a_second_cancel_of_a_receive_returns_only_once_its_blocks_are_let_go(tmp_sock_dir, engines):
     """Two cancels of one receive (the peer's abort, then the engine's own): the second one's
     answer -- after which the engine may reuse its blocks -- comes only once the first one has

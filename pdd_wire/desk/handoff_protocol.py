@@ -199,7 +199,7 @@ class RldHandoff:
         self.commit_reason: str | None = None
         self.done: Done | None = None
         self.lost = False  # told MD failed after the commit: MD's fate unknown here
-        self.gave_up = False  # RLD gave the request up after the commit (on_rld_failed)
+        self.gave_up = False  # RLD gave the request up: after the commit, or on RELEASE 'aborted'
         self._held: list[int] = []  # generated after the commit: positions p, p+1, ...
         self._last_sent: HandoffCommit | HandoffAbort | None = None
 

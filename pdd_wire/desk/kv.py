@@ -474,15 +474,15 @@ class KvDesk:
         n = self.handoffs.abort(ec, request_id, reason)  # its HANDOFF_ABORT goes before REQUEST_ABORT
         for s in self.peers:
             s.send_abort(request_id, reason)
+        for peer in list(self.unposted.get(request_id, {})):  # before any wait: a peer's KV_CANCEL for one
+            waiting = self._unwait(request_id, peer)  # (its answer to the abort) must find it gone, not given up
+            waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.TRANSFER_CANCELLED, reason)
         for s in self.peers:
             n += await s.cancel_request(request_id, ErrorCode.TRANSFER_CANCELLED, reason, ec)
         post = self.posts.get(request_id)
         if post is not None and post.engine is ec:
             self.drop_post(request_id)
             n += 1
-        for peer in list(self.unposted.get(request_id, {})):
-            waiting = self._unwait(request_id, peer)
-            waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.TRANSFER_CANCELLED, reason)
         if (owner := self.owners.get(request_id)) is not None and owner.engine is ec:
             del self.owners[request_id]  # tokens still on their way reach it no more (held, then dropped)
         return n
