@@ -25,6 +25,8 @@ import collections
 from typing import Any, Protocol
 
 from ..wire import HEADER_SIZE, Lane, encode_body
+from ..wire import messages as m
+from ..wire.frame import LANE_OF
 
 
 class OutboxLink(Protocol):
@@ -43,9 +45,9 @@ class Outbox:
     def __init__(self, session: OutboxLink, cap: int, cap_bytes: int) -> None:
         self.s = session
         self.cap, self.cap_bytes = cap, cap_bytes
-        #: key -> (type, body, transfer id, lane, the last PING written before it or None: unwritten, size)
-        self._kept: collections.OrderedDict[tuple, tuple[int, Any, int, int, int | None, int]] = \
-            collections.OrderedDict()
+        #: key -> (body, transfer id, the last PING written before it or None: unwritten, size); the
+        #: frame type and lane follow from the body
+        self._kept: collections.OrderedDict[tuple, tuple[Any, int, int | None, int]] = collections.OrderedDict()
         self.bytes = 0  # the frames' sizes on the wire, together
         self.last_ping = 0  # the nonce of the last PING written (pings count up from 1)
         self.dropped = 0  # frames dropped unconfirmed because the outbox was full
@@ -54,24 +56,28 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def send(self, key: tuple, ftype: int, body: Any, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool:
-        """Write the frame now if the control connection is up, and keep it until confirmed.
+    def send(self, key: tuple, body: Any, *, tid: int = 0) -> bool:
+        """Write ``body``'s frame now if the control connection is up, and keep it until confirmed.
         ``key`` names what it ends (a later frame with the same key replaces it)."""
-        written = self.s.send_frame(ftype, body, tid=tid, lane=lane)
+        written = self._write(body, tid)
         if written and not self._ping_due:  # confirmed within a round trip, not a heartbeat
             self._ping_due = True
             asyncio.get_running_loop().call_soon(self._ping)
         self.forget(key)
         size = HEADER_SIZE + len(encode_body(body))
-        self._kept[key] = (ftype, body, tid, lane, self.last_ping if written else None, size)
+        self._kept[key] = (body, tid, self.last_ping if written else None, size)
         self.bytes += size
         while len(self._kept) > self.cap or self.bytes > self.cap_bytes:
-            self.bytes -= self._kept.popitem(last=False)[1][5]
+            self.bytes -= self._kept.popitem(last=False)[1][3]
             self.dropped += 1
             if self.dropped == 1 or self.dropped % 1024 == 0:
                 self.s.log.warning("outbox full: the oldest unconfirmed cancel or abort was dropped (the peer "
                                    "ends it on its own clock)", dropped=self.dropped, cap=self.cap)
         return written
+
+    def _write(self, body: Any, tid: int) -> bool:
+        ftype = m.TYPE_OF[type(body)]
+        return self.s.send_frame(ftype, body, tid=tid, lane=LANE_OF[ftype])
 
     def _ping(self) -> None:
         self._ping_due = False
@@ -83,21 +89,20 @@ class Outbox:
 
     def pong(self, nonce: int) -> None:
         """The peer answered PING ``nonce``: it read every frame written before that PING."""
-        for key in [k for k, v in self._kept.items() if v[4] is not None and v[4] < nonce]:
+        for key in [k for k, v in self._kept.items() if v[2] is not None and v[2] < nonce]:
             self.forget(key)
 
     def resend(self) -> None:
         """The session resumed on a new control connection: every frame kept goes again, in order
         (before anything else is sent on it); a PING written after them confirms them."""
-        for key, (ftype, body, tid, lane, _, size) in list(self._kept.items()):
-            written = self.s.send_frame(ftype, body, tid=tid, lane=lane)
-            self._kept[key] = (ftype, body, tid, lane, self.last_ping if written else None, size)
+        for key, (body, tid, _, size) in list(self._kept.items()):
+            self._kept[key] = (body, tid, self.last_ping if self._write(body, tid) else None, size)
 
     def forget(self, key: tuple) -> None:
         """Keep the frame under ``key`` no longer (confirmed, or replaced by a newer one)."""
         kept = self._kept.pop(key, None)
         if kept is not None:
-            self.bytes -= kept[5]
+            self.bytes -= kept[3]
 
     def clear(self) -> None:
         """The peer restarted, or kept nothing of the session: nothing is left there to end."""

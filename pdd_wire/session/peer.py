@@ -447,12 +447,12 @@ class PeerSession:
         """A control message, its frame type from its body; False if down (the caller resends; a
         handoff's ABORT and RELEASE are kept in the outbox instead, their handoff may be forgotten)."""
         if isinstance(body, (m.HandoffAbort, m.HandoffRelease)):
-            return self.outbox.send(("handoff", body.request_id, body.epoch), m.TYPE_OF[type(body)], body, lane=lane)
+            return self.outbox.send(("handoff", body.request_id, body.epoch), body)
         return self.send_frame(m.TYPE_OF[type(body)], body, lane=lane)
 
     def cancel_transfer(self, tid: int, msg: m.KvCancel) -> None:
         """KV_CANCEL, kept until the peer is known to have read it (it must not keep the transfer open)."""
-        self.outbox.send(("cancel", tid, msg.by_receiver), FrameType.KV_CANCEL, msg, tid=tid)  # (ids: each side's)
+        self.outbox.send(("cancel", tid, msg.by_receiver), msg, tid=tid)  # (transfer ids are each side's own)
 
     def tokens_arrived(self, msg: m.Tokens) -> None:
         self.host.tokens_received(self, msg)
@@ -520,8 +520,7 @@ class PeerSession:
         self.tokens.drop(request_id)
         self.sender.offers.pop(request_id, None)
         if self.remote_caps is not None and "abort.v1" in self.remote_caps:
-            return self.outbox.send(("abort", request_id), FrameType.REQUEST_ABORT, m.RequestAbort(request_id, reason),
-                                    lane=Lane.TOKEN)
+            return self.outbox.send(("abort", request_id), m.RequestAbort(request_id, reason))
         return False
 
     async def engine_gone(self, engine) -> None:
