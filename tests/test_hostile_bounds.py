@@ -14,11 +14,13 @@ import tracemalloc
 import xxhash
 
 from conftest import metric
+from pdd_wire import compress as cz
 from pdd_wire.errors import ErrorCode
+from pdd_wire.probe import PROBE_PREFIX
 from pdd_wire.transport.tcp import KIND_BULK
 from pdd_wire.wire import FrameReader, FrameType, Lane
 from pdd_wire.wire import messages as m
-from pdd_wire.wire.frame import F_CHECKSUM, SCRATCH_BYTES, Header, encode_header
+from pdd_wire.wire.frame import F_CHECKSUM, F_LZ4, SCRATCH_BYTES, Header, encode_header
 from support.agents import run_agents, two_site_toml
 from support.raw_peer import RawPeer, hello
 
@@ -111,4 +113,40 @@ async def test_frames_a_peer_repeats_with_varying_text_are_logged_once_per_perio
         assert len(byes) == 1 and "going away, take 0" in byes[0], byes
         assert len(lines(info_logs, "token gap; asking for a resend")) == 1
         assert metric(b, "pddwire_token_gaps_total", peer="A/a1") == 300
+        peer.close()
+
+
+async def test_a_probe_transfer_takes_no_lz4_chunks(tmp_sock_dir):
+    """A probe's sender never compresses (it measures the raw link), so an LZ4 chunk for one is a
+    broken or hostile peer: 16 KiB of lz4 that decodes to 4 MiB of zeros in the agent's own probe
+    region (a 255x amplification any peer could trigger, no engine's post needed). It fails the
+    probe MALFORMED_BODY, undecoded; the same probe sent plain lands (proto/transfer.md §7)."""
+    zeros = bytes(4 * MiB)
+    async with agent_b(tmp_sock_dir) as b:
+        peer, welcome = await hello(b.wan_address[1], capabilities=("kv.v1", "tokens.v1", "abort.v1", "lz4.v1"))
+        alive = asyncio.create_task(peer.keepalive())
+        bulk = await RawPeer.dial(b.wan_address[1], KIND_BULK)
+        bulk.send(FrameType.BULK_HELLO, m.BulkHello(session=welcome.session, stream=0, site="A", node="a1"))
+        assert (await bulk.next())[0] == FrameType.BULK_WELCOME
+        packed = bytes(cz.encode_chunk(zeros, shuffle=False))
+        assert len(packed) < 32 << 10
+        for tid, flags, payload in ((1, F_CHECKSUM | F_LZ4, packed), (2, F_CHECKSUM, zeros)):
+            peer.send(FrameType.KV_BEGIN, m.KvBegin(f"{PROBE_PREFIX}t{tid}", total_bytes=4 * MiB, chunk_bytes=4 * MiB,
+                                                    n_chunks=1, block_bytes=MiB, n_blocks=4), transfer_id=tid)
+            seen = await peer.until(FrameType.KV_ACCEPT)
+            assert seen[-1] is not None and seen[-1][2].transfer_id == tid, seen
+            bulk.writer.write(encode_header(Header(type=FrameType.KV_CHUNK, flags=flags, lane=Lane.BULK,
+                                                   transfer_id=tid, seq=0, payload_len=len(payload),
+                                                   payload_xxh3=xxhash.xxh3_64_intdigest(zeros)), b"") + payload)
+            ends = [f for f in await peer.until_any((FrameType.KV_CANCEL, FrameType.KV_DONE)) if f is not None]
+            t, body, header = ends[-1]
+            assert header.transfer_id == tid
+            if tid == 1:
+                assert t == FrameType.KV_CANCEL and body.code == ErrorCode.MALFORMED_BODY and body.by_receiver, body
+                assert "no LZ4" in body.message, body.message
+            else:
+                assert t == FrameType.KV_DONE, (t, body)
+        assert await peer.pong(9)  # the session is untouched
+        alive.cancel()
+        bulk.close()
         peer.close()

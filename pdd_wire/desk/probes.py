@@ -54,7 +54,8 @@ class ProbeDesk:
             session.reject_in(tid, begin, ErrorCode.SIZE_MISMATCH,
                               f"probe transfers are whole MiB blocks up to {PROBE_SCRATCH_BYTES >> 20} MiB")
             return
-        session.accept_in(tid, begin, self.sink, self._blocks(begin.total_bytes))
+        # The probe sender never compresses (it measures the raw link): an LZ4 chunk is refused.
+        session.accept_in(tid, begin, self.sink, self._blocks(begin.total_bytes), lz4=False)
 
     async def probe(self, peer: str, seconds: float = 4.0, streams: int | None = None) -> dict:
         """Measure the link to ``peer`` (site or site/node) through the real WAN path."""

@@ -484,10 +484,11 @@ class PeerSession:
         None if the peer does not keep an inventory, is down, or does not answer in time."""
         return await self.sender.prefix_lookup(request_id, hashes, timeout)
 
-    def accept_in(self, tid: int, begin: m.KvBegin, engine, dest: BlockMap, *, late: bool = False) -> InTransfer | None:
-        """The agent matched a KV_BEGIN with a posted receive (``late``: after the KV_BEGIN waited for
-        it): check it and open the transfer; a refusal goes to the peer and the posting engine."""
-        return self.receiver.accept(tid, begin, engine, dest, late=late)
+    def accept_in(self, tid: int, begin: m.KvBegin, engine, dest: BlockMap, *, late: bool = False,
+                  lz4: bool = True) -> InTransfer | None:
+        """A KV_BEGIN matched a posted receive (``late``: after it waited; ``lz4`` False: no LZ4
+        chunks): check it and open the transfer; a refusal goes to the peer and the posting engine."""
+        return self.receiver.accept(tid, begin, engine, dest, late=late, lz4=lz4)
 
     def reject_in(self, tid: int, begin: m.KvBegin, code: int, message: str) -> None:
         self.receiver.reject(tid, begin, code, message)

@@ -270,9 +270,11 @@ class Receiver:
             return
         s.host.incoming_begin(s, tid, begin)
 
-    def accept(self, tid: int, begin: m.KvBegin, engine, dest: BlockMap, *, late: bool = False) -> InTransfer | None:
+    def accept(self, tid: int, begin: m.KvBegin, engine, dest: BlockMap, *, late: bool = False,
+               lz4: bool = True) -> InTransfer | None:
         """``late``: matched after its KV_BEGIN waited for the post (an offered sender is told
-        with KV_ACCEPT then: the chunks it sent meanwhile were dropped)."""
+        with KV_ACCEPT then: the chunks it sent meanwhile were dropped). ``lz4`` False: an LZ4
+        chunk of it fails it MALFORMED_BODY (probes, proto/transfer.md §7)."""
         s = self.s
         problem = None
         if dest.total != begin.total_bytes or dest.block_bytes != begin.block_bytes:
@@ -295,6 +297,7 @@ class Receiver:
             s.host.transfer_failed(t, "in", int(problem[0]), problem[1])
             return None
         t.state = State.MOVING
+        t.route.lz4 = lz4  # before a bulk thread can find the route
         self.inn[tid] = t
         self.routes[tid] = t.route
         t.timer = loop.call_at(t.deadline + DEADLINE_SLACK_S, self.fail_later, t, ErrorCode.TRANSFER_TIMEOUT,
@@ -356,7 +359,8 @@ class Receiver:
         match verdict:
             case Landing.FAIL_INVALID:
                 self.fail_later(t, ErrorCode.MALFORMED_BODY,
-                                f"chunk {k} of {nbytes} bytes does not fit the announced transfer", True)
+                                f"chunk {k} of {nbytes} bytes does not fit the announced transfer"
+                                + ("" if t.route.lz4 else " (a probe transfer takes no LZ4 chunks)"), True)
             case Landing.NACK_CHECKSUM:
                 # (a data path may say why the chunk did not land when it is not its checksum: the
                 # UCX path got a message of another length for it; KV_NACK's code stays the same)

@@ -156,7 +156,7 @@ class BulkHandler:
             # The payload is smaller than the chunk: read it into scratch, decode it into the
             # claimed blocks when it is complete (_on_frame).
             n = route.chunk_len(header.seq)
-            if n is None or header.payload_len >= n:
+            if n is None or header.payload_len >= n or not route.lz4:
                 self._claim = None
                 self._invalid = True
                 return None

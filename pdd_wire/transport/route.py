@@ -24,6 +24,9 @@ class Route:
 
     def __init__(self, dest: BlockMap, chunk_bytes: int, loop: asyncio.AbstractEventLoop) -> None:
         self.dest = dest
+        # False: the transfer takes no LZ4 chunks (a probe: its sender never compresses, and a
+        # chunk of a few KiB that decodes to megabytes of scratch would only cost the receiver).
+        self.lz4 = True
         self.chunk_bytes = chunk_bytes
         self.n_chunks = n_chunks(dest.total, chunk_bytes)
         self.verified: set[int] = set()

@@ -45,10 +45,14 @@ class RawPeer:
 
     async def until(self, ftype: int, timeout: float = 10):
         """Frames up to and including the first of ``ftype`` (None at the end if the connection closed)."""
+        return await self.until_any((ftype,), timeout)
+
+    async def until_any(self, types, timeout: float = 10):
+        """Frames up to and including the first of any of ``types`` (None at the end if closed)."""
         seen = []
         while (f := await self.next(timeout)) is not None:
             seen.append(f)
-            if f[0] == ftype:
+            if f[0] in types:
                 break
         else:
             seen.append(None)
