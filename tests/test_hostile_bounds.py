@@ -17,8 +17,8 @@ from conftest import metric
 from pdd_wire import compress as cz
 from pdd_wire.errors import ErrorCode
 from pdd_wire.probe import PROBE_PREFIX
-from pdd_wire.transport.tcp import KIND_BULK
-from pdd_wire.wire import FrameReader, FrameType, Lane
+from pdd_wire.transport.tcp import FRAMES_PER_TURN, KIND_BULK
+from pdd_wire.wire import FrameReader, FrameType, Lane, encode_body, encode_bytes
 from pdd_wire.wire import messages as m
 from pdd_wire.wire.frame import F_CHECKSUM, F_LZ4, SCRATCH_BYTES, Header, encode_header
 from support.agents import run_agents, two_site_toml
@@ -95,18 +95,23 @@ def lines(logs, event: str) -> list[str]:
 async def test_frames_a_peer_repeats_with_varying_text_are_logged_once_per_period(tmp_sock_dir, info_logs):
     """ERROR with a new message and code each time, GOODBYE with a new reason, a token gap for a new
     request: each was a log line per frame (a peer could fill the disk at MB/s). One line per
-    period per peer now, the text of the first one with it; the counters have every one."""
+    period per peer now, the text of the first one with it; the counters have every one. (An
+    ERROR is the last frame the agent reads from a connection: one per connection.)"""
     async with agent_b(tmp_sock_dir) as b:
         peer, _ = await hello(b.wan_address[1])
         info_logs.seek(0)
         info_logs.truncate()
-        codes = [int(c) for c in ErrorCode if c != ErrorCode.OK]  # every code: a line per code was a line per frame
         for i in range(300):
-            peer.send(FrameType.ERROR, m.Error(codes[i % len(codes)], f"error number {i}"))
             peer.send(FrameType.GOODBYE, m.Goodbye(f"going away, take {i}"))
             peer.send(FrameType.TOKENS, m.Tokens(f"gap-{i}", 0, [1]))
             peer.send(FrameType.TOKENS, m.Tokens(f"gap-{i}", 5, [2]))  # 1..4 never sent: a gap
         assert await peer.pong(7)
+        codes = [int(c) for c in ErrorCode if c != ErrorCode.OK]  # every code: a line per code was a line per frame
+        for i in range(20):
+            peer.send(FrameType.ERROR, m.Error(codes[i % len(codes)], f"error number {i}"))
+            await peer.until_closed()  # (else its 10 s timeout raises)
+            peer, _ = await hello(b.wan_address[1], incarnation=77)  # the session resumes
+        assert await peer.pong(8)
         errors = lines(info_logs, "peer reported an error")
         assert len(errors) == 1 and "error number 0" in errors[0], errors
         byes = lines(info_logs, "peer said goodbye")
@@ -114,6 +119,55 @@ async def test_frames_a_peer_repeats_with_varying_text_are_logged_once_per_perio
         assert len(lines(info_logs, "token gap; asking for a resend")) == 1
         assert metric(b, "pddwire_token_gaps_total", peer="A/a1") == 300
         peer.close()
+
+
+async def test_an_error_frame_is_the_last_frame_read_from_its_connection(tmp_sock_dir):
+    """ERROR is the sender's last word on a connection (proto/frames.md §4): the agent reads
+    nothing after it and closes the connection, control or bulk. Before, a peer could keep a
+    connection open and send ERRORs at will (each one logged, counted and matched)."""
+    async with agent_b(tmp_sock_dir) as b:
+        peer, welcome = await hello(b.wan_address[1])
+        bulk = await RawPeer.dial(b.wan_address[1], KIND_BULK)
+        bulk.send(FrameType.BULK_HELLO, m.BulkHello(session=welcome.session, stream=0, site="A", node="a1"))
+        assert (await bulk.next())[0] == FrameType.BULK_WELCOME
+        bulk.send(FrameType.ERROR, m.Error(int(ErrorCode.INTERNAL), "bulk side gives up"))
+        bulk.send(FrameType.ERROR, m.Error(int(ErrorCode.INTERNAL), "and again"))
+        assert await bulk.until_closed() == []  # closed, no ERROR back: the peer ended it
+        assert await peer.pong(3)  # the session is untouched by a bulk connection's end
+        peer.send(FrameType.ERROR, m.Error(int(ErrorCode.INTERNAL), "control side gives up"))
+        peer.send(FrameType.PING, m.Ping(nonce=4, sent_ns=1))  # after the ERROR: never read
+        after = [t for t, _ in await peer.until_closed()]
+        assert FrameType.PONG not in after and FrameType.ERROR not in after, after  # (the agent's PINGs may come)
+        assert metric(b, "pddwire_errors_total", code="INTERNAL") == 2
+        peer, _ = await hello(b.wan_address[1])  # it resumes as after any lost connection
+        assert await peer.pong(5)
+        peer.close()
+
+
+async def test_a_burst_of_small_frames_from_one_peer_is_handled_a_slice_per_loop_turn(tmp_sock_dir):
+    """One peer writes 20000 PINGs at once (about 1.2 MB). The agent handles at most
+    FRAMES_PER_TURN of one connection's frames per loop turn, so other connections, timers and
+    engines get the loop in between. Before, it handled a whole 64 KiB read (~1100 PINGs) in one
+    go, and libuv reads a readable socket up to 32 times per wake-up: a peer in another process
+    flooding one agent held a second peer's PING 40-135 ms (p99), 6-7 ms with the bound
+    (docs/benchmarks.md, "A burst of small frames"). Counted, not timed: the frames handled between
+    two turns of a task that yields every turn."""
+    async with agent_b(tmp_sock_dir) as b:
+        flooder, _ = await hello(b.wan_address[1])
+        handled = b.metrics.child(b.metrics.frames, "A/a1", "control", "rx")
+        burst = 20000
+        start = handled._value.get()
+        flooder.writer.write(encode_bytes(FrameType.PING, encode_body(m.Ping(nonce=1, sent_ns=1))) * burst)
+        most, prev = 0, start
+        async with asyncio.timeout(30):
+            while prev < start + burst:
+                await asyncio.sleep(0)  # one loop turn
+                now = handled._value.get()
+                most, prev = max(most, now - prev), now
+        # a turn: one read's slice and one continuation's
+        assert 0 < most <= 2 * FRAMES_PER_TURN, most
+        assert await flooder.pong(2)  # every PING answered, in order, the connection whole
+        flooder.close()
 
 
 async def test_a_probe_transfer_takes_no_lz4_chunks(tmp_sock_dir):

@@ -403,13 +403,13 @@ class PeerSession:
             case m.RequestAbort():
                 self.tokens.drop(msg.request_id)
                 self.host.request_aborted(self, msg)
-            case m.Error():
-                # A refused handshake repeats with every attempt: one line per 30 s (docs/operator.md)
-                self.lines.line(self.log.warning, "peer reported an error",  # its code and text: no new line
+            case m.Error():  # the peer's last word on this connection (frames.md §4): nothing more is read
+                self.lines.line(self.log.warning, "peer reported an error",  # one line per period, whatever the text
                                 detail={"code": code_name(msg.code), "message": msg.message})
                 self.metrics.error(code_name(msg.code))
                 if self.control is None:
                     self.dialer_loop.refused(msg.code, msg.message)
+                conn.close()
             case m.Goodbye():
                 self.lines.goodbye(self.log.info, msg.reason)
                 self.peer_goodbye = msg.reason

@@ -268,11 +268,13 @@ class BulkHandler:
             case m.Error() if self.welcomed is not None and not self.welcomed.done():  # BULK_HELLO refused
                 self._counted(peer_code(msg.code))
                 self.welcomed.set_exception(refusal(msg.code, msg.message))  # the dialer logs it, rate-limited
-            case m.Error():  # logged on the main loop, once per period (a peer may send them at will)
+            case m.Error():  # logged on the main loop, once per period; the peer's last word here (frames.md §4)
+                self._counted(peer_code(msg.code))
                 try:
                     self.main.call_soon_threadsafe(_bulk_error, self.session, msg.code, msg.message)
                 except RuntimeError:  # the main loop is closed (the agent stopped)
                     pass
+                conn.close()
             case _:
                 self._fail(conn, ProtocolError(f"unexpected {FrameType(h.type).name} on a bulk connection",
                                                ErrorCode.UNEXPECTED_FRAME))

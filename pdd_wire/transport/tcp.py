@@ -28,7 +28,7 @@ import socket
 import ssl
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import structlog
 import uvloop
@@ -47,6 +47,10 @@ KIND_CONTROL = ord("C")
 KIND_BULK = ord("B")
 PREAMBLE_VERSION = 1
 BULK_NICE = 5
+#: Frames of one control connection handled per loop turn, before the rest of its gulp waits for
+#: the next turn (other connections' frames, timers and engine requests between): about half a
+#: millisecond of handling here. A connection's own frames keep their order.
+FRAMES_PER_TURN = 32
 try:  # buffers in one os.writev (a chunk of an engine's paged KV can be a view per layer page)
     _IOV_MAX = os.sysconf("SC_IOV_MAX")
 except (ValueError, OSError):
@@ -264,6 +268,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self.error: BaseException | None = None
         self._gulp = bytearray(64 * 1024)
         self._gulp_view = memoryview(self._gulp)
+        self._gulp_frames: Iterator[Frame] | None = None  # the gulp's frames not yet handled (_handle_gulp)
+        self._gulp_paused = False  # reading paused until they are
         self.connected = asyncio.get_event_loop().create_future()
         self.peer_names: set[str] = set()
         self._close_callbacks: list[Callable[[], None]] = []
@@ -329,18 +335,49 @@ class FrameProtocol(asyncio.BufferedProtocol):
             else:
                 # Each frame is handled as soon as it is complete, before the next is read: the
                 # payload sink of an inline KV_CHUNK must see the KV_BEGIN that came before it.
-                tr = self.transport
-                for frame in self.reader.frames(self._gulp_view[:nbytes]):
-                    if self.closed or (tr is not None and tr.is_closing()):  # failed, aborted: stop
-                        break
-                    self.on_frame(self, frame)
+                self._gulp_frames = self.reader.frames(self._gulp_view[:nbytes])
+                self._handle_gulp()
         except ProtocolError as exc:
-            if self.on_framing_error is not None:
-                try:
-                    self.on_framing_error(exc.code)
-                except Exception:  # counting must not keep the connection from failing
-                    _log.exception("framing error callback failed")
-            self.fail(exc)
+            self._framing_failed(exc)
+
+    def _handle_gulp(self) -> None:
+        """Handle the current gulp's frames, at most :data:`FRAMES_PER_TURN` in this loop turn:
+        if more may follow, reading pauses (the gulp's bytes stay where they are) and the rest
+        waits for the next turn, so that one peer's burst of small frames (a gulp is up to ~1100
+        PINGs) does not hold every other connection's frames (another peer's tokens) behind it."""
+        tr, frames = self.transport, self._gulp_frames
+        if frames is None:
+            return
+        for n, frame in enumerate(frames, 1):
+            if self.closed or (tr is not None and tr.is_closing()):  # failed, aborted: stop
+                break
+            self.on_frame(self, frame)
+            if n == FRAMES_PER_TURN and not self.closed and tr is not None and not tr.is_closing():
+                if not self._gulp_paused:
+                    self._gulp_paused = True
+                    tr.pause_reading()
+                asyncio.get_running_loop().call_soon(self._more_of_gulp)
+                return
+        self._gulp_frames = None
+        if self._gulp_paused:
+            self._gulp_paused = False
+            if not self.closed and tr is not None and not tr.is_closing():
+                tr.resume_reading()
+
+    def _more_of_gulp(self) -> None:
+        try:
+            self._handle_gulp()
+        except ProtocolError as exc:
+            self._framing_failed(exc)
+
+    def _framing_failed(self, exc: ProtocolError) -> None:
+        self._gulp_frames = None
+        if self.on_framing_error is not None:
+            try:
+                self.on_framing_error(exc.code)
+            except Exception:  # counting must not keep the connection from failing
+                _log.exception("framing error callback failed")
+        self.fail(exc)
 
     def eof_received(self) -> bool:
         return False

@@ -26,7 +26,7 @@ from .harness import AgentPair, metric_value
 MiB = 1 << 20
 # Figure groups of --only, in the order they run; every one by default.
 GROUPS = ("goodput", "ucx", "probe", "compress", "register", "vllm", "router", "fleet", "latency", "prefix",
-          "handoff", "wan")
+          "handoff", "wan", "flood")
 # Groups whose figures live in a module of their own (``add_figures(figs, quick)``), imported only
 # when asked for (several need the vLLM venv or etcd): group -> (module, what its step line says).
 _MODULE_GROUPS = {
@@ -36,6 +36,7 @@ _MODULE_GROUPS = {
                "handoff stalls, then PDD's TTFT against plain PD through it (the demo's run, smaller)"),
     "fleet": ("bench_fleet", "100 and 1,000 members registered and watched on one etcd"),
     "wan": ("bench_wan", "per-transfer overhead, 4 MiB goodput, transfers over a 40 ms RTT link"),
+    "flood": ("bench_flood", "a peer's round trips while another peer writes bursts of PINGs"),
 }
 
 
