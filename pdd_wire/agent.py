@@ -55,7 +55,8 @@ from .pki import Pki, cert_fingerprint, log_tls_mode, tls_files
 from .rundir import engine_access_problems
 from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
-from .transport.tcp import BulkLoop, client_tls_context, server_tls_context
+from .transport.bulk_loop import BulkLoop
+from .transport.tcp import client_tls_context, server_tls_context
 from .wire import messages as m
 from .wire.handshake import CAPABILITIES
 

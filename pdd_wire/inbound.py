@@ -39,7 +39,8 @@ from .log import limited
 from .metrics import Metrics
 from .pki import peer_fingerprint
 from .transport.bulk import BulkHandler
-from .transport.tcp import KIND_CONTROL, BulkLoop, FrameProtocol, adopt, control_protocol, read_preamble
+from .transport.bulk_loop import BulkLoop
+from .transport.tcp import KIND_CONTROL, FrameProtocol, adopt, control_protocol, read_preamble
 from .wire import FrameType, decode_body
 from .wire import messages as m
 from .wire.handshake import check_peer

@@ -4,7 +4,7 @@ split between the main loop and the bulk path) can tell them from the event loop
 import os
 import threading
 
-from pdd_wire.transport.tcp import BulkLoop, name_os_thread
+from pdd_wire.transport.bulk_loop import BulkLoop, name_os_thread
 
 
 def _comms() -> set[str]:

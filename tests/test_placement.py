@@ -24,7 +24,7 @@ from pdd_wire.engine.client import EngineClient
 from pdd_wire.errors import ConfigError
 from pdd_wire.memory import HostRegion, SharedMemory, register_async
 from pdd_wire.placement import check_allowed, format_cpus, parse_cpus
-from pdd_wire.transport.tcp import BulkLoop
+from pdd_wire.transport.bulk_loop import BulkLoop
 from support.agents import two_site_toml
 
 ALLOWED = sorted(os.sched_getaffinity(0))

@@ -20,8 +20,9 @@ import pytest
 from pdd_wire import transport
 from pdd_wire.errors import ConfigError
 from pdd_wire.memory import BlockMap, Extent, HostRegion
+from pdd_wire.transport.bulk_loop import BulkLoop
 from pdd_wire.transport.route import Route
-from pdd_wire.transport.tcp import BulkLoop, adopt
+from pdd_wire.transport.tcp import adopt
 from pdd_wire.transport.tcp_path import PathSettings
 
 CHUNK = 64 << 10

@@ -14,7 +14,8 @@ if TYPE_CHECKING:
     from ..metrics import Metrics
     from ..transfer import InTransfer, OutTransfer
     from ..transport.base import DataPath
-    from ..transport.tcp import BulkLoop, FrameProtocol
+    from ..transport.bulk_loop import BulkLoop
+    from ..transport.tcp import FrameProtocol
     from .acks import AckBatch
     from .link import LinkState
 

@@ -21,7 +21,8 @@ from ..wire import FrameType, encode, encode_body
 from ..wire import messages as m
 from .base import BulkOwner, DataPath
 from .bulk import BulkHandler, bulk_send
-from .tcp import KIND_BULK, BulkLoop, FrameProtocol, dial
+from .bulk_loop import BulkLoop
+from .tcp import KIND_BULK, FrameProtocol, dial
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """What a bulk thread's writes cost the main loop of the same process: ``python -m pdd_tools.bench_gil [--json]``.
 
-A :class:`pdd_wire.transport.tcp.BulkLoop` thread sends 4 MiB KV_CHUNK frames of a 64 MiB memfd
+A :class:`pdd_wire.transport.bulk_loop.BulkLoop` thread sends 4 MiB KV_CHUNK frames of a 64 MiB memfd
 pool on a real plaintext bulk :class:`~pdd_wire.transport.tcp.FrameProtocol` to a reader in
 another process, as an agent's bulk thread does, while the main thread measures how late its
 0.5 ms sleeps wake (what a token frame waiting for the GIL sees). Two ways, alternated, 3 s each:
@@ -42,7 +42,8 @@ while conn.recv_into(buf):
 
 def _one(direct: bool, seconds: float) -> list[float]:
     from pdd_wire.memory import SharedMemory
-    from pdd_wire.transport.tcp import BulkLoop, FrameProtocol
+    from pdd_wire.transport.bulk_loop import BulkLoop
+    from pdd_wire.transport.tcp import FrameProtocol
     from pdd_wire.wire import FrameType, Lane, encode
 
     reader = subprocess.Popen([sys.executable, "-c", _DRAIN], stdout=subprocess.PIPE, text=True)

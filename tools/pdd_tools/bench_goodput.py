@@ -53,7 +53,7 @@ LINE_GBPS = 12.5
 
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of each thread of ``pid`` by kind: ``bulk`` (threads named
-    ``pdd-bulk-N``, as :class:`~pdd_wire.transport.tcp.BulkLoop` names them) and ``main`` (the rest:
+    ``pdd-bulk-N``, as :class:`~pdd_wire.transport.bulk_loop.BulkLoop` names them) and ``main`` (the rest:
     the event loop, and the short-lived registration and UCX threads)."""
     tick = os.sysconf("SC_CLK_TCK")
     out = {"main": 0.0, "bulk": 0.0}
