@@ -102,7 +102,7 @@ class Timeouts(msgspec.Struct, forbid_unknown_fields=True, kw_only=True, frozen=
     engine_read_s: float = 5.0  # an engine's message, once begun (and a new connection's first), completes by then
     handshake_s: float = 5.0
     heartbeat_s: float = 1.0
-    dead_after_s: float = 5.0  # silence on the control connection before it is dropped
+    dead_after_s: float = 5.0  # silence on the control connection before it is dropped; a stalled flow's bound
     reconnect_max_backoff_s: float = 2.0
     chunk_ack_s: float = 15.0  # a chunk unacknowledged this long is sent again (safety net)
     peer_give_up_s: float = 30.0  # transfers fail once a peer has been unreachable this long

@@ -291,7 +291,8 @@ class Inbound:
                     h.stage = UNVERIFIED
                     if kind == KIND_CONTROL:
                         conn = h.conn = control_protocol(max_body=self.config.limits.max_body,
-                                                         max_unsent=self.config.limits.control_buffer_bytes)
+                                                         max_unsent=self.config.limits.control_buffer_bytes,
+                                                         stall_s=to.dead_after_s)
                         first = loop.create_future()
                         conn.on_frame = lambda c, f: first.done() or first.set_result(f)
                         conn.on_lost = lambda c, e: first.done() or first.set_exception(
@@ -461,7 +462,8 @@ class Inbound:
             main.call_soon_threadsafe(h.session.adopt_bulk, h.stream, bulk, h.conn)
             main.call_soon_threadsafe(settle, None)
 
-        handler = BulkHandler(None, -1, main, resolve=resolve, on_attach=on_attach, count_error=self.metrics.error)
+        handler = BulkHandler(None, -1, main, resolve=resolve, on_attach=on_attach, count_error=self.metrics.error,
+                              stall_s=self.config.timeouts.dead_after_s)
         timeout = self.config.timeouts.handshake_s
         try:
             await adopt(sock, handler.conn, ssl_ctx=self.ssl_server if self.bulk_tls else None, timeout=timeout)

@@ -14,11 +14,13 @@ import asyncio
 import contextlib
 import os
 import random
+import re
 import signal
 import time
 
 import pytest
 
+from pdd_tools.harness import PORT
 from pdd_tools.sim import MdSim, RldSim, check_stream
 from pdd_wire import EngineClient, SharedMemory
 from pdd_wire.engine import protocol as p
@@ -209,6 +211,52 @@ async def test_link_down_then_up(tmp_path, down_s):
             t = f"both {t_end:.2f} s"
         TABLE.append({"fault": f"WAN link down for {down_s:g} s mid-transfer", "a": a, "b": b, "t": t,
                       "released": await released(net, "A", "B")})
+
+
+def _busiest_bulk_flow(net: NetAgents) -> int:
+    """A's local port of the connection to B that has moved the most bytes (a bulk one, mid-chunk)."""
+    out = net.run_in("A", ["ss", "-tni", "dst", f"{net.addr('B')}:{PORT}"]).stdout
+    flows, port = [], None
+    for line in out.splitlines():
+        if line.startswith("ESTAB"):
+            port = int(line.split()[3].rpartition(":")[2])
+        elif port is not None and (m := re.search(r"bytes_acked:(\d+)", line)):
+            flows.append((int(m.group(1)), port))
+            port = None
+    assert flows, out
+    return max(flows)[1]
+
+
+def _blackhole(net: NetAgents, port: int) -> None:
+    """Drop every packet of A's flow from ``port``, both ways, saying nothing to either end (a
+    middlebox that lost the flow's state, an ECMP path gone): policy routes to a blackhole, A's
+    packets by source port, B's by destination port. The other flows go on."""
+    for site, match in (("A", "sport"), ("B", "dport")):
+        for argv in (["ip", "rule", "add", match, str(port), "table", "100", "prio", "100"],
+                     ["ip", "route", "add", "blackhole", "default", "table", "100"]):
+            res = net.run_in(site, argv)
+            assert res.returncode == 0, (argv, res.stderr)
+
+
+async def test_one_bulk_flow_blackholed_mid_transfer(tmp_path):
+    """One bulk TCP flow loses its path mid-chunk, no FIN or RST, while the control connection and
+    the other flow work. Before, the receiver held that chunk's claim for ever (KV_NACK CHUNK_BUSY
+    to every resend: gigabytes resent) and the transfer failed TRANSFER_TIMEOUT at its deadline
+    (300 s by default). Now the receiver drops a bulk connection that stalls mid-frame for
+    `timeouts.dead_after_s` (1 s here), and the sender's kernel ends the flow whose data goes
+    unacknowledged that long (TCP_USER_TIMEOUT): the stream is dialed again, the chunk resent."""
+    async with mid_transfer("bh1") as (net, e):
+        port = _busiest_bulk_flow(net)
+        t0 = time.monotonic()
+        _blackhole(net, port)
+        ev = await e.b.wait("bh1", timeout=30)
+        t = time.monotonic() - t0
+        assert isinstance(ev, p.KvReceived), ev
+        assert isinstance(await e.a.wait("bh1", timeout=10), p.KvSent)
+        assert e.landed()
+        TABLE.append({"fault": "one bulk TCP flow blackholed mid-transfer (no FIN, no RST; the rest of the link up)",
+                      "a": "`kv_sent`", "b": "`kv_received`, byte-identical",
+                      "t": f"landed {t:.2f} s after the flow went dark", "released": await released(net, "A", "B")})
 
 
 async def test_thirty_seconds_of_mixed_traffic_under_faults_loses_nothing(tmp_path):

@@ -204,3 +204,46 @@ async def test_a_probe_transfer_takes_no_lz4_chunks(tmp_sock_dir):
         alive.cancel()
         bulk.close()
         peer.close()
+
+
+async def test_a_bulk_connection_stalled_mid_chunk_is_dropped_and_the_chunk_lands_from_another(tmp_sock_dir, engines):
+    """A bulk connection that stops in the middle of a chunk (its flow blackholed on the path)
+    held the chunk's claim for ever: every copy sent on another connection met CHUNK_BUSY and the
+    transfer failed at its deadline. Its reader now drops it after `timeouts.dead_after_s` (1.5 s
+    here) without a byte, and the next copy lands (proto/handshake.md §7, transfer.md §7)."""
+    payload = os.urandom(4 * MiB)
+    async with agent_b(tmp_sock_dir) as b:
+        eng = await engines.connect(tmp_sock_dir / "B.sock", "decode")
+        dst = engines.memory(4 * MiB)
+        region = await eng.register(dst, block_bytes=MiB)
+        await eng.post_recv("r1", [region.blocks(0, 4)], from_site="A")
+        peer, welcome = await hello(b.wan_address[1])
+        alive = asyncio.create_task(peer.keepalive())
+        streams = []
+        for i in range(2):
+            bulk = await RawPeer.dial(b.wan_address[1], KIND_BULK)
+            bulk.send(FrameType.BULK_HELLO, m.BulkHello(session=welcome.session, stream=i, site="A", node="a1"))
+            assert (await bulk.next())[0] == FrameType.BULK_WELCOME
+            streams.append(bulk)
+        peer.send(FrameType.KV_BEGIN, m.KvBegin("r1", total_bytes=4 * MiB, chunk_bytes=4 * MiB, n_chunks=1,
+                                                block_bytes=MiB, n_blocks=4), transfer_id=1)
+        assert (await peer.until(FrameType.KV_ACCEPT))[-1] is not None
+        chunk = chunk_header(1, len(payload), xxhash.xxh3_64_intdigest(payload))
+        streams[0].writer.write(chunk + payload[:MiB])  # then nothing more: stalled mid-chunk
+        await asyncio.sleep(0.3)
+        streams[1].writer.write(chunk + payload)  # the copy meets the claim the stalled one holds
+        nack = (await peer.until(FrameType.KV_NACK))[-1]
+        assert nack is not None and nack[1].code == ErrorCode.CHUNK_BUSY, nack
+        t0 = asyncio.get_running_loop().time()
+        await streams[0].until_closed()  # dropped by the agent (else next()'s 10 s timeout raises)
+        assert asyncio.get_running_loop().time() - t0 < 5
+        streams[1].writer.write(chunk + payload)
+        done = (await peer.until(FrameType.KV_DONE))[-1]
+        assert done is not None and done[2].transfer_id == 1, done
+        ev = await eng.wait("r1", timeout=5)
+        assert type(ev).__name__ == "KvReceived", ev
+        assert bytes(dst.buf) == payload
+        alive.cancel()
+        for s in streams:
+            s.close()
+        peer.close()

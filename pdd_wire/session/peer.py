@@ -98,7 +98,7 @@ class PeerSession:
             ucx_tls=self.cfg.transfer.ucx_tls, credit_bytes=self.cfg.transfer.credit_bytes,
             ssl_client=lambda: host.ssl_client(bulk=True), executor=host.work_executor,
             bulk_loop=lambda n: host.bulk_loop(self.index * self.configured_streams + n),
-            remote_token=lambda: self.remote_token,
+            remote_token=lambda: self.remote_token, stall_s=to.dead_after_s,
             on_streams=lambda n: self.metrics.bulk_streams.labels(peer=self.key).set(n), log=self.log))
         self.metrics.peer_up.labels(peer=self.key).set(0)
 
@@ -207,7 +207,8 @@ class PeerSession:
         return [c for c in CAPABILITIES if not off.get(c)]
 
     def _new_control(self) -> FrameProtocol:
-        conn = control_protocol(max_body=self.cfg.limits.max_body, max_unsent=self.cfg.limits.control_buffer_bytes)
+        lim, to = self.cfg.limits, self.cfg.timeouts  # stalled: nothing acknowledged for as long as silence
+        conn = control_protocol(max_body=lim.max_body, max_unsent=lim.control_buffer_bytes, stall_s=to.dead_after_s)
         conn.on_frame = self._on_control_frame
         conn.on_lost = self._on_control_lost
         conn.on_framing_error = self.metrics.error
@@ -229,8 +230,7 @@ class PeerSession:
                             incarnation=self.host.incarnation, session=self.token,
                             capabilities=self._capabilities(), max_body=self.cfg.limits.max_body,
                             max_chunk=MAX_CHUNK, credit_bytes=self.cfg.transfer.credit_bytes,
-                            bulk_streams=self.configured_streams,
-                            resumed=self.remote_incarnation == hello.incarnation,
+                            bulk_streams=self.configured_streams, resumed=self.remote_incarnation == hello.incarnation,
                             ucx_address=self.data.address(), ucx_tag_key=self.data.tag_key())
         conn.send(encode(FrameType.WELCOME, encode_body(welcome)))
         self._established(conn, hello.incarnation, hello)

@@ -91,7 +91,8 @@ class BulkHandler:
     ``welcomed``: on a dialed connection, resolved by the peer's BULK_WELCOME."""
 
     def __init__(self, session: "BulkOwner | None", stream: int, main: asyncio.AbstractEventLoop, *,
-                 resolve=None, max_body: int = 64 << 10, on_attach=None, count_error=None) -> None:
+                 resolve=None, max_body: int = 64 << 10, on_attach=None, count_error=None,
+                 stall_s: float = 0.0) -> None:
         self.session = session
         self.count_error = count_error  # count_error(code), on the main loop: the protocol errors found here
         self.welcomed: asyncio.Future | None = None
@@ -106,7 +107,8 @@ class BulkHandler:
         self._lz_stage = bytearray()
         self._held: Header | None = None  # a chunk waiting for its KV_BEGIN (owner.chunk_early)
         self._loop: asyncio.AbstractEventLoop | None = None  # its bulk loop
-        self.conn = FrameProtocol(max_body=max_body, max_payload=MAX_CHUNK, sink=self._sink, bulk=True)
+        self.conn = FrameProtocol(max_body=max_body, max_payload=MAX_CHUNK, sink=self._sink, bulk=True,
+                                  stall_s=stall_s)  # a stalled flow ends (FrameProtocol._watch_stall)
         self.conn.on_frame = self._on_frame
         self.conn.on_lost = self._on_lost
         self.conn.on_framing_error = self._counted

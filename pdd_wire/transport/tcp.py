@@ -25,6 +25,7 @@ import os
 import socket
 import ssl
 import struct
+import time
 from collections.abc import Callable, Iterator
 
 import structlog
@@ -95,12 +96,17 @@ def tls_error(exc: ssl.SSLError, what: str) -> FatalHandshakeError:
     return FatalHandshakeError(f"{what} refused: {detail}", ErrorCode.TLS_REFUSED)
 
 
-def tune_socket(sock: socket.socket, *, nodelay: bool) -> None:
+def tune_socket(sock: socket.socket, *, nodelay: bool, user_timeout_s: float = 0.0) -> None:
+    """``user_timeout_s`` > 0: TCP_USER_TIMEOUT (RFC 5482), so the kernel ends a connection whose
+    data has gone unacknowledged, or whose peer's window has stayed shut, that long (a flow
+    blackholed on its path) instead of retrying for some 15 minutes."""
     if sock.family not in (socket.AF_INET, socket.AF_INET6):
         return  # a socket pair within the process (transport.inproc)
     if nodelay:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if user_timeout_s > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(user_timeout_s * 1000)))
 
 
 def server_tls_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
@@ -135,11 +141,11 @@ def peer_certificate_names(transport: asyncio.BaseTransport) -> set[str]:
 CONTROL_PAYLOAD_TYPES = frozenset({FrameType.KV_CHUNK})
 
 
-def control_protocol(*, max_body: int, max_unsent: int) -> "FrameProtocol":
+def control_protocol(*, max_body: int, max_unsent: int, stall_s: float = 0.0) -> "FrameProtocol":
     """A control connection's protocol: frames up to ``max_body``, payloads only on an inline
     KV_CHUNK (at most INLINE_MAX, accepted once a session sets ``payload_sink``)."""
     return FrameProtocol(max_body=max_body, max_payload=INLINE_MAX, max_unsent=max_unsent,
-                         payload_types=CONTROL_PAYLOAD_TYPES)
+                         payload_types=CONTROL_PAYLOAD_TYPES, stall_s=stall_s)
 
 
 class FrameProtocol(asyncio.BufferedProtocol):
@@ -162,7 +168,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
     """
 
     def __init__(self, *, max_body: int, max_payload: int, sink: PayloadSink | None = None,
-                 bulk: bool = False, max_unsent: int = 0, payload_types: frozenset[int] | None = None) -> None:
+                 bulk: bool = False, max_unsent: int = 0, payload_types: frozenset[int] | None = None,
+                 stall_s: float = 0.0) -> None:
+        #: > 0: TCP_USER_TIMEOUT of that long, and on a bulk connection a read deadline: no byte
+        #: for that long in the middle of a frame ends the connection (:meth:`_watch_stall`).
+        self.stall_s = stall_s
+        self._rx_at = 0.0  # a bulk connection's last read (monotonic)
         #: Where frame payloads land (``max_payload`` > 0); may be set once the connection is
         #: known (a control connection's inline chunks). None: a payload is refused.
         self.payload_sink = sink
@@ -222,7 +233,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._loop = asyncio.get_running_loop()
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            tune_socket(sock, nodelay=True)
+            tune_socket(sock, nodelay=True, user_timeout_s=self.stall_s)
+        if self.bulk and self.stall_s > 0:
+            self._rx_at = time.monotonic()
+            self._loop.call_later(self.stall_s / 2, self._watch_stall)
         # A plaintext bulk connection writes its chunks itself (_write_now); TLS ones through the
         # transport, which encrypts.
         self._fd = (sock.fileno() if self.bulk and sock is not None and transport.get_extra_info("ssl_object") is None
@@ -241,6 +255,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         try:
             if self.bulk:
+                self._rx_at = time.monotonic()
                 frame = self.reader.advance(nbytes)
                 if frame is not None and not self.closed:
                     self.on_frame(self, frame)
@@ -275,6 +290,24 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self._gulp_paused = False
             if not self.closed and tr is not None and not tr.is_closing():
                 tr.resume_reading()
+
+    def _watch_stall(self) -> None:
+        """A bulk connection in the middle of a frame that got no byte for ``stall_s`` while it
+        was reading is a stalled flow (blackholed on its path, the peer's TCP gone): it is
+        aborted, which ends its claim on the chunk (another connection can land it) and has the
+        dialer dial the stream again. Between frames, or paused (a chunk held for its KV_BEGIN),
+        silence is no stall."""
+        if self.closed or self.transport is None:
+            return
+        now = time.monotonic()
+        if self.reader.idle or not self.transport.is_reading():
+            self._rx_at = now  # silence that is no stall: the clock starts again from here
+        elif now - self._rx_at >= self.stall_s:
+            self.error = TransportError(f"no byte for {now - self._rx_at:.1f} s in the middle of a frame "
+                                        f"(timeouts.dead_after_s {self.stall_s:g}): the flow is stalled")
+            self.abort()
+            return
+        asyncio.get_running_loop().call_later(self.stall_s / 2, self._watch_stall)
 
     def _more_of_gulp(self) -> None:
         try:

@@ -48,6 +48,7 @@ class PathSettings:
     log: Any = None
     ucx_tls: str = "^tcp"  # transfer.ucx_tls: the UCX transports ("": UCX's own choice, UCX_TLS included)
     credit_bytes: int = 256 << 20  # transfer.credit_bytes: bounds what UCX messages may wait unclaimed
+    stall_s: float = 0.0  # timeouts.dead_after_s: a bulk connection that stalls this long ends (0: never)
 
 
 class BulkLink:
@@ -121,7 +122,8 @@ class TcpDataPath(DataPath):
 
     def make_bulk_protocol(self, stream: int, main: asyncio.AbstractEventLoop) -> BulkHandler:
         """A bulk connection's frame handler for this session (created on its bulk loop)."""
-        return BulkHandler(self.owner, stream, main, count_error=getattr(self.owner, "count_error", None))
+        return BulkHandler(self.owner, stream, main, count_error=getattr(self.owner, "count_error", None),
+                           stall_s=self.settings.stall_s)
 
     def _start_stream(self, stream: int, delay: float = 0.0) -> None:
         old = self._stream_tasks.get(stream)
