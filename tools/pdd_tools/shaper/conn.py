@@ -90,7 +90,6 @@ class ShapedConn:
         self.closed = False
         self.error: BaseException | None = None  # why the target connect failed
         self.peername: Any = None
-        self.stalled = False  # this connection alone forwards nothing (stall(): a flow blackholed on its path)
 
     # -- public -----------------------------------------------------------
 
@@ -126,16 +125,10 @@ class ShapedConn:
         """The protocol for the accepted client's socket (side 0); the target's is made here."""
         return _End(self, 0)
 
-    def stall(self, flag: bool = True) -> None:
-        """Forward nothing more on this connection, either way, and close nothing (one flow of a
-        link blackholed, as a middlebox that lost its state does), until ``stall(False)``."""
-        self.stalled = flag
-        self.gate_changed()
-
     def gate_changed(self) -> None:
         """The shaper was paused or resumed: stop reading, or forward what waits and read on."""
         for d in (0, 1):
-            if self._link.paused or self.stalled:
+            if self._link.paused:
                 self._update_reading(d)
             else:
                 self._flush(d)
@@ -194,7 +187,7 @@ class ShapedConn:
             self._enqueue_data(side, data)
             self._reading[side] = False
             self._ends[side].pause_reading()  # type: ignore[union-attr]
-        elif (self._lanes[side].queue or self._link.dirs[side].shapes() or self._link.paused or self.stalled
+        elif (self._lanes[side].queue or self._link.dirs[side].shapes() or self._link.paused
               or self._wpaused[1 - side] or not self._deliver(side, data)):
             self._enqueue_data(side, data)
             self._flush(side)
@@ -242,7 +235,7 @@ class ShapedConn:
         lane = self._lanes[d]
         link = self._link
         now = 0.0
-        while (lane.queue and self._connected and not self._dead and not link.paused and not self.stalled
+        while (lane.queue and self._connected and not self._dead and not link.paused
                and not self._wpaused[1 - d]):
             due, item = lane.queue[0]
             if due > now:
@@ -374,7 +367,7 @@ class ShapedConn:
         t = self._ends[d]
         if t is None or self._lost[d] or self._eof_in[d] or self._dead:
             return
-        want = (self._connected and not self._link.paused and not self.stalled and not self._wpaused[1 - d]
+        want = (self._connected and not self._link.paused and not self._wpaused[1 - d]
                 and not self._lanes[d].high)
         if want != self._reading[d]:
             self._reading[d] = want
