@@ -56,7 +56,7 @@ from .rundir import engine_access_problems
 from .session import PeerSession
 from .transfer import InTransfer, OutTransfer
 from .transport.bulk_loop import BulkLoop
-from .transport.tcp import client_tls_context, server_tls_context
+from .transport.tls import client_tls_context, server_tls_context
 from .wire import messages as m
 from .wire.handshake import CAPABILITIES
 

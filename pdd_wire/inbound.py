@@ -294,7 +294,8 @@ class Inbound:
                                                          max_unsent=self.config.limits.control_buffer_bytes,
                                                          stall_s=to.dead_after_s)
                         first = loop.create_future()
-                        conn.on_frame = lambda c, f: first.done() or first.set_result(f)
+                        # HELLO comes alone: what follows it in the same read is dropped (handshake.md §2)
+                        conn.on_frame = lambda c, f: first.done() or (first.set_result(f), c.drop_rest_of_read())
                         conn.on_lost = lambda c, e: first.done() or first.set_exception(
                             TransportError(f"closed before HELLO: {e}"))
                         conn.on_framing_error = self.metrics.error

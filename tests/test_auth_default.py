@@ -56,7 +56,7 @@ def test_agents_starting_at_once_share_one_ca_and_keys_are_private(tmp_path):
     # Every node certificate verifies against the one CA: a server and a client context agree.
     a, b = pki.ensure(d, "A", "a1"), pki.ensure(d, "B", "b1")
     assert a.created == () and b.created == ()  # already there: nothing regenerated
-    from pdd_wire.transport.tcp import client_tls_context, server_tls_context
+    from pdd_wire.transport.tls import client_tls_context, server_tls_context
 
     srv, cli = server_tls_context(b.cert, b.key, b.ca), client_tls_context(a.cert, a.key, a.ca)
     ls = socket.create_server(("127.0.0.1", 0))

@@ -22,11 +22,10 @@ from pdd_wire.transport.tcp import (
     KIND_BULK,
     FrameProtocol,
     adopt,
-    client_tls_context,
     dial,
     read_preamble,
-    server_tls_context,
 )
+from pdd_wire.transport.tls import client_tls_context, server_tls_context
 from pdd_wire.wire import FrameType, Lane, encode
 from support.certs import make_pki
 from support.counting import Counting

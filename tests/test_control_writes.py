@@ -22,11 +22,10 @@ from pdd_wire.transport.tcp import (
     KIND_CONTROL,
     FrameProtocol,
     adopt,
-    client_tls_context,
     dial,
     read_preamble,
-    server_tls_context,
 )
+from pdd_wire.transport.tls import client_tls_context, server_tls_context
 from pdd_wire.wire import FrameType, decode_body, encode, encode_body
 from pdd_wire.wire import messages as m
 from support.certs import make_pki

@@ -244,7 +244,8 @@ async def test_one_bulk_flow_blackholed_mid_transfer(tmp_path):
     to every resend: gigabytes resent) and the transfer failed TRANSFER_TIMEOUT at its deadline
     (300 s by default). Now the receiver drops a bulk connection that stalls mid-frame for
     `timeouts.dead_after_s` (1 s here), and the sender's kernel ends the flow whose data goes
-    unacknowledged that long (TCP_USER_TIMEOUT): the stream is dialed again, the chunk resent."""
+    unacknowledged that long, at least 3 s (TCP_USER_TIMEOUT): the stream is dialed again, the
+    chunk resent."""
     async with mid_transfer("bh1") as (net, e):
         port = _busiest_bulk_flow(net)
         t0 = time.monotonic()

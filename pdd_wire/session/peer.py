@@ -21,7 +21,7 @@ import structlog
 
 from .. import policy, transport
 from ..config import Peer, parse_hostport
-from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError
+from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError, peer_code
 from ..loopwatch import LateTicks
 from ..memory import BlockMap
 from ..transfer import InTransfer, OutTransfer
@@ -406,10 +406,10 @@ class PeerSession:
             case m.Error():  # the peer's last word on this connection (frames.md §4): nothing more is read
                 self.lines.line(self.log.warning, "peer reported an error",  # one line per period, whatever the text
                                 detail={"code": code_name(msg.code), "message": msg.message})
-                self.metrics.error(code_name(msg.code))
+                self.metrics.error(peer_code(msg.code))  # (an unassigned code counts as PEER_ERROR: bounded labels)
                 if self.control is None:
                     self.dialer_loop.refused(msg.code, msg.message)
-                conn.close()
+                conn.abort()
             case m.Goodbye():
                 self.lines.goodbye(self.log.info, msg.reason)
                 self.peer_goodbye = msg.reason

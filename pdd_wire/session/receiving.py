@@ -360,7 +360,7 @@ class Receiver:
             case Landing.FAIL_INVALID:
                 self.fail_later(t, ErrorCode.MALFORMED_BODY,
                                 f"chunk {k} of {nbytes} bytes does not fit the announced transfer"
-                                + ("" if t.route.lz4 else " (a probe transfer takes no LZ4 chunks)"), True)
+                                + ("" if t.route.lz4 else ", or is LZ4, which a probe transfer does not take"), True)
             case Landing.NACK_CHECKSUM:
                 # (a data path may say why the chunk did not land when it is not its checksum: the
                 # UCX path got a message of another length for it; KV_NACK's code stays the same)

@@ -276,7 +276,7 @@ class BulkHandler:
                     self.main.call_soon_threadsafe(_bulk_error, self.session, msg.code, msg.message)
                 except RuntimeError:  # the main loop is closed (the agent stopped)
                     pass
-                conn.close()
+                conn.abort()
             case _:
                 self._fail(conn, ProtocolError(f"unexpected {FrameType(h.type).name} on a bulk connection",
                                                ErrorCode.UNEXPECTED_FRAME))

@@ -30,11 +30,12 @@ from collections.abc import Callable, Iterator
 
 import structlog
 
-from ..errors import ErrorCode, FatalHandshakeError, ProtocolError, TransportError
+from ..errors import ErrorCode, ProtocolError, TransportError
 from ..wire import INLINE_MAX, FrameReader, FrameType, encode_body, encode_bytes
 from ..wire.frame import Frame, PayloadSink
 from ..wire.messages import Error
 from .base import Connector
+from .tls import peer_certificate_names, tls_error
 
 _log = structlog.get_logger("pdd_wire.transport")
 
@@ -43,10 +44,15 @@ PREAMBLE_MAGIC = b"PDDW"
 KIND_CONTROL = ord("C")
 KIND_BULK = ord("B")
 PREAMBLE_VERSION = 1
-#: Frames of one control connection handled per loop turn, before the rest of its gulp waits for
-#: the next turn (other connections' frames, timers and engine requests between): about half a
-#: millisecond of handling here. A connection's own frames keep their order.
+#: Frames of one control connection handled per loop turn (however many reads libuv makes of it
+#: in one wake-up: up to 32), the rest waiting for the next turn with reading paused, so other
+#: connections' frames, timers and engine requests come between: about half a millisecond of
+#: handling here. A connection's own frames keep their order.
 FRAMES_PER_TURN = 32
+#: The least TCP_USER_TIMEOUT given a connection: a receiver may hold a bulk connection's reading
+#: for up to 2 s (a chunk waiting for its KV_BEGIN, proto/transfer.md §7), and a window shut that
+#: long must not end the flow at the sender.
+USER_TIMEOUT_MIN_S = 3.0
 try:  # buffers in one os.writev (a chunk of an engine's paged KV can be a view per layer page)
     _IOV_MAX = os.sysconf("SC_IOV_MAX")
 except (ValueError, OSError):
@@ -84,18 +90,6 @@ def error_frame(code: int, message: str) -> bytes:
     return encode_bytes(FrameType.ERROR, encode_body(Error(int(code), message[:512])))
 
 
-X509_V_ERR_HOSTNAME_MISMATCH = 62
-
-
-def tls_error(exc: ssl.SSLError, what: str) -> FatalHandshakeError:
-    """A TLS failure as a named, non-retryable handshake error."""
-    if isinstance(exc, ssl.SSLCertVerificationError) and exc.verify_code == X509_V_ERR_HOSTNAME_MISMATCH:
-        return FatalHandshakeError(f"{what}: certificate is for another node ({exc.verify_message})",
-                                   ErrorCode.IDENTITY_MISMATCH)
-    detail = getattr(exc, "verify_message", None) or exc.reason or str(exc) or type(exc).__name__
-    return FatalHandshakeError(f"{what} refused: {detail}", ErrorCode.TLS_REFUSED)
-
-
 def tune_socket(sock: socket.socket, *, nodelay: bool, user_timeout_s: float = 0.0) -> None:
     """``user_timeout_s`` > 0: TCP_USER_TIMEOUT (RFC 5482), so the kernel ends a connection whose
     data has gone unacknowledged, or whose peer's window has stayed shut, that long (a flow
@@ -107,34 +101,6 @@ def tune_socket(sock: socket.socket, *, nodelay: bool, user_timeout_s: float = 0
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     if user_timeout_s > 0 and hasattr(socket, "TCP_USER_TIMEOUT"):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(1, int(user_timeout_s * 1000)))
-
-
-def server_tls_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.load_cert_chain(cert, key)
-    ctx.load_verify_locations(ca)
-    ctx.verify_mode = ssl.CERT_REQUIRED  # mutual TLS: a peer without a valid certificate is refused
-    return ctx
-
-
-def client_tls_context(cert: str, key: str, ca: str) -> ssl.SSLContext:
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-    ctx.load_cert_chain(cert, key)
-    ctx.load_verify_locations(ca)
-    ctx.check_hostname = True  # the peer's certificate must name the configured node
-    return ctx
-
-
-def peer_certificate_names(transport: asyncio.BaseTransport) -> set[str]:
-    """CN and DNS SANs of the peer's verified certificate (empty without TLS)."""
-    cert = transport.get_extra_info("peercert")
-    if not cert:
-        return set()
-    names = {v for rdn in cert.get("subject", ()) for k, v in rdn if k == "commonName"}
-    names |= {v for k, v in cert.get("subjectAltName", ()) if k == "DNS"}
-    return names
 
 
 #: What a control connection reads: frame payloads only on inline KV_CHUNKs (inline.v1).
@@ -170,10 +136,13 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def __init__(self, *, max_body: int, max_payload: int, sink: PayloadSink | None = None,
                  bulk: bool = False, max_unsent: int = 0, payload_types: frozenset[int] | None = None,
                  stall_s: float = 0.0) -> None:
-        #: > 0: TCP_USER_TIMEOUT of that long, and on a bulk connection a read deadline: no byte
-        #: for that long in the middle of a frame ends the connection (:meth:`_watch_stall`).
+        #: > 0: TCP_USER_TIMEOUT of that long (at least USER_TIMEOUT_MIN_S), and on a bulk
+        #: connection a read deadline: no byte for that long in the middle of a frame ends the
+        #: connection (:meth:`_watch_stall`).
         self.stall_s = stall_s
         self._rx_at = 0.0  # a bulk connection's last read (monotonic)
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._stall_seen = False  # the last check found it stalled: judged on the next, after a poll
         #: Where frame payloads land (``max_payload`` > 0); may be set once the connection is
         #: known (a control connection's inline chunks). None: a payload is refused.
         self.payload_sink = sink
@@ -188,11 +157,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         #: in what the peer sent, before the connection fails with it: the owner counts it.
         self.on_framing_error: Callable[[ErrorCode], None] | None = None
         self.closed = False
+        self._ending = False  # this side failed, closed or aborted it: no frame of it is handled any more
         self.error: BaseException | None = None
-        self._gulp = bytearray(64 * 1024)
-        self._gulp_view = memoryview(self._gulp)
-        self._gulp_frames: Iterator[Frame] | None = None  # the gulp's frames not yet handled (_handle_gulp)
+        self._gulp_view = memoryview(bytearray(0 if bulk else 64 * 1024))  # a control connection's reads
+        self._gulp_frames: Iterator[Frame] | None = None  # the read's frames not yet handled (_handle_gulp)
         self._gulp_paused = False  # reading paused until they are
+        self._turn = 0  # frames handled in this loop turn
         self.connected = asyncio.get_event_loop().create_future()
         self.peer_names: set[str] = set()
         self._close_callbacks: list[Callable[[], None]] = []
@@ -233,10 +203,10 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._loop = asyncio.get_running_loop()
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            tune_socket(sock, nodelay=True, user_timeout_s=self.stall_s)
+            tune_socket(sock, nodelay=True, user_timeout_s=max(self.stall_s, USER_TIMEOUT_MIN_S) if self.stall_s else 0)
         if self.bulk and self.stall_s > 0:
             self._rx_at = time.monotonic()
-            self._loop.call_later(self.stall_s / 2, self._watch_stall)
+            self._stall_timer = self._loop.call_at(self._loop.time() + self.stall_s, self._watch_stall)
         # A plaintext bulk connection writes its chunks itself (_write_now); TLS ones through the
         # transport, which encrypts.
         self._fd = (sock.fileno() if self.bulk and sock is not None and transport.get_extra_info("ssl_object") is None
@@ -257,7 +227,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             if self.bulk:
                 self._rx_at = time.monotonic()
                 frame = self.reader.advance(nbytes)
-                if frame is not None and not self.closed:
+                if frame is not None and not self.closed and not self._ending:
                     self.on_frame(self, frame)
             else:
                 # Each frame is handled as soon as it is complete, before the next is read: the
@@ -267,53 +237,75 @@ class FrameProtocol(asyncio.BufferedProtocol):
         except ProtocolError as exc:
             self._framing_failed(exc)
 
-    def _handle_gulp(self) -> None:
-        """Handle the current gulp's frames, at most :data:`FRAMES_PER_TURN` in this loop turn:
-        if more may follow, reading pauses (the gulp's bytes stay where they are) and the rest
-        waits for the next turn, so that one peer's burst of small frames (a gulp is up to ~1100
-        PINGs) does not hold every other connection's frames (another peer's tokens) behind it."""
-        tr, frames = self.transport, self._gulp_frames
-        if frames is None:
-            return
-        for n, frame in enumerate(frames, 1):
-            if self.closed or (tr is not None and tr.is_closing()):  # failed, aborted: stop
-                break
-            self.on_frame(self, frame)
-            if n == FRAMES_PER_TURN and not self.closed and tr is not None and not tr.is_closing():
-                if not self._gulp_paused:
+    def _handle_gulp(self, cap: bool = True) -> None:
+        """Handle the current read's frames, at most :data:`FRAMES_PER_TURN` of this connection in
+        this loop turn (``cap``): past that, reading pauses (the read's bytes stay where they are)
+        and the rest waits for the next turn, so that one peer's burst of small frames (a 64 KiB
+        read is some 1,300 PINGs) does not hold other connections' frames behind it. Frames the
+        peer sent before it closed are still handled; none after this side ended the connection."""
+        loop = asyncio.get_running_loop()
+        while (frames := self._gulp_frames) is not None and not (self.closed or self._ending):
+            if cap and self._turn >= FRAMES_PER_TURN:  # this turn's share is taken
+                if not self._gulp_paused and self.transport is not None and not self.transport.is_closing():
                     self._gulp_paused = True
-                    tr.pause_reading()
-                asyncio.get_running_loop().call_soon(self._more_of_gulp)
+                    self.transport.pause_reading()
+                loop.call_soon(self._more_of_gulp)
                 return
+            frame = next(frames, None)
+            if frame is None:
+                break
+            if not self._turn:
+                loop.call_soon(self._new_turn)
+            self._turn += 1
+            self.on_frame(self, frame)
         self._gulp_frames = None
         if self._gulp_paused:
             self._gulp_paused = False
-            if not self.closed and tr is not None and not tr.is_closing():
-                tr.resume_reading()
+            if not (self.closed or self._ending) and self.transport is not None and not self.transport.is_closing():
+                self.transport.resume_reading()
 
-    def _watch_stall(self) -> None:
-        """A bulk connection in the middle of a frame that got no byte for ``stall_s`` while it
-        was reading is a stalled flow (blackholed on its path, the peer's TCP gone): it is
-        aborted, which ends its claim on the chunk (another connection can land it) and has the
-        dialer dial the stream again. Between frames, or paused (a chunk held for its KV_BEGIN),
-        silence is no stall."""
-        if self.closed or self.transport is None:
-            return
-        now = time.monotonic()
-        if self.reader.idle or not self.transport.is_reading():
-            self._rx_at = now  # silence that is no stall: the clock starts again from here
-        elif now - self._rx_at >= self.stall_s:
-            self.error = TransportError(f"no byte for {now - self._rx_at:.1f} s in the middle of a frame "
-                                        f"(timeouts.dead_after_s {self.stall_s:g}): the flow is stalled")
-            self.abort()
-            return
-        asyncio.get_running_loop().call_later(self.stall_s / 2, self._watch_stall)
+    def _new_turn(self) -> None:
+        self._turn = 0
 
     def _more_of_gulp(self) -> None:
         try:
             self._handle_gulp()
         except ProtocolError as exc:
             self._framing_failed(exc)
+        except Exception:  # a handler's bug: end the connection, as the transport does for one in a read
+            _log.exception("control connection: frame handler failed")
+            self.abort()
+
+    def drop_rest_of_read(self) -> None:
+        """Read the frames left of the current read and drop them (a handshake's first frame must
+        come alone: proto/handshake.md §2)."""
+        frames, self._gulp_frames = self._gulp_frames, None
+        for _ in frames or ():
+            pass
+
+    def _watch_stall(self) -> None:
+        """A bulk connection in the middle of a frame that got no byte for ``stall_s`` while it
+        was reading is a stalled flow (blackholed on its path, the peer's TCP gone): it is
+        aborted, which ends its claim on the chunk (another connection can land it) and has the
+        dialer dial the stream again. Between frames, or paused (a chunk held for its KV_BEGIN),
+        silence is no stall. A stall is judged twice, 50 ms apart: libuv runs due timers before it
+        polls the sockets, so after this process did not run (stopped, starved) bytes that came
+        meanwhile are read before the verdict."""
+        self._stall_timer = None
+        if self.closed or self.transport is None:
+            return
+        loop, now = asyncio.get_running_loop(), time.monotonic()
+        stalled = now - self._rx_at >= self.stall_s
+        if self.reader.idle or not self.transport.is_reading():
+            self._rx_at, stalled = now, False  # silence that is no stall: the clock starts again from here
+        elif stalled and self._stall_seen:
+            self.error = TransportError(f"no byte for {now - self._rx_at:.1f} s in the middle of a frame "
+                                        f"(timeouts.dead_after_s {self.stall_s:g}): the flow is stalled")
+            self.abort()
+            return
+        self._stall_seen = stalled
+        delay = 0.05 if stalled else self._rx_at + self.stall_s - now
+        self._stall_timer = loop.call_later(delay, self._watch_stall)
 
     def _framing_failed(self, exc: ProtocolError) -> None:
         self._gulp_frames = None
@@ -342,6 +334,14 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 _log.exception("control connection: drain callback failed")
 
     def connection_lost(self, exc) -> None:
+        if self._gulp_frames is not None:  # what the peer sent before it closed, in order
+            try:
+                self._handle_gulp(cap=False)
+            except Exception:  # the connection is gone: a broken tail has no one to tell
+                self._gulp_frames = None
+        if self._stall_timer is not None:  # it would hold this protocol until it fires
+            self._stall_timer.cancel()
+            self._stall_timer = None
         first = not self.closed
         self.closed = True
         if self._abort_later is not None:
@@ -459,6 +459,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         """Send an ERROR frame naming ``exc`` (best effort) and abort the connection."""
         if self.closed:
             return
+        self._ending = True
         if self.transport is None:  # failed before it connected: nothing to tell, nothing to close
             self.error = exc
             self.closed = True
@@ -478,6 +479,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def abort(self) -> None:
         """End it now, unsent bytes dropped, also after :meth:`close` / :meth:`fail` (a closing
         transport waits for its buffer to drain, which a peer that does not read never lets it)."""
+        self._ending = True
         if self.transport is None:
             self.closed = True
         elif not self.closed:
@@ -485,6 +487,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.transport.abort()
 
     def close(self) -> None:
+        self._ending = True
         if self.transport is not None and not self.transport.is_closing():
             self._flush(drain=False)
             self.transport.close()

@@ -106,9 +106,10 @@ async def flood(port: int, seconds: float) -> None:
         sent += BURST
         await peer.writer.drain()
         await asyncio.sleep(BURST_EVERY_S)
+    took = time.monotonic() - t0  # the flood's own time (each burst and its pause), not the wait below
     await asyncio.sleep(1.0)  # the last PONGs
     counting.cancel()
-    print(json.dumps({"sent": sent, "pongs": pongs, "seconds": round(time.monotonic() - t0, 2)}), flush=True)
+    print(json.dumps({"sent": sent, "pongs": pongs, "seconds": round(took, 3)}), flush=True)
 
 
 def _cpu_s(pid: int) -> float:
