@@ -246,3 +246,25 @@ async def test_a_bulk_connection_stalled_mid_chunk_is_dropped_and_the_chunk_land
         for s in streams:
             s.close()
         peer.close()
+
+
+async def test_handoff_messages_for_requests_nobody_knows_are_kept_within_a_bound(tmp_sock_dir):
+    """HANDOFF_ABORT ahead of `handoff_md` is kept for MD's entry to come. A peer sending ABORTs
+    with 4 KiB reasons for request ids nobody knows grew the agent about a byte per byte sent (16
+    a request, 16384 requests a peer: 1.2 GB). Now one of each kind per epoch a request, reasons
+    cut to 128 characters, 4096 messages a peer (proto/handoff.md §9)."""
+    caps = ("kv.v1", "tokens.v1", "abort.v1", "handoff.v1")
+    async with agent_b(tmp_sock_dir) as b:
+        peer, _ = await hello(b.wan_address[1], capabilities=caps)
+        for i in range(6000):
+            peer.send(FrameType.HANDOFF_ABORT, m.HandoffAbort(f"r{i}", 0, "x" * 4096))
+        for _ in range(20):  # copies of one request's ABORT (a resend after each reconnect)
+            peer.send(FrameType.HANDOFF_ABORT, m.HandoffAbort("again", 0, "copy"))
+        peer.send(FrameType.HANDOFF_COMMIT, m.HandoffCommit("again", 0, 5))
+        assert await peer.pong(3)
+        early = b.handoffs.early["A/a1"]
+        kept = [hm for e in early.values() for hm in e.messages]
+        assert len(kept) <= 4096, len(kept)
+        assert max(len(getattr(hm, "reason", "")) for hm in kept) <= 128
+        assert [type(hm).__name__ for hm in early["again"].messages] == ["HandoffAbort", "HandoffCommit"]
+        peer.close()

@@ -79,6 +79,11 @@ log = structlog.get_logger("pdd_wire.handoff")
 
 MAX_EARLY_TOKENS = 1 << 16  # relayed tokens kept for one request that has no MD entry yet
 MAX_EARLY_TOTAL = 1 << 20  # ... and for all of one peer's requests together (its oldest dropped first)
+# RLD's COMMIT / ABORT kept for a request with no MD entry yet: one of each per epoch (a copy
+# replaces the one kept), at most 4 a request, a reason cut to 128 characters, and 4096 for all of
+# one peer's requests (its oldest dropped first). Before: 16 a request of any kind, 16384 requests
+# a peer, a 4 KiB reason each: a peer could fill about 1.2 GB.
+EARLY_MESSAGES, MAX_EARLY_MESSAGES, EARLY_REASON = 4, 4096, 128
 
 
 #: The ``Done`` reasons this code gives. Others (a peer's ABORT or RELEASE reason, an engine's
@@ -141,6 +146,7 @@ class HandoffDesk:
         # for, the peer the MD engine names.
         self.early: dict[str, collections.OrderedDict[str, Early]] = {}
         self._early_total: collections.Counter[str] = collections.Counter()  # tokens kept, per peer
+        self._early_msgs: collections.Counter[str] = collections.Counter()  # messages kept, per peer
         # The KV outcome of receives that ended here with no MD entry ("ready" or the reason).
         self.kv_outcome: collections.OrderedDict[str, str] = collections.OrderedDict()
         self.cap = self.cfg.transfer.max_transfers * 4
@@ -259,9 +265,7 @@ class HandoffDesk:
         e = self.live.get(msg.request_id)
         if e is None:
             if isinstance(msg, (m.HandoffCommit, m.HandoffAbort)):  # RLD -> MD ahead of handoff_md
-                early = self._early(msg.request_id, session)
-                if len(early.messages) < 16:
-                    early.messages.append(msg)
+                self._keep_early(session, msg)
             return  # no handoff here: a late copy (the spec says ignore it)
         if e.session is not session:
             session.lines.line(e.log.warning, "handoff message from another peer; ignored",  # once per period
@@ -331,6 +335,7 @@ class HandoffDesk:
         if restarted:  # what its old incarnation relayed ahead of handoff_md belongs to nothing now
             self.early.pop(session.key, None)
             self._early_total.pop(session.key, None)
+            self._early_msgs.pop(session.key, None)
 
     def shutdown(self) -> None:
         """The agent stops: tell the peers, so that RLD keeps (or MD takes) what it can."""
@@ -341,6 +346,7 @@ class HandoffDesk:
         self.early.clear()
         self.kv_outcome.clear()
         self._early_total.clear()
+        self._early_msgs.clear()
 
     def describe(self, most: int = 100) -> list[dict]:
         """The newest ``most`` handoffs (the count is ``pddwire_handoffs_open``)."""
@@ -399,7 +405,21 @@ class HandoffDesk:
         early = mine.pop(request_id, None) if mine is not None else None
         if early is not None:
             self._early_total[peer] -= len(early.tokens)
+            self._early_msgs[peer] -= len(early.messages)
         return early
+
+    def _keep_early(self, session: "PeerSession", msg: m.HandoffCommit | m.HandoffAbort) -> None:
+        """Keep RLD's COMMIT or ABORT for MD's entry to come, within the bounds of EARLY_MESSAGES."""
+        if isinstance(msg, m.HandoffAbort) and len(msg.reason) > EARLY_REASON:
+            msg = m.HandoffAbort(msg.request_id, msg.epoch, msg.reason[:EARLY_REASON])
+        early = self._early(msg.request_id, session)
+        kept = [hm for hm in early.messages if not (type(hm) is type(msg) and hm.epoch == msg.epoch)]
+        kept = (kept + [msg])[-EARLY_MESSAGES:]
+        self._early_msgs[session.key] += len(kept) - len(early.messages)
+        early.messages = kept
+        mine = self.early[session.key]
+        while self._early_msgs[session.key] > MAX_EARLY_MESSAGES and mine:
+            self._drop_early(session.key, next(iter(mine)))
 
     def _remember_kv(self, request_id: str, outcome: str) -> None:
         self.kv_outcome[request_id] = outcome
