@@ -354,6 +354,9 @@ class Inbound:
             limited(self, self.log.info, "inbound connection failed", remote=_host(h.addr),
                     error=str(exc) or repr(exc))
             h.close()
+        except Exception:  # a bug of ours: this connection ends, and its place is given back with it
+            self.log.exception("inbound connection failed: internal error", remote=_host(h.addr))
+            h.close()
         finally:
             if h in self._handshaking:
                 del self._handshaking[h]

@@ -17,7 +17,7 @@ from conftest import metric
 from pdd_wire import compress as cz
 from pdd_wire.errors import ErrorCode
 from pdd_wire.probe import PROBE_PREFIX
-from pdd_wire.transport.tcp import FRAMES_PER_TURN, KIND_BULK
+from pdd_wire.transport.tcp import FRAMES_PER_TURN, KIND_BULK, KIND_CONTROL
 from pdd_wire.wire import FrameReader, FrameType, Lane, encode_body, encode_bytes
 from pdd_wire.wire import messages as m
 from pdd_wire.wire.frame import F_CHECKSUM, F_LZ4, SCRATCH_BYTES, Header, encode_header
@@ -267,4 +267,26 @@ async def test_handoff_messages_for_requests_nobody_knows_are_kept_within_a_boun
         assert len(kept) <= 4096, len(kept)
         assert max(len(getattr(hm, "reason", "")) for hm in kept) <= 128
         assert [type(hm).__name__ for hm in early["again"].messages] == ["HandoffAbort", "HandoffCommit"]
+        peer.close()
+
+
+async def test_a_hello_nested_thousands_deep_is_refused_and_its_place_given_back(tmp_sock_dir):
+    """A HELLO of about 2 KB whose unknown key holds a value nested 2000 deep raised
+    RecursionError in the decoder: the handshake task died, the connection stayed open and its
+    place (limits.max_peer_connections) was never given back; 64 such HELLOs locked every peer
+    out until a restart. It is MALFORMED_BODY now (proto/messages.md), and the place comes back."""
+    import msgspec
+
+    async with run_agents(two_site_toml(tmp_sock_dir, plaintext=True, extra="[limits]\nmax_peer_connections = 4\n"),
+                          sites=("B",), wait_up=False) as ag:
+        port = ag["B"].wan_address[1]
+        body = msgspec.msgpack.encode({"versions": [1], "site": "A", "node": "a1", "incarnation": 5, "zz": None})
+        deep = body[:-1] + b"\x91" * 2000 + b"\xc0"
+        for _ in range(8):  # twice the places there are
+            bad = await RawPeer.dial(port, KIND_CONTROL)
+            bad.send(FrameType.HELLO, deep)
+            seen = await bad.until_closed()
+            assert seen and seen[0][0] == FrameType.ERROR and seen[0][1].code == ErrorCode.MALFORMED_BODY, seen
+        peer, _ = await hello(port)  # a real peer still gets in
+        assert await peer.pong(1)
         peer.close()

@@ -428,6 +428,9 @@ def decode_body(frame_type: int, body: bytes) -> Any:
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"malformed {FrameType(frame_type).name} body: {exc}",
                             ErrorCode.MALFORMED_BODY) from exc
+    except RecursionError as exc:  # an unknown key's value nested thousands deep (2 KB do it)
+        raise ProtocolError(f"malformed {FrameType(frame_type).name} body: nested too deep",
+                            ErrorCode.MALFORMED_BODY) from exc
 
 
 def bitmap_from(chunks: Iterable[int], n: int) -> bytes:
