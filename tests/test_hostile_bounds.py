@@ -13,7 +13,7 @@ import tracemalloc
 
 import xxhash
 
-from conftest import metric
+from conftest import metric, until
 from pdd_wire import compress as cz
 from pdd_wire.errors import ErrorCode
 from pdd_wire.probe import PROBE_PREFIX
@@ -289,4 +289,26 @@ async def test_a_hello_nested_thousands_deep_is_refused_and_its_place_given_back
             assert seen and seen[0][0] == FrameType.ERROR and seen[0][1].code == ErrorCode.MALFORMED_BODY, seen
         peer, _ = await hello(port)  # a real peer still gets in
         assert await peer.pong(1)
+        peer.close()
+
+
+async def test_transfers_a_peer_opens_and_cancels_at_will_are_not_a_log_line_each(tmp_sock_dir, info_logs):
+    """Probe transfers need no engine's post: a peer sending KV_BEGIN and KV_CANCEL pairs for
+    them made a WARNING "transfer failed" line per transfer (310 bytes of log per 155 sent). One
+    line a second per peer, direction and code now, the first one's ids with it; the counters
+    and the engines' events have every one."""
+    async with agent_b(tmp_sock_dir) as b:
+        peer, _ = await hello(b.wan_address[1])
+        info_logs.seek(0)
+        info_logs.truncate()
+        for tid in range(1, 501):
+            peer.send(FrameType.KV_BEGIN, m.KvBegin(f"{PROBE_PREFIX}c{tid}", total_bytes=MiB, chunk_bytes=MiB,
+                                                    n_chunks=1, block_bytes=MiB, n_blocks=1), transfer_id=tid)
+            peer.send(FrameType.KV_CANCEL, m.KvCancel(f"{PROBE_PREFIX}c{tid}", int(ErrorCode.TRANSFER_CANCELLED),
+                                                      "gone"), transfer_id=tid)
+        assert await peer.pong(4)
+        await until(lambda: metric(b, "pddwire_transfers_total", peer="A/a1", direction="in",
+                                   outcome="transfer_cancelled") == 500, timeout=10, what="every transfer ended")
+        failed = lines(info_logs, "transfer failed")
+        assert 1 <= len(failed) <= 3, len(failed)
         peer.close()

@@ -386,8 +386,9 @@ class KvDesk:
             if not self.gate.closed and not post.engine.closed and t.request_id not in self.posts:
                 self._add_post(Post(t.request_id, post.engine, post.blocks, post.from_site, post.ttl, post.max_skip))
                 return
-        self.log.warning("transfer failed", request_id=t.request_id, transfer_id=t.tid, engine_transfer_id=t.engine_tid,
-                         peer=t.peer_key, direction=direction, code=ErrorCode(code).name, reason=message)
+        limited(self, self.log.warning, "transfer failed", every_s=1.0, peer=t.peer_key, direction=direction,  # a
+                code=ErrorCode(code).name, detail={"request_id": t.request_id, "transfer_id": t.tid,  # peer's to repeat
+                                                   "engine_transfer_id": t.engine_tid, "reason": message})
         t.engine.send(p.TransferFailed(request_id=t.request_id, transfer_id=t.engine_tid, peer=t.peer_key,
                                        direction=direction, code=int(code), reason=message))
         if direction == "in" and handoff:
@@ -557,9 +558,8 @@ class KvDesk:
         self.metrics.inventory_blocks.set(len(self.inventory.blocks))
 
     def shutdown(self) -> None:
-        """Shutdown begins: KV_BEGINs waiting for a post can get none now (and, with the gate
-        closed, none starts waiting); their senders hear it (KV_REJECT SHUTTING_DOWN) at once, not
-        after their lease or the session's give-up."""
+        """Shutdown begins: KV_BEGINs waiting for a post get none now (nor, the gate closed, start
+        waiting); their senders hear it (KV_REJECT SHUTTING_DOWN) at once, not at their lease's end."""
         for request_id, waits in list(self.unposted.items()):
             for peer in list(waits):
                 waiting = self._unwait(request_id, peer)
