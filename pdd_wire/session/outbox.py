@@ -50,6 +50,7 @@ class Outbox:
         self._kept: collections.OrderedDict[tuple, tuple[Any, int, int | None, int]] = collections.OrderedDict()
         self.bytes = 0  # the frames' sizes on the wire, together
         self.last_ping = 0  # the nonce of the last PING written (pings count up from 1)
+        self._confirmed = 0  # the newest PING a PONG has answered
         self.dropped = 0  # frames dropped unconfirmed because the outbox was full
         self._ping_due = False
 
@@ -88,8 +89,21 @@ class Outbox:
         self.last_ping = nonce
 
     def pong(self, nonce: int) -> None:
-        """The peer answered PING ``nonce``: it read every frame written before that PING."""
-        for key in [k for k, v in self._kept.items() if v[2] is not None and v[2] < nonce]:
+        """The peer answered PING ``nonce``: it read every frame written before that PING. Frames
+        are kept in the order written (a resend writes them all again, in order), so the walk
+        stops at the first written after that PING: a PONG costs what it confirms, and one for a
+        PING already confirmed, or never written, costs nothing (a peer may send PONGs at will)."""
+        if not self._confirmed < nonce <= self.last_ping:
+            return
+        self._confirmed = nonce
+        done = []
+        for key, (_, _, ping, _) in self._kept.items():
+            if ping is None:  # not written (the peer was down): it waits for the resend
+                continue
+            if ping >= nonce:
+                break
+            done.append(key)
+        for key in done:
             self.forget(key)
 
     def resend(self) -> None:
