@@ -189,6 +189,10 @@ def test_an_offered_transfer_moves_at_once_and_a_late_accept_sends_its_chunks_ag
     assert [d.k for d in w.dispatch(1.0)] == [0, 1, 2]
     w.on_ack(1, 0, 1)
     assert not Tx(2, 4, 4).confirmed and t.confirmed
+    # A copy of KV_ACCEPT (the receiver accepts late once; a peer may repeat it at will) starts
+    # nothing: each one took every chunk off the books and queued it again, O(n_chunks) a frame.
+    assert not w.accepted(1)
+    assert [d.k for d in w.dispatch(2.0)] == []
 
 
 def test_a_reconnect_announces_an_unconfirmed_offered_transfer_again():

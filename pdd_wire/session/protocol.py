@@ -169,6 +169,8 @@ class SendWindow(Generic[T]):
         if t is None:
             return False
         if t.state == State.MOVING and t.offered:
+            if t.confirmed:  # a copy (the receiver accepts an offered transfer late once): each
+                return False  # requeued every chunk, O(n_chunks) a 60-byte frame
             for k in range(t.n_chunks):
                 self.uninflight(tid, k)
             t.confirmed = True
