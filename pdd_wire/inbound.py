@@ -354,8 +354,10 @@ class Inbound:
             limited(self, self.log.info, "inbound connection failed", remote=_host(h.addr),
                     error=str(exc) or repr(exc))
             h.close()
-        except Exception:  # a bug of ours: this connection ends, and its place is given back with it
-            self.log.exception("inbound connection failed: internal error", remote=_host(h.addr))
+        except Exception as exc:  # a bug of ours: this connection ends, and its place is given back with it
+            self.metrics.error(ErrorCode.INTERNAL)
+            limited(self, self.log.error, "inbound connection failed: internal error", remote=_host(h.addr),
+                    detail={"error": repr(exc)[:200]}, exc_info=True)
             h.close()
         finally:
             if h in self._handshaking:

@@ -30,6 +30,9 @@ def configure(level: str = "info", fmt: str = "auto", stream=None) -> None:
     )
 
 
+_OVERFLOW = ("", "", (("more lines", "'held back'"),))  # the Repeats key of newcomers while 64 are live
+
+
 class Repeats:
     """Rate-limits identical log lines: the first one goes out, the same event with the same
     fields within ``every_s`` is only counted, and the next one after that carries
@@ -47,14 +50,17 @@ class Repeats:
         it a repeat (text that differs every time, e.g. naming a request or a key)."""
         key = (getattr(method, "__name__", ""), event, tuple(sorted((k, repr(v)) for k, v in fields.items())))
         now = self._clock()
+        if key not in self._seen and len(self._seen) >= 64:  # bounded: lines past their period go first
+            for k in [k for k, v in self._seen.items() if now - v[0] >= self.every_s]:
+                del self._seen[k]
+            if len(self._seen) >= 64:  # 64 lines in their period: a newcomer shares one more slot
+                key = _OVERFLOW  # (evicting a live one made it new again: a line per call in rotation)
         seen = self._seen.get(key)
         if seen is not None and now - seen[0] < self.every_s:
             seen[1] += 1
             return False
         if seen is not None and seen[1]:
             fields["repeated"] = seen[1]
-        if len(self._seen) >= 64:  # bounded: forget the oldest
-            self._seen.pop(next(iter(self._seen)))
         self._seen[key] = [now, 0]
         method(event, **fields, **(detail or {}))
         return True

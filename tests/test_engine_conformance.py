@@ -183,6 +183,15 @@ async def test_a_read_that_breaks_the_fd_rules_is_not_carried_out_but_earlier_re
     assert served == [1]
 
 
+def test_an_engine_message_nested_too_deep_is_malformed():
+    """An unknown key whose value is nested 2,000 deep (about 2 KB) raised RecursionError out of
+    the decoder, into the engine connection's read callback; it is MALFORMED_BODY now."""
+    body = msgspec.msgpack.encode({"op": "status", "id": 1, "x": None})[:-1] + b"\x91" * 2000 + b"\xc0"
+    with pytest.raises(p.BadMessage) as err:
+        p.Decoder(to_agent=True).feed(struct.pack(">I", len(body)) + body)
+    assert err.value.code == ErrorCode.MALFORMED_BODY
+
+
 def test_the_decoder_hands_back_what_it_decoded_before_the_offending_bytes():
     dec = p.Decoder(to_agent=True)
     with pytest.raises(p.BadMessage) as err:

@@ -70,6 +70,15 @@ def test_unknown_fields_of_a_newer_writer_are_ignored():
     assert decode(f"{PREFIX}A/a1", raw, PREFIX).node == "a1"
 
 
+def test_an_unknown_field_nested_too_deep_is_a_refused_record_not_an_error_of_the_reader():
+    """About 2 KB under one member's key, a value nested 1,000 deep, raised RecursionError out of
+    the reader: a full listing stopped at that key, hiding every member listed after it."""
+    raw = encode(record())[:-1] + b', "x": ' + b"[" * 1000 + b"]" * 1000 + b"}"
+    assert len(raw) < MAX_RECORD_BYTES
+    with pytest.raises(RecordError, match="not a MemberRecord"):
+        decode(f"{PREFIX}A/a1", raw, PREFIX)
+
+
 def test_the_refresh_rule_bounds_rate_and_ignores_small_moves():
     a = Live(transfers=10, queue_bytes=100 << 20, links=(LinkRec("B/b1", 1e9, 0.030),))
     small = Live(transfers=11, queue_bytes=110 << 20, links=(LinkRec("B/b1", 1.1e9, 0.031),))

@@ -179,6 +179,23 @@ def test_identical_lines_are_held_back_and_counted():
                    ("peer not reachable", {"error": "refused", "repeated": 19})]
 
 
+def test_more_distinct_lines_than_are_kept_still_come_once_per_period():
+    """64 lines are kept per owner. Evicting the oldest live one made it new when it came back:
+    with 65 or more lines in rotation every call was written (10,000 lines a second). Lines past
+    their period go first now, and while 64 are live a newcomer shares one more slot."""
+    now = [0.0]
+    out = []
+    rep = Repeats(every_s=1.0, clock=lambda: now[0])
+    for i in range(10_000):
+        now[0] = i / 10_000  # 10,000 calls within one period, 80 lines in rotation
+        rep(lambda event, **kw: out.append(kw), "transfer failed", peer=f"p{i % 80}")
+    assert len(out) == 65, len(out)  # 64 lines, and one for all the others
+    now[0] = 1.5  # a period later: each comes back once, with what was held back
+    for i in range(80):
+        rep(lambda event, **kw: out.append(kw), "transfer failed", peer=f"p{i}")
+    assert 65 < len(out) <= 65 + 80 and out[65].get("repeated")
+
+
 WRONG = "sha256:" + "0" * 64
 REFUSALS = ("handshake refused", "inbound connection refused", "inbound connection failed", "peer reported an error")
 

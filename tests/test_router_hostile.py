@@ -78,3 +78,17 @@ async def test_an_answer_over_the_limit_is_a_bad_gateway_not_the_routers_memory(
             assert status == 502 and "over the router's" in text, (status, text)
         finally:
             await router.stop()
+
+
+async def test_a_request_body_nested_too_deep_is_a_400_not_the_routers_500():
+    """About 2 KB of '[' raised RecursionError out of the JSON decoder: aiohttp's 500 and a
+    traceback per request. It is the client's 400 now."""
+    async with _member(b"{}") as url:
+        router = await _router(url, url).start()
+        try:
+            body, headers = b"[" * 2000 + b"]" * 2000, {"content-type": "application/json"}
+            async with aiohttp.ClientSession() as s, s.post(f"{router.url}/v1/completions", data=body,
+                                                            headers=headers) as r:
+                assert r.status == 400 and "not JSON" in await r.text(), (r.status, await r.text())
+        finally:
+            await router.stop()

@@ -387,8 +387,8 @@ class KvDesk:
                 self._add_post(Post(t.request_id, post.engine, post.blocks, post.from_site, post.ttl, post.max_skip))
                 return
         limited(self, self.log.warning, "transfer failed", every_s=1.0, peer=t.peer_key, direction=direction,  # a
-                code=ErrorCode(code).name, detail={"request_id": t.request_id, "transfer_id": t.tid,  # peer's to repeat
-                                                   "engine_transfer_id": t.engine_tid, "reason": message})
+                detail={"code": ErrorCode(code).name, "request_id": t.request_id, "transfer_id": t.tid,  # peer's to
+                        "engine_transfer_id": t.engine_tid, "reason": message[:200]})  # repeat, its code too
         t.engine.send(p.TransferFailed(request_id=t.request_id, transfer_id=t.engine_tid, peer=t.peer_key,
                                        direction=direction, code=int(code), reason=message))
         if direction == "in" and handoff:

@@ -363,7 +363,7 @@ class Decoder:
             del self._buf[:4 + n]
             try:
                 msg = self._dec.decode(body)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # (nested too deep)
                 raise BadMessage(f"malformed engine message: {exc}", ErrorCode.MALFORMED_BODY, out) from exc
             if self._requests and msg.id == 0:
                 raise BadMessage(f"malformed engine message: {type(msg).__name__} request without an id "

@@ -161,7 +161,7 @@ def decode(key: str, raw: bytes, prefix: str, kind: type = MemberRecord):
         raise RecordError(f"{key}: {len(raw)} bytes, over {MAX_RECORD_BYTES}")
     try:
         rec = _decoders[kind].decode(raw)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError) as exc:  # (nested too deep: 2 KB)
         raise RecordError(f"{key}: not a {kind.__name__} ({exc})") from exc
     if rec.v != RECORD_VERSION:
         raise RecordError(f"{key}: record version {rec.v}, this agent reads {RECORD_VERSION}")

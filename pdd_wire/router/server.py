@@ -264,7 +264,7 @@ class Router:
                                   "RequestTimeoutError")
             resp.force_close()  # no keep-alive (aiohttp drains what still comes, holding no slot)
             return resp
-        except (ValueError, msgspec.DecodeError) as exc:
+        except (ValueError, msgspec.DecodeError, RecursionError) as exc:  # (nested too deep: a 2 KB body)
             return error_response(400, f"the body is not JSON: {exc}")
         if not isinstance(body, dict):
             return error_response(400, "the body must be a JSON object")
