@@ -16,6 +16,7 @@ import time
 
 from .memory import BlockMap, chunk_range, n_chunks
 from .transport.route import Route
+from .wire.chunkset import ChunkSet
 
 
 class State(enum.Enum):
@@ -73,12 +74,12 @@ class OutTransfer(Transfer):
         self.offered = False  # took the receiver's KV_OFFER: moving since its KV_BEGIN
         self.confirmed = False  # the receiver showed it matched it (an ack, KV_STATUS, a late KV_ACCEPT)
         self.query_timer: asyncio.TimerHandle | None = None
-        self.acked: set[int] = set()
+        self.acked = ChunkSet()  # acknowledged chunks
         self.pending: collections.deque[int] = collections.deque()
         self.retransmits = 0
 
     def queue_all(self) -> None:
-        self.pending = collections.deque(k for k in range(self.n_chunks) if k not in self.acked)
+        self.pending = collections.deque(self.acked.missing(self.n_chunks))
 
     def chunk(self, k: int):
         start, end = chunk_range(k, self.total, self.chunk_bytes)

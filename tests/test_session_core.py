@@ -30,6 +30,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from pdd_wire.memory import chunk_range, n_chunks
 from pdd_wire.session.protocol import INLINE, Landing, ReceiveLedger, Resumed, SendWindow, Status, code_name
 from pdd_wire.transfer import State
+from pdd_wire.wire import chunkset
+from pdd_wire.wire.chunkset import ChunkSet
+from pdd_wire.wire.messages import bitmap_from
 
 
 @dataclass
@@ -41,7 +44,7 @@ class Tx:
     chunk_bytes: int
     streams_limit: int | None = None
     state: State = State.ANNOUNCED
-    acked: set[int] = field(default_factory=set)
+    acked: ChunkSet = field(default_factory=ChunkSet)
     pending: collections.deque[int] = field(default_factory=collections.deque)
     retransmits: int = 0
     offered: bool = False
@@ -72,7 +75,7 @@ def test_the_window_bounds_what_is_in_flight_and_acks_give_it_back():
     assert (acked.nbytes, acked.chunks, acked.sent_at) == (4, 1, (0.0,))
     assert [d.k for d in w.dispatch(1.0)] == [2]
     assert w.on_ack(1, 0, 3).chunks == 2  # chunk 0 again counts nothing
-    assert w.credit == 10 and w.lanes == {0: 0} and t.acked == {0, 1, 2}
+    assert w.credit == 10 and w.lanes == {0: 0} and set(t.acked) == {0, 1, 2}
 
 
 def test_chunks_go_to_the_least_loaded_lane_and_a_stream_limit_keeps_probes_on_lane_0():
@@ -106,6 +109,25 @@ def test_a_lost_lane_requeues_its_chunks_first_and_a_nack_repairs_one():
     assert [d.k for d in w.dispatch(2.0)] == [0]
     w.on_ack(1, 0, 4)
     assert not w.on_nack(1, 0)  # acknowledged meanwhile: nothing to repair
+
+
+def test_a_nack_for_a_chunk_not_in_flight_is_ignored():
+    """Each one queued a copy of the chunk (and for CHUNK_BUSY armed a timer): 8 bytes and a
+    timer per 58-byte frame a peer sends at will."""
+    w = SendWindow(4)
+    w.lane_up(0)
+    t = Tx(1, 16, 4)
+    w.add(t)
+    w.accepted(1)
+    assert [d.k for d in w.dispatch(0.0)] == [0]
+    for _ in range(1000):  # chunks 1..3 wait in the queue, chunk 9 is none of the transfer's
+        assert not w.on_nack(1, 2) and not w.on_nack(1, 9)
+    assert w.on_nack(1, 0) and not w.on_nack(1, 0)  # in flight: repaired once; the copy finds it queued
+    assert w.requeue(1, 0) and list(t.pending) == [0, 1, 2, 3] and t.retransmits == 1
+    w.lane_down(0)
+    w.lane_up(0)
+    w.dispatch(1.0)
+    assert w.lane_down(0) == 1 and not w.on_nack(1, 0)  # its lane went: queued again already
 
 
 def test_the_inline_lane_takes_small_chunks_while_its_bound_allows_and_nothing_big():
@@ -168,12 +190,12 @@ def test_resume_after_a_reconnect_sends_only_what_the_receiver_lacks():
     assert t.state == State.RESUMING
     w.lane_up(0)
     assert w.dispatch(1.0) == []  # waits for KV_STATUS
-    outcome, acked = w.on_status(1, Status.RECEIVING, {0, 2})  # chunk 2's ack was lost
+    outcome, acked = w.on_status(1, Status.RECEIVING, bitmap_from({0, 2}, 4))  # chunk 2's ack was lost
     assert outcome is Resumed.MOVING and (acked.nbytes, acked.chunks) == (4, 1)
     assert [d.k for d in w.dispatch(2.0)] == [1, 3]
-    assert w.on_status(1, Status.COMPLETE, set())[0] is Resumed.DONE
-    assert w.on_status(1, Status.UNKNOWN, set())[0] is Resumed.UNKNOWN
-    assert w.on_status(9, Status.RECEIVING, set())[0] is Resumed.IGNORED
+    assert w.on_status(1, Status.COMPLETE, b"")[0] is Resumed.DONE
+    assert w.on_status(1, Status.UNKNOWN, b"")[0] is Resumed.UNKNOWN
+    assert w.on_status(9, Status.RECEIVING, b"")[0] is Resumed.IGNORED
 
 
 def test_an_offered_transfer_moves_at_once_and_a_late_accept_sends_its_chunks_again():
@@ -193,6 +215,63 @@ def test_an_offered_transfer_moves_at_once_and_a_late_accept_sends_its_chunks_ag
     # nothing: each one took every chunk off the books and queued it again, O(n_chunks) a frame.
     assert not w.accepted(1)
     assert [d.k for d in w.dispatch(2.0)] == []
+
+
+class CountingWindow(SendWindow):
+    """Counts the chunks the core takes off the in-flight books (one look each)."""
+
+    looked = 0
+
+    def uninflight(self, tid: int, k: int) -> float | None:
+        self.looked += 1
+        return super().uninflight(tid, k)
+
+
+def test_a_repeated_ack_or_status_costs_nothing_per_chunk():
+    """A receiver that advertises a small ``max_chunk`` gets transfers of many chunks (65,536 at
+    4 KiB for 256 MiB): each KV_ACK {0, 2^32} walked every one of them again (8 ms a 20-byte
+    frame), and each KV_STATUS the sender did not ask for rebuilt the transfer's queue."""
+    n = 1 << 16
+    w = CountingWindow(1 << 20)
+    w.lane_up(0)
+    t = Tx(1, n * 4096, 4096)
+    w.add(t)
+    w.accepted(1)
+    sent = w.dispatch(0.0)
+    assert len(sent) == 256 and w.credit == 0
+    got = w.on_ack(1, 0, 100)
+    assert (got.chunks, got.nbytes, len(got.sent_at)) == (100, 100 * 4096, 100) and w.credit == 100 * 4096
+    w.looked = 0
+    for _ in range(1000):  # a copy touches no chunk
+        assert w.on_ack(1, 0, 100).chunks == 0
+        assert w.on_ack(1, 50, 1 << 32).chunks == 0 or t.acked.bits == (1 << n) - 1
+    assert len(t.acked) == n and w.looked == n - 100  # each chunk looked at once, when first acknowledged
+    assert w.credit == 1 << 20 and not w.inflight
+
+    u = Tx(2, n * 4096, 4096)
+    w.add(u)
+    w.accepted(2)
+    w.dispatch(0.0)
+    queue, retransmits = u.pending, u.retransmits
+    for _ in range(1000):  # unasked KV_STATUS {RECEIVING, nothing verified}: its chunks are on their way already
+        outcome, got = w.on_status(2, Status.RECEIVING, b"")
+        assert outcome is Resumed.MOVING and got.chunks == 0
+    assert u.pending is queue and len(queue) == n - 256 and u.retransmits == retransmits
+    outcome, got = w.on_status(2, Status.RECEIVING, bitmap_from({0, 1, n - 1}, n))  # what it names counts
+    assert got.chunks == 3 and set(u.acked) == {0, 1, n - 1} and w.credit == (1 << 20) - 254 * 4096
+
+
+def test_a_chunkset_is_the_wire_bitmap():
+    s = ChunkSet()
+    assert s.add_range(3, 7) == [3, 4, 5, 6] and s.add_range(0, 5) == [0, 1, 2] and len(s) == 7
+    assert s.add(70) and not s.add(70) and 70 in s and 71 not in s and -1 not in s and "x" not in s
+    assert list(s.missing(10)) == [7, 8, 9] and list(s) == [0, 1, 2, 3, 4, 5, 6, 70]
+    assert s.add_range(-5, 2) == [] and s.add_range(9, 9) == []
+    bm = bitmap_from({1, 8, 70}, 72)
+    assert chunkset.from_bitmap(bm, 72) == (1 << 1) | (1 << 8) | (1 << 70)
+    assert chunkset.from_bitmap(bm + b"\xff", 72) == chunkset.from_bitmap(bm, 72)  # bits past n name no chunk
+    assert chunkset.to_bitmap(chunkset.from_bitmap(bm, 72), 72) == bm
+    assert s.add_bits(chunkset.from_bitmap(bm, 72)) == [8] and len(s) == 9
 
 
 def test_a_reconnect_announces_an_unconfirmed_offered_transfer_again():
@@ -296,10 +375,10 @@ class SessionCore(RuleBasedStateMachine):
         before = set(t.acked) if tid in self.w.out else None
         got = self.w.on_ack(tid, first, count)
         if before is not None:
-            for k in t.acked - before:
+            for k in set(t.acked) - before:
                 self.acks[(tid, k)] += 1
-            assert got.chunks == len(t.acked - before)
-            assert got.nbytes == sum(size(t, k) for k in t.acked - before)
+            assert got.chunks == len(set(t.acked) - before)
+            assert got.nbytes == sum(size(t, k) for k in set(t.acked) - before)
 
     # -- rules: the sender's side
     @rule(chunks=st.integers(1, 6), tail=st.integers(0, CHUNK - 1), probe=st.booleans(), offered=st.booleans(),
@@ -412,11 +491,11 @@ class SessionCore(RuleBasedStateMachine):
                 state, have = rest
                 t = self.tx[tid]
                 before = set(t.acked) if tid in self.w.out else None
-                outcome, got = self.w.on_status(tid, state, have)
+                outcome, got = self.w.on_status(tid, state, bitmap_from(have, t.n_chunks))
                 if before is not None:
-                    for k in t.acked - before:
+                    for k in set(t.acked) - before:
                         self.acks[(tid, k)] += 1
-                    assert got.chunks == len(t.acked - before)
+                    assert got.chunks == len(set(t.acked) - before)
                 if outcome is Resumed.DONE:
                     self.ended(tid, "done")
                 elif outcome is Resumed.UNKNOWN:

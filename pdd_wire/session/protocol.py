@@ -28,6 +28,7 @@ from typing import Generic, Protocol, TypeVar
 from ..errors import ErrorCode
 from ..memory import chunk_range
 from ..transfer import State
+from ..wire.chunkset import ChunkSet, from_bitmap
 
 
 def code_name(code: int) -> str:
@@ -52,7 +53,7 @@ class Outgoing(Protocol):
     tid: int
     chunk_bytes: int
     state: State
-    acked: set[int]
+    acked: ChunkSet
     pending: collections.deque[int]
     retransmits: int
     streams_limit: int | None
@@ -183,8 +184,7 @@ class SendWindow(Generic[T]):
         """Queue every chunk not acknowledged and move (after KV_ACCEPT, or at once when offered)."""
         t = self.out[tid]
         t.state = State.MOVING
-        t.pending = collections.deque(k for k in range(t.n_chunks)
-                                      if k not in t.acked and (tid, k) not in self.inflight)
+        t.pending = collections.deque(k for k in t.acked.missing(t.n_chunks) if (tid, k) not in self.inflight)
         self._ready(t)
 
     def _ready(self, t: T) -> None:
@@ -239,31 +239,41 @@ class SendWindow(Generic[T]):
         return sent
 
     def on_ack(self, tid: int, first: int, count: int) -> Acked:
+        """KV_ACK {first, count}. Costs what it newly acknowledges: a chunk acknowledged is never
+        in flight (what acknowledges it takes it off the books), so only the chunks the range
+        adds are walked, each once in the transfer's life (the range itself is a word operation)."""
         t = self.out.get(tid)
         if t is None:
             return NOTHING
-        count = max(0, min(count, t.n_chunks - first))  # the peer's numbers bound no loop of ours
-        if count:
-            t.confirmed = True
-        nbytes = chunks = 0
+        first, end = max(0, first), min(first + max(0, count), t.n_chunks)  # the peer's numbers bound no loop of ours
+        if end <= first:
+            return NOTHING
+        t.confirmed = True
+        fresh = t.acked.add_range(first, end)
+        return self._settled(t, fresh)
+
+    def _settled(self, t: T, fresh: list[int]) -> Acked:
+        """Chunks ``fresh`` were just acknowledged: off the in-flight books, counted."""
+        nbytes = 0
         sent_at = []
-        for k in range(max(0, first), first + count):
-            sent = self.uninflight(tid, k)
+        for k in fresh:
+            sent = self.uninflight(t.tid, k)
             if sent is not None:
                 sent_at.append(sent)
-            if k not in t.acked:
-                t.acked.add(k)
-                start, end = chunk_range(k, t.total, t.chunk_bytes)
-                nbytes += end - start
-                chunks += 1
-        return Acked(nbytes, chunks, tuple(sent_at))
+            start, end = chunk_range(k, t.total, t.chunk_bytes)
+            nbytes += end - start
+        return Acked(nbytes, len(fresh), tuple(sent_at))
 
     def on_nack(self, tid: int, k: int) -> bool:
         """KV_NACK for chunk k: True if it must be sent again (the caller requeues it, at once
-        for a checksum failure, a little later while the receiver is busy with it)."""
-        self.uninflight(tid, k)
+        for a checksum failure, a little later while the receiver is busy with it). A NACK for a
+        chunk not in flight is ignored: it was queued again already (its lane went, its ack timed
+        out, a NACK came before), is acknowledged, or names no chunk; acting on each one queued a
+        copy (and, for CHUNK_BUSY, a timer) per 58-byte frame."""
+        if self.uninflight(tid, k) is None:
+            return False
         t = self.out.get(tid)
-        if t is None or k in t.acked or k >= t.n_chunks:  # the peer's index names no chunk: ignored
+        if t is None or k in t.acked:
             return False
         t.retransmits += 1
         return True
@@ -304,9 +314,12 @@ class SendWindow(Generic[T]):
             if t.state == State.MOVING:
                 t.state = State.RESUMING if t.confirmed or not t.offered else State.ANNOUNCED
 
-    def on_status(self, tid: int, state: int, have: set[int]) -> tuple[Resumed, Acked]:
-        """KV_STATUS after a reconnect. For MOVING, also what the receiver verified whose acks
-        were lost with the connection (acknowledged now)."""
+    def on_status(self, tid: int, state: int, have: bytes) -> tuple[Resumed, Acked]:
+        """KV_STATUS (``have``: its bitmap). For RECEIVING, what the receiver verified whose acks
+        were lost with the connection is acknowledged now; a transfer that was waiting for the
+        answer (RESUMING, or announced again) queues the rest. One the sender did not ask about
+        (MOVING) queues nothing: its other chunks are queued, in flight or about to be asked
+        again already, and rebuilding its queue cost O(n_chunks) a frame (proto/transfer.md §5)."""
         t = self.out.get(tid)
         if t is None:
             return Resumed.IGNORED, NOTHING
@@ -315,16 +328,16 @@ class SendWindow(Generic[T]):
         if state != Status.RECEIVING:
             return Resumed.UNKNOWN, NOTHING
         t.confirmed = True
-        fresh = [k for k in have - t.acked if 0 <= k < t.n_chunks]
-        t.acked.update(fresh)
-        nbytes = sum(end - start for start, end in (chunk_range(k, t.total, t.chunk_bytes) for k in fresh))
-        missing = [k for k in range(t.n_chunks) if k not in t.acked and (tid, k) not in self.inflight]
+        acked = self._settled(t, t.acked.add_bits(from_bitmap(have, t.n_chunks)))
+        if t.state == State.MOVING:
+            return Resumed.MOVING, acked
+        missing = [k for k in t.acked.missing(t.n_chunks) if (tid, k) not in self.inflight]
         t.pending = collections.deque(missing)
         t.state = State.MOVING
         if missing:
             t.retransmits += len(missing)
             self._ready(t)
-        return Resumed.MOVING, Acked(nbytes, len(fresh), ())
+        return Resumed.MOVING, acked
 
     def peer_restarted(self) -> None:
         """The peer is a new process: nothing in flight will ever be acknowledged (the caller

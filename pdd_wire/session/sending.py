@@ -404,8 +404,7 @@ class Sender:
         t = self.flow.out.get(tid)
         if t is None:
             return
-        have = m.bitmap_members(msg.have, t.n_chunks) if msg.state == Status.RECEIVING else set()
-        outcome, acked = self.flow.on_status(tid, msg.state, have)
+        outcome, acked = self.flow.on_status(tid, msg.state, msg.have if msg.state == Status.RECEIVING else b"")
         if outcome is Resumed.DONE:
             self.on_done(tid)
         elif outcome is Resumed.MOVING:

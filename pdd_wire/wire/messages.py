@@ -439,6 +439,3 @@ def bitmap_from(chunks: Iterable[int], n: int) -> bytes:
         out[i >> 3] |= 1 << (i & 7)
     return bytes(out)
 
-
-def bitmap_members(bm: bytes, n: int) -> set[int]:
-    return {i for i in range(n) if i >> 3 < len(bm) and bm[i >> 3] >> (i & 7) & 1}
