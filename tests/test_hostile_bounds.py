@@ -312,3 +312,31 @@ async def test_transfers_a_peer_opens_and_cancels_at_will_are_not_a_log_line_eac
         failed = lines(info_logs, "transfer failed")
         assert 1 <= len(failed) <= 3, len(failed)
         peer.close()
+
+
+async def test_a_peer_cannot_set_the_rtt_it_is_routed_by(tmp_sock_dir):
+    """The RTT of a link (routing reads it) was taken from the ``sent_ns`` a PONG echoes, and any
+    PONG counted: a peer answering with its own numbers, or sending PONGs at will, set it. Now a
+    round trip is timed by the agent's own clock from the PING it answers, once."""
+    async with agent_b(tmp_sock_dir) as b:
+        peer, _ = await hello(b.wan_address[1])
+        count = "pddwire_control_rtt_seconds_count"
+        answered = 0
+        async with asyncio.timeout(20):
+            while answered < 3:  # the agent's PINGs (one at the start, then heartbeats)
+                t, body, _ = await peer.next()
+                if t != FrameType.PING:
+                    continue
+                for sent_ns in (1, body.sent_ns + 10**15):  # an RTT of the agent's uptime; one of -11 days
+                    peer.send(FrameType.PONG, m.Pong(body.nonce, sent_ns))  # the second is a copy
+                for bogus in range(10**6, 10**6 + 50):  # never sent by the agent
+                    peer.send(FrameType.PONG, m.Pong(bogus, 1))
+                answered += 1
+                await until(lambda n=answered: metric(b, count, peer="A/a1") >= n, timeout=5, what="the round trip")
+        assert await peer.pong(1)
+        assert metric(b, count, peer="A/a1") == answered  # one sample a PING, none for the copies
+        assert 0 <= metric(b, "pddwire_control_rtt_seconds_sum", peer="A/a1") < answered * 0.5
+        session = b.sessions["A/a1"]
+        assert 0 <= session.link.rtt_s < 0.5 and 0 <= session.est.rtt_s < 0.5
+        peer.close()
+

@@ -32,7 +32,9 @@ def test_estimator_counts_busy_time_only_and_predicts():
     assert e.bandwidth_Bps == pytest.approx(100 << 20)
     for i, rtt in enumerate((0.010, 0.012, 0.011, 0.013)):
         e.ping_sent(i, float(i))
-        e.pong(i, rtt)
+        assert e.pong(i, i + rtt) == pytest.approx(rtt)
+        assert e.pong(i, i + 1.0) is None  # a copy tells no round trip
+    assert e.pong(55, 3.0) is None  # nor a PONG for a PING never sent
     e.ping_sent(99, 10.0)
     e.expire(10.5)
     assert e.loss == 0.0  # not yet overdue

@@ -67,10 +67,18 @@ class LinkEstimator:
         if len(self._pings) > 1000:  # never answered: counted lost by expire(); bound the table
             self._pings.pop(next(iter(self._pings)))
 
-    def pong(self, nonce: int, rtt: float) -> None:
-        if self._pings.pop(nonce, None) is not None:
-            self._outcomes.append(True)
+    def pong(self, nonce: int, now: float) -> float | None:
+        """The PONG for PING ``nonce`` came at ``now``: its round trip, timed by this side's own
+        clock, or None for a PONG that answers no PING in flight (a copy, one counted lost
+        already, or the peer's own numbers): it tells no round trip (the peer's echoed
+        ``sent_ns`` is not read, so a peer cannot set the RTT routing reads)."""
+        sent = self._pings.pop(nonce, None)
+        if sent is None:
+            return None
+        self._outcomes.append(True)
+        rtt = now - sent
         self.rtts.append(rtt)
+        return rtt
 
     def expire(self, now: float) -> None:
         limit = max(1.0, 4 * (self.rtt_s or 0.0))

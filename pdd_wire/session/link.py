@@ -37,10 +37,11 @@ class LinkState:
         self.lz.on = cfg.transfer.compress == "on"
         self._ack_log: collections.deque[tuple[float, int]] | None = None  # while a probe records
 
-    def pong(self, nonce: int, rtt: float) -> None:
-        self.rtt_s = rtt
-        self.est.pong(nonce, rtt)
-        self.metrics.rtt_seconds.labels(peer=self.key).observe(rtt)
+    def pong(self, nonce: int, now: float) -> None:
+        rtt = self.est.pong(nonce, now)
+        if rtt is not None:
+            self.rtt_s = rtt
+            self.metrics.rtt_seconds.labels(peer=self.key).observe(rtt)
 
     def acks_landed(self, now: float, nbytes: int, *, busy: bool) -> None:
         self.acked_bytes += nbytes
@@ -116,21 +117,22 @@ class Pings:
         return nonce
 
     def pong(self, msg: m.Pong) -> None:
-        rtt = (time.monotonic_ns() - msg.sent_ns) / 1e9
-        self.s.link.pong(msg.nonce, rtt)
+        now = time.monotonic()
+        self.s.link.pong(msg.nonce, now)
         self.s.outbox.pong(msg.nonce)
         w = self._waiters.pop(msg.nonce, None)
         if w is not None and not w.done():
-            w.set_result(rtt)
+            w.set_result(now)
 
     async def ping(self, timeout: float = 1.0) -> float | None:
         """One PING; its round trip in seconds, or None if unanswered within ``timeout``."""
         fut = asyncio.get_running_loop().create_future()
+        sent = time.monotonic()
         nonce = self.send()
         self._waiters[nonce] = fut
         try:
             async with asyncio.timeout(timeout):
-                return await fut
+                return await fut - sent
         except TimeoutError:
             return None
         finally:
