@@ -340,3 +340,42 @@ async def test_a_peer_cannot_set_the_rtt_it_is_routed_by(tmp_sock_dir):
         assert 0 <= session.link.rtt_s < 0.5 and 0 <= session.est.rtt_s < 0.5
         peer.close()
 
+
+async def test_resend_requests_for_a_stream_never_taken_back_off(tmp_sock_dir, engines):
+    """A peer repeating TOKENS_ACK {resend} for a relayed stream it never acknowledges had its
+    whole backlog sent once per round trip (941 MB in 5 s in an audit). While the last resend
+    is not acknowledged whole, each waits twice as long as the one before (up to 2 s); an ack of
+    everything ends the backoff. Only lower bounds on the gaps are asserted: a slow machine
+    makes them longer, never shorter."""
+    from pdd_wire.session.tokens import RESEND_MIN_INTERVAL_S
+
+    async with agent_b(tmp_sock_dir) as b:
+        eb = await engines.connect(tmp_sock_dir / "B.sock", "rld")
+        peer, _ = await hello(b.wan_address[1])
+        assert await eb.send_tokens("r", "A", [1, 2, 3]) == 0
+        seen = await peer.until(FrameType.TOKENS)
+        assert seen[-1] is not None and seen[-1][1] == m.Tokens("r", 0, [1, 2, 3]), seen
+
+        async def resent() -> float:
+            """Ask every 10 ms until the stream comes again; when it came."""
+            async def ask() -> None:
+                while True:
+                    peer.send(FrameType.TOKENS_ACK, m.TokensAck("r", 0, True))
+                    await asyncio.sleep(0.01)
+            asker = asyncio.create_task(ask())
+            try:
+                got = await peer.until(FrameType.TOKENS)
+                assert got[-1] is not None and got[-1][1] == m.Tokens("r", 0, [1, 2, 3]), got
+                return asyncio.get_running_loop().time()
+            finally:
+                asker.cancel()
+
+        times = [await resent() for _ in range(6)]
+        gaps = [later - earlier for earlier, later in zip(times, times[1:])]
+        for i, gap in enumerate(gaps):  # 0.1, 0.2, 0.4, 0.8, 1.6 s at the least
+            assert gap >= 0.9 * RESEND_MIN_INTERVAL_S * 2 ** (i + 1), gaps
+        stream = b.sessions["A/a1"].tokens.tok_out["r"]
+        peer.send(FrameType.TOKENS_ACK, m.TokensAck("r", 3))  # everything taken: the backoff ends
+        assert await peer.pong(1)
+        assert stream.resend_gap == 0.0 and not stream.unacked
+        peer.close()

@@ -357,19 +357,22 @@ async def test_a_burst_of_resend_requests_sends_a_stream_again_once(tmp_sock_dir
 
 
 async def test_a_peer_that_asks_for_resends_and_never_reads_is_cut_alone(tmp_sock_dir, engines):
-    """The attacker repeats TOKENS_ACK {resend} and reads nothing: what B queues for it is
-    bounded by limits.control_buffer_bytes, then that control connection alone is failed
-    (PEER_NOT_READING); B's memory stays bounded and C's transfer beside it is byte-identical."""
+    """The attacker repeats TOKENS_ACK {resend} for 8 streams and reads nothing: what B queues
+    for it is bounded by limits.control_buffer_bytes, then that control connection alone is
+    failed (PEER_NOT_READING); B's memory stays bounded and C's transfer beside it is
+    byte-identical. (Each stream's resends back off while unacknowledged, so it takes several
+    streams' backlogs to fill the socket buffers and the 4 MiB quickly.)"""
     async with attacked(tmp_sock_dir, engines, "[limits]\ncontrol_buffer_bytes = 4194304\n") as (
             b, c, eb, ec, rb, rc, mb, mc, attacker):
-        await _unacked_tokens_to_attacker(b, eb, "never-read")
+        for i in range(8):
+            await _unacked_tokens_to_attacker(b, eb, f"never-read-{i}")
         before = rss()
-        ask = _resend_request("never-read")
+        ask = b"".join(_resend_request(f"never-read-{i}") for i in range(8))
         attacker.reader._transport.pause_reading()  # reads nothing from here on
         legit = asyncio.create_task(legit_transfer(b, eb, ec, rb, rc, mb, mc))
         try:
-            # Unbounded, 2000 requests would queue 2000 x 650 KiB (1.3 GB) at B.
-            for _ in range(200):
+            # Unbounded, 2000 requests would queue 2000 x 5.2 MB at B.
+            for _ in range(1000):
                 if attacker.writer.is_closing() or metric(b, "pddwire_errors_total", code="PEER_NOT_READING"):
                     break
                 attacker.writer.write(ask * 10)

@@ -48,6 +48,11 @@ DROP_LOG_S = 1.0
 #: long apart): resend requests the receiver sent before the first resend reached it ask for
 #: nothing new, and a peer that repeats them cannot make the agent queue the stream over and over.
 RESEND_MIN_INTERVAL_S = 0.05
+#: A request for a resend that comes before the last resend was acknowledged whole (the receiver
+#: asks again and has not taken what it was sent) waits twice as long as the one before, up to
+#: this: a peer repeating TOKENS_ACK {resend} for a stream it never acknowledges had the agent
+#: send its whole backlog once per round trip (941 MB in 5 s, each request ~30 bytes).
+RESEND_MAX_INTERVAL_S = 2.0
 
 
 class PacedConn(Protocol):
@@ -84,12 +89,14 @@ class TokenLink(Protocol):
 class TokenStream:
     """Outgoing token IDs of one request: unacknowledged frames are kept for resend."""
 
-    __slots__ = ("next_seq", "unacked", "queued", "pending", "handoff", "resent_at")
+    __slots__ = ("next_seq", "unacked", "queued", "pending", "handoff", "resent_at", "resend_gap", "resend_upto")
 
     def __init__(self, handoff: bool = False) -> None:
         self.next_seq = 0
         self.pending = 0  # token IDs in unacked
         self.resent_at = float("-inf")  # when the unacknowledged frames were last sent again on request
+        self.resend_gap = 0.0  # the next resend on request waits this long after the last (backoff)
+        self.resend_upto = 0  # the seq after the last frame that resend sent
         self.handoff = handoff  # every frame of the stream carries the TOKENS handoff flag
         #: Every frame not acknowledged, (seq, tokens, first queued), in seq order ...
         self.unacked: collections.deque[tuple[int, list[int], float]] = collections.deque()
@@ -414,10 +421,15 @@ class TokenRelay:
             ts.queued.popleft()  # delivered on an earlier connection: not written again
         if not ts.queued:
             self.ready.pop(msg.request_id, None)
+        if msg.next_seq >= ts.resend_upto:
+            ts.resend_gap = 0.0  # the last resend was taken whole
         if msg.resend and ts.unacked:
-            if now - ts.resent_at < max(RESEND_MIN_INTERVAL_S, self.s.rtt_s or 0.0):
+            gap = max(RESEND_MIN_INTERVAL_S, self.s.rtt_s or 0.0, ts.resend_gap)
+            if now - ts.resent_at < gap:
                 return  # the last resend is still on its way: this request asks for nothing new
             ts.resent_at = now
+            ts.resend_gap = min(2 * gap, RESEND_MAX_INTERVAL_S)
+            ts.resend_upto = ts.unacked[-1][0] + len(ts.unacked[-1][1])
             ts.queued = collections.deque(ts.unacked)
             self.ready[msg.request_id] = None
             self.pump()
