@@ -379,3 +379,29 @@ async def test_resend_requests_for_a_stream_never_taken_back_off(tmp_sock_dir, e
         assert await peer.pong(1)
         assert stream.resend_gap == 0.0 and not stream.unacked
         peer.close()
+
+
+async def test_a_kv_resume_is_answered_once_a_connection(tmp_sock_dir):
+    """A sender asks KV_RESUME once per transfer after a reconnect; each copy was answered with
+    the transfer's whole bitmap (O(verified chunks) a 20-byte frame). A copy on the same control
+    connection is ignored; the next connection asks again and is answered."""
+    async with agent_b(tmp_sock_dir) as b:
+        peer, _ = await hello(b.wan_address[1], incarnation=90)
+        rid = f"{PROBE_PREFIX}resume"
+        peer.send(FrameType.KV_BEGIN, m.KvBegin(rid, total_bytes=MiB, chunk_bytes=64 << 10, n_chunks=16,
+                                                block_bytes=MiB, n_blocks=1), transfer_id=7)
+        for _ in range(200):
+            peer.send(FrameType.KV_RESUME, m.KvResume(rid), transfer_id=7)
+        peer.send(FrameType.KV_RESUME, m.KvResume("x"), transfer_id=8)  # unknown: answered state 0
+        peer.send(FrameType.PING, m.Ping(nonce=1, sent_ns=1))
+        seen = await peer.until(FrameType.PONG)  # every frame before it handled
+        statuses = [(f[2].transfer_id, f[1].state) for f in seen if f[0] == FrameType.KV_STATUS]
+        assert statuses == [(7, 1), (8, 0)], statuses
+        peer.close()
+        await until(lambda: not b.sessions["A/a1"].is_up, what="the first connection gone")
+        again, welcome = await hello(b.wan_address[1], incarnation=90)
+        assert welcome.resumed
+        again.send(FrameType.KV_RESUME, m.KvResume(rid), transfer_id=7)
+        got = await again.until(FrameType.KV_STATUS)
+        assert got[-1] is not None and got[-1][2].transfer_id == 7 and got[-1][1].state == 1, got
+        again.close()

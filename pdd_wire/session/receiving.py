@@ -183,6 +183,10 @@ class Receiver:
         # Receives offered to this peer (KV_OFFER): request id -> (total, block bytes, until).
         self.offered: dict[str, tuple[int, int, float]] = {}
         self.inline: InlineLanding | None = None  # the control connection's, when this agent takes inline chunks
+        # Open transfers whose verified chunks a KV_STATUS told, on the control connection ``_told_on``
+        # (a sender asks once a connection: a copy on the same one is ignored, proto/transfer.md §6).
+        self._told: set[int] = set()
+        self._told_on: object = None
 
     # -- offers
     def offers_on(self) -> bool:
@@ -472,6 +476,14 @@ class Receiver:
         if tid == 0:  # names no transfer: no KV_STATUS carries transfer id 0 (proto/transfer.md §1)
             return
         t = self.inn.get(tid)
+        if t is not None:
+            if self._told_on is not self.s.control:
+                self._told_on, self._told = self.s.control, set()
+            if tid in self._told:  # a copy: its bitmap cost O(verified chunks) a 20-byte frame
+                return
+            if len(self._told) > 2 * len(self.inn):  # bounded by the open transfers
+                self._told = {k for k in self._told if k in self.inn}
+            self._told.add(tid)
         verified = t.route.snapshot() if t is not None else None
         state = self.ledger.status(tid, verified)
         have = m.bitmap_from(verified, t.route.n_chunks) if t is not None and verified is not None else b""
