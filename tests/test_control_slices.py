@@ -15,6 +15,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import uvloop
@@ -22,6 +23,7 @@ import uvloop
 from pdd_wire.transport.tcp import (
     FRAMES_PER_TURN,
     KIND_CONTROL,
+    TURN_BUDGET_S,
     FrameProtocol,
     adopt,
     control_protocol,
@@ -78,6 +80,44 @@ def test_one_connection_gets_at_most_a_slice_of_frames_per_loop_turn(body):
 
     most = uvloop.run(main())
     assert 0 < most <= FRAMES_PER_TURN, most
+
+
+def test_frames_that_each_cost_more_than_the_budget_go_one_a_turn():
+    """The slice counted frames, not work: a peer whose frames each cost much (a TOKENS of
+    200,000 IDs, a PREFIX_QUERY of 65,536 hashes) held the loop for 32 of them. Past
+    TURN_BUDGET_S of handling the turn ends, whatever the count."""
+    async def main() -> list[int]:
+        got = [0]
+
+        def handle(conn, f) -> None:
+            time.sleep(2 * TURN_BUDGET_S)  # a frame that costs twice the budget
+            got[0] += 1
+
+        def factory():
+            c = control_protocol(max_body=1 << 20, max_unsent=1 << 20)
+            c.on_frame = handle
+            return c
+
+        loop = asyncio.get_running_loop()
+        srv = await loop.create_server(factory, "127.0.0.1", 0)
+        n = 200
+        writer = subprocess.Popen([sys.executable, "-c", WRITER, str(srv.sockets[0].getsockname()[1]), "3", str(n)])
+        per_turn = []
+        prev = 0
+        try:
+            async with asyncio.timeout(60):
+                while prev < n:
+                    await asyncio.sleep(0)  # one loop turn
+                    per_turn.append(got[0] - prev)
+                    prev = got[0]
+        finally:
+            writer.kill()
+            writer.wait()
+            srv.close()
+        return per_turn
+
+    per_turn = uvloop.run(main())
+    assert sum(per_turn) == 200 and max(per_turn) == 1, per_turn
 
 
 @pytest.mark.parametrize("loop", ["uvloop", "asyncio"])

@@ -49,6 +49,10 @@ PREAMBLE_VERSION = 1
 #: connections' frames, timers and engine requests come between: about half a millisecond of
 #: handling here. A connection's own frames keep their order.
 FRAMES_PER_TURN = 32
+#: ... and no more frames once this much of the turn went on the connection's frames: a peer
+#: whose frames each cost much (a TOKENS of 200,000 IDs, a PREFIX_QUERY of 65,536 hashes) gives
+#: the loop back after each, not after 32 (which held other peers' frames 50-135 ms in an audit).
+TURN_BUDGET_S = 0.001
 #: The least TCP_USER_TIMEOUT given a connection: a receiver may hold a bulk connection's reading
 #: for up to 2 s (a chunk waiting for its KV_BEGIN, proto/transfer.md §7), and a window shut that
 #: long must not end the flow at the sender.
@@ -163,6 +167,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._gulp_frames: Iterator[Frame] | None = None  # the read's frames not yet handled (_handle_gulp)
         self._gulp_paused = False  # reading paused until they are
         self._turn = 0  # frames handled in this loop turn
+        self._turn_t0 = 0.0  # when the first of them began
         self.connected = asyncio.get_event_loop().create_future()
         self.peer_names: set[str] = set()
         self._close_callbacks: list[Callable[[], None]] = []
@@ -239,13 +244,15 @@ class FrameProtocol(asyncio.BufferedProtocol):
 
     def _handle_gulp(self, cap: bool = True) -> None:
         """Handle the current read's frames, at most :data:`FRAMES_PER_TURN` of this connection in
-        this loop turn (``cap``): past that, reading pauses (the read's bytes stay where they are)
-        and the rest waits for the next turn, so that one peer's burst of small frames (a 64 KiB
-        read is some 1,300 PINGs) does not hold other connections' frames behind it. Frames the
-        peer sent before it closed are still handled; none after this side ended the connection."""
+        this loop turn, and none once they took :data:`TURN_BUDGET_S` (``cap``): past that,
+        reading pauses (the read's bytes stay where they are) and the rest waits for the next
+        turn, so that one peer's burst of small frames (a 64 KiB read is some 1,300 PINGs), or of
+        costly ones, does not hold other connections' frames behind it. Frames the peer sent
+        before it closed are still handled; none after this side ended the connection."""
         loop = asyncio.get_running_loop()
         while (frames := self._gulp_frames) is not None and not (self.closed or self._ending):
-            if cap and self._turn >= FRAMES_PER_TURN:  # this turn's share is taken
+            if cap and self._turn and (self._turn >= FRAMES_PER_TURN
+                                       or time.perf_counter() - self._turn_t0 >= TURN_BUDGET_S):  # share taken
                 if not self._gulp_paused and self.transport is not None and not self.transport.is_closing():
                     self._gulp_paused = True
                     self.transport.pause_reading()
@@ -256,6 +263,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 break
             if not self._turn:
                 loop.call_soon(self._new_turn)
+                self._turn_t0 = time.perf_counter()
             self._turn += 1
             self.on_frame(self, frame)
         self._gulp_frames = None
