@@ -77,6 +77,8 @@ class OutTransfer(Transfer):
         self.acked = ChunkSet()  # acknowledged chunks
         self.pending: collections.deque[int] = collections.deque()
         self.retransmits = 0
+        self.refused = 0  # chunks the receiver refused (KV_NACK CHUNK_CHECKSUM)
+        self.busy_nacks = 0  # KV_NACK CHUNK_BUSY since the last ack (the next resend waits longer)
 
     def queue_all(self) -> None:
         self.pending = collections.deque(self.acked.missing(self.n_chunks))

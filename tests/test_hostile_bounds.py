@@ -15,6 +15,7 @@ import xxhash
 
 from conftest import metric, until
 from pdd_wire import compress as cz
+from pdd_wire.engine import protocol as p
 from pdd_wire.errors import ErrorCode
 from pdd_wire.probe import PROBE_PREFIX
 from pdd_wire.transport.tcp import FRAMES_PER_TURN, KIND_BULK, KIND_CONTROL
@@ -405,3 +406,75 @@ async def test_a_kv_resume_is_answered_once_a_connection(tmp_sock_dir):
         got = await again.until(FrameType.KV_STATUS)
         assert got[-1] is not None and got[-1][2].transfer_id == 7 and got[-1][1].state == 1, got
         again.close()
+
+
+@contextlib.asynccontextmanager
+async def inline_sender(tmp, engines, rid: str):
+    """Agent B, whose engine sends ``rid`` (4 chunks of 64 KiB, inline) to a raw peer A that
+    accepted it: yields (peer, transfer id, B's engine)."""
+    async with agent_b(tmp) as b:
+        eb = await engines.connect(tmp / "B.sock", "prefill")
+        mem = engines.memory(4 << 16)
+        region = await eb.register(mem, block_bytes=1 << 16)
+        peer = await RawPeer.dial(b.wan_address[1], KIND_CONTROL)
+        peer.frames = FrameReader(max_body=1 << 20, max_payload=1 << 16)  # inline chunks come on it
+        peer.send(FrameType.HELLO, m.Hello(versions=[1], site="A", node="a1", incarnation=5, max_chunk=1 << 16,
+                                           capabilities=["kv.v1", "tokens.v1", "abort.v1", "inline.v1"]))
+        assert (await peer.next())[0] == FrameType.WELCOME
+        await eb.send_kv(rid, [region.blocks(0, 4)], to=["A"])
+        begin = (await peer.until(FrameType.KV_BEGIN))[-1]
+        assert begin is not None and begin[1].n_chunks == 4, begin
+        tid = begin[2].transfer_id
+        peer.send(FrameType.KV_ACCEPT, m.KvAccept(rid), transfer_id=tid)
+        try:
+            yield peer, tid, eb
+        finally:
+            peer.close()
+
+
+async def test_a_receiver_that_refuses_every_copy_ends_the_transfer(tmp_sock_dir, engines):
+    """Each KV_NACK CHUNK_CHECKSUM of a chunk in flight had the sender send the whole chunk again
+    at once (4 MiB for 53 bytes, without end until the deadline). Past refusals_allowed(n_chunks)
+    the sender gives the transfer up: KV_CANCEL CHUNK_CHECKSUM to the peer, transfer_failed to
+    its engine."""
+    from pdd_wire.session.sending import refusals_allowed
+
+    async with inline_sender(tmp_sock_dir, engines, "refused") as (peer, tid, eb):
+        nacks = 0
+        while (f := await peer.next()) is not None and f[0] != FrameType.KV_CANCEL:
+            if f[0] == FrameType.KV_CHUNK and f[2].transfer_id == tid:
+                peer.send(FrameType.KV_NACK, m.KvNack(f[2].seq, int(ErrorCode.CHUNK_CHECKSUM)), transfer_id=tid)
+                nacks += 1
+        assert f is not None and f[2].transfer_id == tid and f[1].code == ErrorCode.CHUNK_CHECKSUM, f
+        assert nacks == refusals_allowed(4) + 1
+        failed = await eb.wait("refused", timeout=10)
+        assert failed.code == ErrorCode.CHUNK_CHECKSUM and "refused" in failed.reason, failed
+
+
+async def test_chunk_busy_answers_back_off_until_an_ack(tmp_sock_dir, engines):
+    """KV_NACK CHUNK_BUSY had the chunk sent again every 50 ms for as long as the receiver said
+    it (a claim lasts until the receiver finds its connection stalled, 5 s: 100 copies). Each
+    such NACK of the transfer since its last ack doubles the wait, up to 400 ms. Lower bounds
+    only: a slow machine makes the gaps longer, never shorter."""
+    from pdd_wire.session.sending import BUSY_RETRY_MAX_S, BUSY_RETRY_S
+
+    async with inline_sender(tmp_sock_dir, engines, "busy") as (peer, tid, eb):
+        copies: list[float] = []
+        loop = asyncio.get_running_loop()
+        while len(copies) < 7:
+            f = await peer.next()
+            assert f is not None
+            if f[0] == FrameType.KV_CHUNK and f[2].transfer_id == tid:
+                if f[2].seq != 0:  # chunks 1..3 would be taken, chunk 0 is always busy
+                    peer.send(FrameType.KV_ACK, m.KvAck(f[2].seq, 1), transfer_id=tid)
+                    continue
+                copies.append(loop.time())
+                peer.send(FrameType.KV_NACK, m.KvNack(0, int(ErrorCode.CHUNK_BUSY)), transfer_id=tid)
+        gaps = [later - earlier for earlier, later in zip(copies, copies[1:])]
+        # (chunk 0 heads the queue of the one inline lane: chunks 1..3 wait behind it, no ack comes between)
+        for i, gap in enumerate(gaps):
+            assert gap >= 0.9 * min(BUSY_RETRY_S * 2 ** i, BUSY_RETRY_MAX_S), gaps
+        assert sum(gaps) >= 0.9 * (0.05 + 0.1 + 0.2 + 0.4 * 3), gaps
+        peer.send(FrameType.KV_DONE, m.KvDone("busy", 4 << 16), transfer_id=tid)  # taken at last
+        done = await eb.wait("busy", timeout=10)
+        assert isinstance(done, p.KvSent), done

@@ -25,9 +25,19 @@ if TYPE_CHECKING:
     from .host import Shell
 
 #: How long a chunk the receiver is still writing from a lost connection waits before it is
-#: sent again (KV_NACK CHUNK_BUSY), and one whose send failed.
+#: sent again (KV_NACK CHUNK_BUSY), doubling with each such NACK of the transfer since its last
+#: ack up to BUSY_RETRY_MAX_S (the claim lasts until the receiver finds that connection stalled,
+#: `timeouts.dead_after_s`: 5 s were 100 copies of the chunk at a fixed 50 ms); and one whose
+#: send failed.
 BUSY_RETRY_S = 0.05
+BUSY_RETRY_MAX_S = 0.4
 SEND_RETRY_S = 0.1
+
+
+def refusals_allowed(n_chunks: int) -> int:
+    """KV_NACK CHUNK_CHECKSUM a transfer's receiver may answer before its sender gives the
+    transfer up (each one had a whole chunk sent again at once, for a 53-byte frame)."""
+    return 2 * n_chunks + 8
 #: Transfers smaller than this measure the RTT, not the bandwidth: not fed to the goodput EWMA.
 GOODPUT_MIN_BYTES = 1 << 20
 
@@ -252,6 +262,8 @@ class Sender:
         acked = self.flow.on_ack(tid, first, count)
         if not acked.chunks and not acked.sent_at:
             return
+        if acked.chunks:
+            self.flow.out[tid].busy_nacks = 0  # the receiver moves on: a CHUNK_BUSY waits the least again
         now = time.monotonic()
         for sent in acked.sent_at:
             s.metrics.chunk_seconds.observe(now - sent)
@@ -269,12 +281,19 @@ class Sender:
         s = self.s
         if not self.flow.on_nack(tid, k):
             return
+        t = self.flow.out[tid]
         if code == ErrorCode.CHUNK_BUSY:
             s.metrics.retransmits.labels(peer=s.key, reason="busy").inc()
-            asyncio.get_running_loop().call_later(BUSY_RETRY_S, self.requeue, tid, k)
+            wait = min(BUSY_RETRY_S * 2 ** min(t.busy_nacks, 8), BUSY_RETRY_MAX_S)
+            t.busy_nacks += 1
+            asyncio.get_running_loop().call_later(wait, self.requeue, tid, k)
+            return
+        t.refused += 1
+        if t.refused > refusals_allowed(t.n_chunks):
+            self.fail(t, ErrorCode.CHUNK_CHECKSUM, f"the receiver refused {t.refused} copies of the transfer's "
+                      f"{t.n_chunks} chunks (KV_NACK CHUNK_CHECKSUM)", notify_peer=True)
             return
         s.metrics.retransmits.labels(peer=s.key, reason="checksum").inc()
-        t = self.flow.out[tid]
         # (over UCX there is no checksum: the receiver got a message of the wrong size for it)
         s.lines.line(s.log.warning, "chunk refused by the receiver (over TCP its checksum failed; over UCX it "
                      "came in a message of the wrong size); sending it again", path=s.data.active,
