@@ -21,6 +21,11 @@ if TYPE_CHECKING:
     from ..session import PeerSession
 
 
+#: Probe transfers a peer may have open here at once (a probe keeps 3 in flight): each is a
+#: transfer the peer opens without any engine's post, up to `transfer.max_transfers` before.
+MAX_PROBES_IN = 16
+
+
 def is_probe(request_id: str) -> bool:
     return request_id.startswith(PROBE_PREFIX)
 
@@ -34,6 +39,7 @@ class ProbeDesk:
         self._region: HostRegion | None = None
         self._filled = False
         self._probing: set[str] = set()
+        self._incoming: dict[str, list] = {}  # peer -> its probe transfers open here (InTransfer)
 
     def _blocks(self, nbytes: int, *, sending: bool = False) -> BlockMap:
         """``nbytes`` (whole MiB) of the scratch region."""
@@ -54,8 +60,16 @@ class ProbeDesk:
             session.reject_in(tid, begin, ErrorCode.SIZE_MISMATCH,
                               f"probe transfers are whole MiB blocks up to {PROBE_SCRATCH_BYTES >> 20} MiB")
             return
-        # The probe sender never compresses (it measures the raw link): an LZ4 chunk is refused.
-        session.accept_in(tid, begin, self.sink, self._blocks(begin.total_bytes), lz4=False)
+        mine = [t for t in self._incoming.pop(session.key, ()) if session.inn.get(t.tid) is t]
+        if len(mine) >= MAX_PROBES_IN:
+            session.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS,
+                              f"at most {MAX_PROBES_IN} probe transfers from a peer at once")
+        else:  # the probe sender never compresses (it measures the raw link): an LZ4 chunk is refused
+            t = session.accept_in(tid, begin, self.sink, self._blocks(begin.total_bytes), lz4=False)
+            if t is not None:
+                mine.append(t)
+        if mine:
+            self._incoming[session.key] = mine
 
     async def probe(self, peer: str, seconds: float = 4.0, streams: int | None = None) -> dict:
         """Measure the link to ``peer`` (site or site/node) through the real WAN path."""
