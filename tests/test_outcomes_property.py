@@ -133,8 +133,10 @@ async def _scenario(ops: list) -> None:
                 await peer.connect()
                 for op in ops:
                     await _apply(op, b, eng, region, peer, started)
+                    _indexed(b)
                 # Everything ends by itself (deadlines, ttls, leases): the agent empties.
                 await until(lambda: _empty(b), timeout=30, what="the agent's tables empty")
+                _indexed(b)
                 await eng.status()  # every event sent before this reply has arrived
                 _check_outcomes(eng, started)
                 pinned, stranded = b.audit()
@@ -211,6 +213,16 @@ def _lane(ftype: int) -> int:
     from pdd_wire.wire.frame import LANE_OF
 
     return LANE_OF[int(ftype)]
+
+
+def _indexed(b) -> None:
+    """Each session's request index (what REQUEST_ABORT reads instead of a scan) is its transfers."""
+    for sess in b.peers:
+        for side, table in ((sess.sender.by_request, sess.out), (sess.receiver.by_request, sess.inn)):
+            scan: dict[str, set[int]] = {}
+            for tid, t in table.items():
+                scan.setdefault(t.request_id, set()).add(tid)
+            assert side == scan, (side, scan)
 
 
 def _empty(b) -> bool:

@@ -266,7 +266,7 @@ class KvDesk:
         if (h := self.handoffs.live.get(request_id)) is not None:
             held.add(h.engine)
         for s in self.peers:
-            held |= {t.engine for t in list(s.out.values()) + list(s.inn.values()) if t.request_id == request_id}
+            held |= {t.engine for ts in s.transfers_of(request_id) for t in ts}
         return {e for e in held if not e.closed}
 
     def check_mine(self, ec: "EngineConn", request_id: str, what: str) -> None:
@@ -495,8 +495,8 @@ class KvDesk:
         self.metrics.request_aborts.labels(direction="rx").inc()
         told: set[EngineConn] = set()
         later: set[EngineConn] = set()  # the engines of its transfers: told once those have ended
-        if session.has_request(rid):
-            later = {t.engine for t in list(session.out.values()) + list(session.inn.values()) if t.request_id == rid}
+        if any(session.transfers_of(rid)):
+            later = {t.engine for ts in session.transfers_of(rid) for t in ts}
 
             async def cancel() -> None:
                 # A receive's bulk writes stop only once its cancel is done (transfer_failed first): an engine
@@ -508,7 +508,7 @@ class KvDesk:
                                                  f"aborted at {session.key}: {reason}", notify_peer=True)
                 except Exception:
                     self.log.exception("cancelling an aborted request's transfers failed", request_id=rid)
-                    if session.has_request(rid):
+                    if any(session.transfers_of(rid)):
                         return  # still moving: not "aborted" yet
                 self._tell_aborted(later, rid, reason, session)
 

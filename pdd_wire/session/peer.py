@@ -501,18 +501,17 @@ class PeerSession:
     async def cancel_request(self, request_id: str, code: int, message: str, engine=None, *,
                              notify_peer: bool = True) -> int:
         """Cancel every transfer of ``request_id`` (of ``engine`` when given); tells the peer."""
-        n = 0
-        for o in [t for t in self.out.values() if t.request_id == request_id and engine in (None, t.engine)]:
+        outs, ins = self.transfers_of(request_id)
+        outs, ins = [t for t in outs if engine in (None, t.engine)], [t for t in ins if engine in (None, t.engine)]
+        for o in outs:
             self.sender.fail(o, code, message, notify_peer=notify_peer)
-            n += 1
-        for i in [t for t in self.inn.values() if t.request_id == request_id and engine in (None, t.engine)]:
+        for i in ins:
             await self.receiver.fail(i, code, message, notify_peer=notify_peer)
-            n += 1
-        return n
+        return len(outs) + len(ins)
 
-    def has_request(self, request_id: str) -> bool:
-        return any(t.request_id == request_id for t in self.out.values()) or \
-            any(t.request_id == request_id for t in self.inn.values())
+    def transfers_of(self, request_id: str) -> tuple[list[OutTransfer], list[InTransfer]]:  # indexed, no scan
+        return ([self.out[k] for k in self.sender.by_request.get(request_id, ())],
+                [self.inn[k] for k in self.receiver.by_request.get(request_id, ())])
 
     def send_abort(self, request_id: str, reason: str) -> bool:
         """Tell the peer the request is dead (REQUEST_ABORT), if it understands it: now, or once the

@@ -172,6 +172,7 @@ class Receiver:
         self.s = session
         self.inn: dict[int, InTransfer] = {}
         self.routes: dict[int, Route] = {}  # read by data-path threads; mutated only here
+        self.by_request: dict[str, set[int]] = {}  # request id -> its open transfers' ids
         self.ledger = ReceiveLedger(keep=4 * session.cfg.transfer.max_transfers)
         # The request of every transfer id a KV_BEGIN named (waiting, open, done or failed), so that
         # a reused id is refused (proto/transfer.md §1); the last 8 x max_transfers of the peer's run.
@@ -303,6 +304,7 @@ class Receiver:
         t.state = State.MOVING
         t.route.lz4 = lz4  # before a bulk thread can find the route
         self.inn[tid] = t
+        self.by_request.setdefault(t.request_id, set()).add(tid)
         self.routes[tid] = t.route
         t.timer = loop.call_at(t.deadline + DEADLINE_SLACK_S, self.fail_later, t, ErrorCode.TRANSFER_TIMEOUT,
                                "transfer deadline passed", True)
@@ -424,6 +426,11 @@ class Receiver:
         if self.inn.pop(t.tid, None) is not None:
             self.s.metrics.child(self.s.metrics.inflight, "in").dec()
             self.s.host.transfer_ended()
+            tids = self.by_request.get(t.request_id)
+            if tids is not None:
+                tids.discard(t.tid)
+                if not tids:
+                    del self.by_request[t.request_id]
         self.routes.pop(t.tid, None)
         if t.timer is not None:
             t.timer.cancel()

@@ -56,10 +56,10 @@ class Sender:
         self.flow = flow
         self._lookups: dict[str, list[asyncio.Future]] = {}  # PREFIX_QUERYs of choose_pipeline
         # The peer's standing KV_OFFERs by request id (at most transfer.max_transfers, the oldest
-        # dropped first), and how many open transfers each request has here (an offer for a
-        # request already being sent is stale: ignored).
+        # dropped first), and the open transfers of each request here (an offer for a request
+        # already being sent is stale: ignored; a REQUEST_ABORT finds them without a scan).
         self.offers: collections.OrderedDict[str, Offer] = collections.OrderedDict()
-        self._sending: collections.Counter[str] = collections.Counter()
+        self.by_request: dict[str, set[int]] = {}
 
     # -- offers
     def on_offer(self, msg: m.KvOffer | m.KvWithdraw) -> None:
@@ -73,7 +73,7 @@ class Sender:
             # would go to a peer that never said it reads the field.
             s.metrics.child(s.metrics.offers, s.key, "ignored").inc()
             return
-        if self._sending[msg.request_id]:
+        if msg.request_id in self.by_request:
             s.metrics.child(s.metrics.offers, s.key, "stale").inc()
             return
         self.offers[msg.request_id] = Offer(msg.total_bytes, msg.block_bytes,
@@ -106,7 +106,7 @@ class Sender:
         t.post_wait_ms = int(post_wait_s * 1000)
         t.offered = self._take_offer(request_id, blocks, now) if self.offers else False
         self.flow.add(t)
-        self._sending[request_id] += 1
+        self.by_request.setdefault(request_id, set()).add(t.tid)
         t.timer = loop.call_at(t.deadline, self._deadline, t)
         s.metrics.child(s.metrics.inflight, "out").inc()
         asked = min(len(hashes), blocks.n_blocks - 1, self.query_room(request_id)) if hashes else 0
@@ -341,9 +341,11 @@ class Sender:
 
     def _release(self, t: OutTransfer) -> None:
         self.flow.remove(t.tid)
-        self._sending[t.request_id] -= 1
-        if not self._sending[t.request_id]:
-            del self._sending[t.request_id]
+        tids = self.by_request.get(t.request_id)
+        if tids is not None:
+            tids.discard(t.tid)
+            if not tids:
+                del self.by_request[t.request_id]
         self.s.host.transfer_ended()
         if t.timer is not None:
             t.timer.cancel()
