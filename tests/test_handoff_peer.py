@@ -160,7 +160,7 @@ async def test_an_early_relay_resent_over_what_is_kept_adds_only_its_new_tokens(
         peer.send(FrameType.TOKENS, m.Tokens("h7", 4, [5], handoff=True), lane=Lane.TOKEN)
         assert await peer.pong(2)
         assert metric(b, "pddwire_tokens_dropped_total", peer="A/a1", reason="over_bounds") == 0
-        assert b.handoffs.early["A/a1"]["h7"].tokens == [1, 2, 3, 4, 5]
+        assert b.handoffs.early["A/a1"]["h7"].tokens.tolist() == [1, 2, 3, 4, 5]
         peer.close()
 
 
