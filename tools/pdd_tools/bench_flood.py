@@ -3,20 +3,24 @@
 
 An agent (site B, a ``pdd-wired`` subprocess, plaintext WAN on loopback) has two peers, both
 written here from proto/ alone: a well-behaved one (A/a1, in this process) that sends a PING every
-2 ms and times its PONG, and a flooding one (C/c1, a subprocess of its own, as another machine
-would be) that writes bursts of 10,000 PINGs every 0.5 s (20,000 frames a second, about 1.2 MB/s)
-and reads its PONGs. The figure is the well-behaved peer's round-trip p99 while the flood runs,
-against its idle p99 measured just before in the same run:
+2 ms on a fixed schedule (answered or not: no coordinated omission) and times each PONG, and a
+flooding one (C/c1, a subprocess of its own, as another machine would be) that writes bursts of
+10,000 PINGs every 0.5 s (20,000 frames a second, about 1.2 MB/s) and reads its PONGs. The
+figure is the well-behaved peer's round-trip p99 while the flood runs, against its idle p99
+measured just before in the same run:
 
-* ``peer_rtt_p99_beside_a_flood`` (ms; ratio = flooded p99 / idle p99).
+* ``peer_rtt_p99_beside_a_flood`` (ms; ratio = flooded p99 / idle p99);
+* ``peer_rtt_p99_beside_costly_frames``: the same, the other peer writing bursts of 16 TOKENS
+  frames of 200,000 token IDs each (a few ms of the agent's work a frame) every 0.5 s.
 
 The agent handles at most ``transport.tcp.FRAMES_PER_TURN`` frames of one control connection per
-loop turn (the rest of a 64 KiB read waits for the next turn): a burst costs the other peer a slice,
-not the whole burst. The note gives the agent's CPU during the flood (what the flood costs it) and
-the PONGs the flooder got (every PING of it is answered).
+loop turn, and none past ``TURN_BUDGET_S`` of their handling (the rest of a 64 KiB read waits for
+the next turn): a burst costs the other peer a slice, not the whole burst. The note gives the
+agent's CPU during the flood (what the flood costs it) and the PONGs the flooder got (every PING
+of it is answered).
 
-    python -m pdd_tools.bench_flood [--json] [--seconds 5]
-    python -m pdd_tools.bench_flood --flood PORT --seconds S    # the flooding peer alone
+    python -m pdd_tools.bench_flood [--json] [--seconds 5] [--kind pings|tokens]
+    python -m pdd_tools.bench_flood --flood PORT --seconds S [--kind ...]   # the flooding peer alone
 """
 
 from __future__ import annotations
@@ -34,14 +38,16 @@ import time
 from pathlib import Path
 
 from pdd_wire.stats import percentile
-from pdd_wire.transport.tcp import FRAMES_PER_TURN, KIND_CONTROL, preamble
-from pdd_wire.wire import FrameReader, FrameType, decode_body, encode_body, encode_bytes
+from pdd_wire.transport.tcp import FRAMES_PER_TURN, KIND_CONTROL, TURN_BUDGET_S, preamble
+from pdd_wire.wire import FrameReader, FrameType, Lane, decode_body, encode_body, encode_bytes
 from pdd_wire.wire import messages as m
 
 from .harness import free_port
 
 BURST = 10_000  # PINGs in one write
 BURST_EVERY_S = 0.5
+COSTLY_BURST, COSTLY_TOKENS = 16, 200_000  # TOKENS frames in one write, token IDs in each
+FIGURE = {"pings": "peer_rtt_p99_beside_a_flood", "tokens": "peer_rtt_p99_beside_costly_frames"}
 PING_EVERY_S = 0.002
 
 
@@ -77,17 +83,19 @@ class Peer:
         f = self.pending.pop(0)
         return f.header.type, decode_body(f.header.type, f.body)
 
-    async def rtt_ms(self, nonce: int) -> float:
-        t0 = time.perf_counter()
-        self.send(FrameType.PING, m.Ping(nonce=nonce, sent_ns=1))
-        while True:
-            t, body = await self.next()
-            if t == FrameType.PONG and body.nonce == nonce:
-                return (time.perf_counter() - t0) * 1e3
+
+def _burst(kind: str, i: int) -> tuple[bytes, int]:
+    """The ``i``-th burst's bytes, and its frames."""
+    if kind == "pings":
+        return encode_bytes(FrameType.PING, encode_body(m.Ping(nonce=7, sent_ns=1))) * BURST, BURST
+    first = i * COSTLY_BURST * COSTLY_TOKENS  # one stream, in order: each frame is delivered (no owner: dropped)
+    return b"".join(encode_bytes(FrameType.TOKENS, encode_body(m.Tokens("flood", first + j * COSTLY_TOKENS,
+                                                                         [7] * COSTLY_TOKENS)), lane=Lane.TOKEN)
+                    for j in range(COSTLY_BURST)), COSTLY_BURST
 
 
-async def flood(port: int, seconds: float) -> None:
-    """The flooding peer (its own process): bursts of PINGs; prints what it sent and got back."""
+async def flood(port: int, seconds: float, kind: str = "pings") -> None:
+    """The flooding peer (its own process): bursts of frames, then a PING; prints what it sent and got back."""
     peer = await Peer.hello(port, "C", "c1")
     pongs = 0
 
@@ -95,15 +103,15 @@ async def flood(port: int, seconds: float) -> None:
         nonlocal pongs
         while True:
             t, _ = await peer.next()
-            pongs += t == FrameType.PONG
+            pongs += t == (FrameType.PONG if kind == "pings" else FrameType.TOKENS_ACK)
 
     counting = asyncio.create_task(count())
-    burst = encode_bytes(FrameType.PING, encode_body(m.Ping(nonce=7, sent_ns=1))) * BURST
     print("flooding", flush=True)
     sent, t0 = 0, time.monotonic()
     while time.monotonic() - t0 < seconds:
+        burst, n = _burst(kind, sent)
         peer.writer.write(burst)
-        sent += BURST
+        sent += n
         await peer.writer.drain()
         await asyncio.sleep(BURST_EVERY_S)
     took = time.monotonic() - t0  # the flood's own time (each burst and its pause), not the wait below
@@ -119,15 +127,38 @@ def _cpu_s(pid: int) -> float:
 
 
 async def _rtts(peer: Peer, seconds: float, first: int) -> list[float]:
+    """Round trips (ms) of PINGs sent every PING_EVERY_S on a fixed schedule, whether or not the
+    last one was answered: a stall of the agent delays every PING due during it, as it delays
+    every token frame, where a PING sent only after the last PONG would count it once."""
+    sent: dict[int, float] = {}
     out: list[float] = []
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < seconds:
-        out.append(await peer.rtt_ms(first + len(out)))
-        await asyncio.sleep(PING_EVERY_S)
+
+    async def read() -> None:
+        while True:
+            t, body = await peer.next()
+            if t == FrameType.PONG and (at := sent.pop(body.nonce, None)) is not None:
+                out.append((time.perf_counter() - at) * 1e3)
+
+    reading = asyncio.create_task(read())
+    t0 = time.perf_counter()
+    nonce = first
+    try:
+        while (now := time.perf_counter()) - t0 < seconds:
+            due = t0 + (nonce - first) * PING_EVERY_S
+            if now < due:
+                await asyncio.sleep(due - now)
+            sent[nonce] = time.perf_counter()
+            peer.send(FrameType.PING, m.Ping(nonce=nonce, sent_ns=1))
+            nonce += 1
+        async with asyncio.timeout(5):
+            while sent:
+                await asyncio.sleep(0.01)
+    finally:
+        reading.cancel()
     return out
 
 
-async def measure(seconds: float = 5.0) -> dict:
+async def measure(seconds: float = 5.0, kind: str = "pings") -> dict:
     tmp = Path(tempfile.mkdtemp(prefix="pdd-flood-"))
     port, admin = free_port(), free_port()
     unused = [free_port(), free_port()]  # the agent dials its peers there in vain: they dial it
@@ -155,7 +186,7 @@ async def measure(seconds: float = 5.0) -> dict:
         idle = await _rtts(peer, seconds / 2, 10_000)
         flooder = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "pdd_tools.bench_flood", "--flood", str(port), "--seconds", str(seconds),
-            stdout=asyncio.subprocess.PIPE)
+            "--kind", kind, stdout=asyncio.subprocess.PIPE)
         assert flooder.stdout is not None
         await asyncio.wait_for(flooder.stdout.readline(), 20)  # "flooding"
         await asyncio.sleep(0.2)
@@ -176,20 +207,24 @@ async def measure(seconds: float = 5.0) -> dict:
             agent.wait()
         shutil.rmtree(tmp, ignore_errors=True)
     p99, idle_p99 = percentile(flooded, 99) or 0.0, percentile(idle, 99) or 0.0
-    return {"figure": "peer_rtt_p99_beside_a_flood", "value": round(p99, 3), "unit": "ms",
+    what, answers = ((f"{BURST} PINGs", "PONGs") if kind == "pings" else
+                     (f"{COSTLY_BURST} TOKENS frames of {COSTLY_TOKENS} token IDs", "TOKENS_ACKs"))
+    return {"figure": FIGURE[kind], "value": round(p99, 3), "unit": "ms",
             "baseline": "the same peer's idle p99, same run", "baseline_value": round(idle_p99, 3),
-            "note": f"another peer writes {BURST} PINGs every {BURST_EVERY_S} s ({tail['sent']} sent, "
-                    f"{tail['pongs']} PONGs back); {len(flooded)} round trips flooded, p50 "
+            "note": f"another peer writes {what} every {BURST_EVERY_S} s ({tail['sent']} sent, "
+                    f"{tail['pongs']} {answers} back); {len(flooded)} round trips flooded, p50 "
                     f"{percentile(flooded, 50) or 0:.2f} ms, max {max(flooded):.2f}; {len(idle)} idle, p50 "
                     f"{percentile(idle, 50) or 0:.2f} ms; agent CPU during the flood {cores:.2f} cores "
                     f"({cores / (tail['sent'] / tail['seconds']) * 1e6:.1f} us per flood frame); "
-                    f"FRAMES_PER_TURN {FRAMES_PER_TURN}; load average {os.getloadavg()[0]:.1f}"}
+                    f"FRAMES_PER_TURN {FRAMES_PER_TURN}, TURN_BUDGET_S {TURN_BUDGET_S}; load average "
+                    f"{os.getloadavg()[0]:.1f}"}
 
 
 async def add_figures(figs, quick: bool) -> None:
     """``scripts/bench --only flood``."""
-    row = await measure(3.0 if quick else 6.0)
-    figs.add(row["figure"], row["value"], row["unit"], row["baseline"], row["baseline_value"], note=row["note"])
+    for kind in FIGURE:
+        row = await measure(3.0 if quick else 6.0, kind)
+        figs.add(row["figure"], row["value"], row["unit"], row["baseline"], row["baseline_value"], note=row["note"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,11 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--flood", type=int, metavar="PORT", help="be the flooding peer of the agent at PORT")
+    ap.add_argument("--kind", choices=sorted(FIGURE), default="pings", help="what the flooding peer writes")
     args = ap.parse_args(argv)
     if args.flood:
-        asyncio.run(flood(args.flood, args.seconds))
+        asyncio.run(flood(args.flood, args.seconds, args.kind))
         return 0
-    row = asyncio.run(measure(args.seconds))
+    row = asyncio.run(measure(args.seconds, args.kind))
     if args.json:
         print(json.dumps(row))
     else:
