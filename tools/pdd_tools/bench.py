@@ -36,7 +36,7 @@ _MODULE_GROUPS = {
                "handoff stalls, then PDD's TTFT against plain PD through it (the demo's run, smaller)"),
     "fleet": ("bench_fleet", "100 and 1,000 members registered and watched on one etcd"),
     "wan": ("bench_wan", "per-transfer overhead, 4 MiB goodput, transfers over a 40 ms RTT link"),
-    "flood": ("bench_flood", "a peer's round trips while another peer writes bursts of PINGs"),
+    "flood": ("bench_flood", "a peer's round trips while another peer writes bursts of PINGs, or of costly frames"),
 }
 
 
