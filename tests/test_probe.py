@@ -35,6 +35,14 @@ def test_estimator_counts_busy_time_only_and_predicts():
         assert e.pong(i, i + rtt) == pytest.approx(rtt)
         assert e.pong(i, i + 1.0) is None  # a copy tells no round trip
     assert e.pong(55, 3.0) is None  # nor a PONG for a PING never sent
+    slow = LinkEstimator()
+    for i in range(3):
+        slow.ping_sent(i, float(i))
+        slow.expire(i + 1.2)  # counted lost before its PONG (a link slower than the limit) ...
+        assert slow.pong(i, i + 1.5) == pytest.approx(1.5)  # ... still gives its round trip, once
+        assert slow.pong(i, i + 1.6) is None
+    # The first one's round trip raised the limit (4 x RTT): the later ones were answered in time.
+    assert slow.rtt_s == pytest.approx(1.5) and slow.loss == pytest.approx(1 / 3)
     e.ping_sent(99, 10.0)
     e.expire(10.5)
     assert e.loss == 0.0  # not yet overdue

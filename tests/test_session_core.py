@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from pdd_wire.memory import chunk_range, n_chunks
-from pdd_wire.session.protocol import INLINE, Landing, ReceiveLedger, Resumed, SendWindow, Status, code_name
+from pdd_wire.session.protocol import INLINE, NOTHING, Landing, ReceiveLedger, Resumed, SendWindow, Status, code_name
 from pdd_wire.transfer import State
 from pdd_wire.wire import chunkset
 from pdd_wire.wire.chunkset import ChunkSet
@@ -196,6 +196,9 @@ def test_resume_after_a_reconnect_sends_only_what_the_receiver_lacks():
     assert w.on_status(1, Status.COMPLETE, b"")[0] is Resumed.DONE
     assert w.on_status(1, Status.UNKNOWN, b"")[0] is Resumed.UNKNOWN
     assert w.on_status(9, Status.RECEIVING, b"")[0] is Resumed.IGNORED
+    q = Tx(2, 16, 4, state=State.QUERYING)  # waiting for its PREFIX_MATCH: its KV_BEGIN was not sent
+    w.add(q)
+    assert w.on_status(2, Status.RECEIVING, b"") == (Resumed.IGNORED, NOTHING) and q.state == State.QUERYING
 
 
 def test_an_offered_transfer_moves_at_once_and_a_late_accept_sends_its_chunks_again():
@@ -272,6 +275,22 @@ def test_a_chunkset_is_the_wire_bitmap():
     assert chunkset.from_bitmap(bm + b"\xff", 72) == chunkset.from_bitmap(bm, 72)  # bits past n name no chunk
     assert chunkset.to_bitmap(chunkset.from_bitmap(bm, 72), 72) == bm
     assert s.add_bits(chunkset.from_bitmap(bm, 72)) == [8] and len(s) == 9
+
+
+def test_a_chunkset_touches_only_the_bytes_a_range_names(monkeypatch):
+    """One chunk is one byte of the bitmap and a range only its bytes: a per-chunk KV_ACK for
+    chunk k cost O(k) when the set was one int (a transfer's acks quadratic in n_chunks)."""
+    s = ChunkSet()
+    assert len(s.add_range(0, 1 << 20)) == 1 << 20
+    widths: list[int] = []
+    merge = ChunkSet._merge
+    monkeypatch.setattr(ChunkSet, "_merge", lambda self, a, b, bits: (widths.append(b - a), merge(self, a, b, bits))[1])
+    fresh = ChunkSet()
+    for k in range(0, 1 << 20, 4099):
+        assert not s.add(k) and s.add_range(k, k + 9) == [] and fresh.add(k + 1)
+        assert fresh.add_range(k + 2, k + 5) == [k + 2, k + 3, k + 4]
+    assert widths and max(widths) <= 2  # 9 chunks span at most 2 bytes; single chunks never merge
+    assert len(fresh) == 4 * len(range(0, 1 << 20, 4099))
 
 
 def test_a_reconnect_announces_an_unconfirmed_offered_transfer_again():
@@ -606,6 +625,15 @@ class SessionCore(RuleBasedStateMachine):
             assert out == sum(n for on, n, _ in w.inflight.values() if on == lane)
         assert w.lanes.get(INLINE, 0) <= w.inline_bytes
         assert all(key[0] in w.out for key in w.inflight), "chunks in flight of an ended transfer"
+
+    @invariant()
+    def only_open_unacknowledged_chunks_are_in_flight(self) -> None:
+        """What on_ack relies on to walk only what a KV_ACK newly acknowledges: whatever
+        acknowledges a chunk takes it off the in-flight books (else its credit would leak)."""
+        if not hasattr(self, "w"):
+            return
+        for tid, k in self.w.inflight:
+            assert tid in self.w.out and k not in self.w.out[tid].acked, (tid, k)
 
     @invariant()
     def acknowledged_at_most_once_and_ended_at_most_once(self) -> None:

@@ -39,7 +39,7 @@ class ProbeDesk:
         self._region: HostRegion | None = None
         self._filled = False
         self._probing: set[str] = set()
-        self._incoming: dict[str, list] = {}  # peer -> its probe transfers open here (InTransfer)
+        self._incoming: dict[str, list[int]] = {}  # peer -> its probe transfers open here (ids)
 
     def _blocks(self, nbytes: int, *, sending: bool = False) -> BlockMap:
         """``nbytes`` (whole MiB) of the scratch region."""
@@ -60,14 +60,14 @@ class ProbeDesk:
             session.reject_in(tid, begin, ErrorCode.SIZE_MISMATCH,
                               f"probe transfers are whole MiB blocks up to {PROBE_SCRATCH_BYTES >> 20} MiB")
             return
-        mine = [t for t in self._incoming.pop(session.key, ()) if session.inn.get(t.tid) is t]
+        mine = [k for k in self._incoming.pop(session.key, ()) if (t := session.inn.get(k)) and is_probe(t.request_id)]
         if len(mine) >= MAX_PROBES_IN:
             session.reject_in(tid, begin, ErrorCode.TOO_MANY_TRANSFERS,
                               f"at most {MAX_PROBES_IN} probe transfers from a peer at once")
         else:  # the probe sender never compresses (it measures the raw link): an LZ4 chunk is refused
             t = session.accept_in(tid, begin, self.sink, self._blocks(begin.total_bytes), lz4=False)
             if t is not None:
-                mine.append(t)
+                mine.append(tid)
         if mine:
             self._incoming[session.key] = mine
 

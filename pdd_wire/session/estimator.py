@@ -21,6 +21,7 @@ import statistics
 
 class LinkEstimator:
     CLUMP_S = 0.005
+    LATE_KEPT = 64  # PINGs counted lost whose PONG still gives a round trip
 
     def __init__(self, *, window_s: float = 0.25, alpha: float = 0.3, min_acks: int = 4) -> None:
         self.window_s = window_s
@@ -33,6 +34,7 @@ class LinkEstimator:
         self._bytes = 0
         self.rtts: collections.deque[float] = collections.deque(maxlen=16)
         self._pings: dict[int, float] = {}  # nonce -> sent (monotonic)
+        self._late: dict[int, float] = {}  # the last LATE_KEPT counted lost, still timed if answered
         self._outcomes: collections.deque[bool] = collections.deque(maxlen=100)  # True = answered
 
     # -- bandwidth
@@ -69,13 +71,15 @@ class LinkEstimator:
 
     def pong(self, nonce: int, now: float) -> float | None:
         """The PONG for PING ``nonce`` came at ``now``: its round trip, timed by this side's own
-        clock, or None for a PONG that answers no PING in flight (a copy, one counted lost
-        already, or the peer's own numbers): it tells no round trip (the peer's echoed
-        ``sent_ns`` is not read, so a peer cannot set the RTT routing reads)."""
+        clock (one counted lost already still gives its round trip: a link slower than the loss
+        limit must show in the RTT), or None for a PONG that answers no PING of this side's (a
+        copy, or the peer's own numbers): it tells no round trip (the peer's echoed ``sent_ns``
+        is not read, so a peer cannot set the RTT routing reads)."""
         sent = self._pings.pop(nonce, None)
-        if sent is None:
+        if sent is not None:
+            self._outcomes.append(True)
+        elif (sent := self._late.pop(nonce, None)) is None:
             return None
-        self._outcomes.append(True)
         rtt = now - sent
         self.rtts.append(rtt)
         return rtt
@@ -83,12 +87,15 @@ class LinkEstimator:
     def expire(self, now: float) -> None:
         limit = max(1.0, 4 * (self.rtt_s or 0.0))
         for nonce in [n for n, t in self._pings.items() if now - t > limit]:
-            del self._pings[nonce]
+            self._late[nonce] = self._pings.pop(nonce)
             self._outcomes.append(False)
+        while len(self._late) > self.LATE_KEPT:
+            self._late.pop(next(iter(self._late)))
 
     def link_down(self) -> None:
         """The connection went: PINGs in flight went with it (not counted as loss)."""
         self._pings.clear()
+        self._late.clear()
         self._t0 = None
 
     @property

@@ -321,7 +321,7 @@ class SendWindow(Generic[T]):
         (MOVING) queues nothing: its other chunks are queued, in flight or about to be asked
         again already, and rebuilding its queue cost O(n_chunks) a frame (proto/transfer.md §5)."""
         t = self.out.get(tid)
-        if t is None:
+        if t is None or t.state == State.QUERYING:  # (its KV_BEGIN was not sent: nothing to tell of)
             return Resumed.IGNORED, NOTHING
         if state == Status.COMPLETE:
             return Resumed.DONE, NOTHING

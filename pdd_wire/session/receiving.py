@@ -16,6 +16,7 @@ import asyncio
 import collections
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -187,7 +188,7 @@ class Receiver:
         # Open transfers whose verified chunks a KV_STATUS told, on the control connection ``_told_on``
         # (a sender asks once a connection: a copy on the same one is ignored, proto/transfer.md §6).
         self._told: set[int] = set()
-        self._told_on: object = None
+        self._told_on: weakref.ref | None = None  # (weak: the old connection and its buffers go)
 
     # -- offers
     def offers_on(self) -> bool:
@@ -484,8 +485,11 @@ class Receiver:
             return
         t = self.inn.get(tid)
         if t is not None:
-            if self._told_on is not self.s.control:
-                self._told_on, self._told = self.s.control, set()
+            ctl = self.s.control
+            if ctl is None:  # (no connection to answer on)
+                return
+            if self._told_on is None or self._told_on() is not ctl:
+                self._told_on, self._told = weakref.ref(ctl), set()
             if tid in self._told:  # a copy: its bitmap cost O(verified chunks) a 20-byte frame
                 return
             if len(self._told) > 2 * len(self.inn):  # bounded by the open transfers
