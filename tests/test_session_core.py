@@ -199,6 +199,7 @@ def test_resume_after_a_reconnect_sends_only_what_the_receiver_lacks():
     q = Tx(2, 16, 4, state=State.QUERYING)  # waiting for its PREFIX_MATCH: its KV_BEGIN was not sent
     w.add(q)
     assert w.on_status(2, Status.RECEIVING, b"") == (Resumed.IGNORED, NOTHING) and q.state == State.QUERYING
+    assert w.on_ack(2, 0, 4) == NOTHING and not q.acked and not q.confirmed  # nor an ack: its chunks are unnumbered
 
 
 def test_an_offered_transfer_moves_at_once_and_a_late_accept_sends_its_chunks_again():

@@ -243,7 +243,7 @@ class SendWindow(Generic[T]):
         in flight (what acknowledges it takes it off the books), so only the chunks the range
         adds are walked, each once in the transfer's life (the range itself is a word operation)."""
         t = self.out.get(tid)
-        if t is None:
+        if t is None or t.state == State.QUERYING:  # (its KV_BEGIN was not sent: nothing to acknowledge)
             return NOTHING
         first, end = max(0, first), min(first + max(0, count), t.n_chunks)  # the peer's numbers bound no loop of ours
         if end <= first:
