@@ -38,6 +38,8 @@ def refusals_allowed(n_chunks: int) -> int:
     """KV_NACK CHUNK_CHECKSUM a transfer's receiver may answer before its sender gives the
     transfer up (each one had a whole chunk sent again at once, for a 53-byte frame)."""
     return 2 * n_chunks + 8
+
+
 #: Transfers smaller than this measure the RTT, not the bandwidth: not fed to the goodput EWMA.
 GOODPUT_MIN_BYTES = 1 << 20
 
