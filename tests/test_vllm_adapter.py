@@ -187,7 +187,11 @@ async def _handoff(cluster: Cluster, rid: str, prompt: list[int], load: float, b
 async def test_relay_decode_hands_over_to_main_decode_one_shot(cluster):
     rld, md = await _handoff(cluster, "ho-oneshot", prompt_for(2), load=0.95)
     assert md["done"]["mode"] == "one-shot" and rld["done"]["reason"] == "one_shot"
-    assert len(md["detail"]["extends"]) == 1  # MD absorbs everything in one extend and takes over
+    # RLD commits at MD's first progress report: MD's first extend absorbs everything it held, and
+    # at most one more absorbs what RLD generated while that extend ran (one token in a loaded run:
+    # a 14 ms extend against RLD's 10 ms steps), never a catch-up's chain of them.
+    extends = md["detail"]["extends"]
+    assert 1 <= len(extends) <= 2, extends
     assert metric(cluster.agents["a2"], "pddwire_handoff_modes_total", mode="one-shot", reason="rld_busy") >= 1
 
 
