@@ -494,9 +494,9 @@ class KvDesk:
         rid, reason = msg.request_id, msg.reason or "aborted by the peer"
         self.metrics.request_aborts.labels(direction="rx").inc()
         told: set[EngineConn] = set()
-        later: set[EngineConn] = set()  # the engines of its transfers: told once those have ended
-        if any(session.transfers_of(rid)):
-            later = {t.engine for ts in session.transfers_of(rid) for t in ts}
+        # The engines of its transfers here: told once those have ended.
+        later: set[EngineConn] = {t.engine for ts in session.transfers_of(rid) for t in ts}
+        if later:
 
             async def cancel() -> None:
                 # A receive's bulk writes stop only once its cancel is done (transfer_failed first): an engine

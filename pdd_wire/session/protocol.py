@@ -154,6 +154,12 @@ class SendWindow(Generic[T]):
     def add(self, t: T) -> None:
         self.out[t.tid] = t
 
+    def begun(self, tid: int) -> T | None:
+        """The open transfer ``tid`` if its KV_BEGIN was sent: a KV_ACK, KV_DONE or KV_STATUS for
+        one still waiting for its PREFIX_MATCH (its chunks not numbered yet) is ignored."""
+        t = self.out.get(tid)
+        return None if t is None or t.state == State.QUERYING else t
+
     def remove(self, tid: int) -> T | None:
         """Forget a transfer (done, failed, withdrawn); its chunks in flight give credit back."""
         t = self.out.pop(tid, None)
@@ -242,8 +248,8 @@ class SendWindow(Generic[T]):
         """KV_ACK {first, count}. Costs what it newly acknowledges: a chunk acknowledged is never
         in flight (what acknowledges it takes it off the books), so only the chunks the range
         adds are walked, each once in the transfer's life (the range itself is a word operation)."""
-        t = self.out.get(tid)
-        if t is None or t.state == State.QUERYING:  # (its KV_BEGIN was not sent: nothing to acknowledge)
+        t = self.begun(tid)
+        if t is None:
             return NOTHING
         first, end = max(0, first), min(first + max(0, count), t.n_chunks)  # the peer's numbers bound no loop of ours
         if end <= first:
@@ -320,8 +326,8 @@ class SendWindow(Generic[T]):
         answer (RESUMING, or announced again) queues the rest. One the sender did not ask about
         (MOVING) queues nothing: its other chunks are queued, in flight or about to be asked
         again already, and rebuilding its queue cost O(n_chunks) a frame (proto/transfer.md §5)."""
-        t = self.out.get(tid)
-        if t is None or t.state == State.QUERYING:  # (its KV_BEGIN was not sent: nothing to tell of)
+        t = self.begun(tid)
+        if t is None:
             return Resumed.IGNORED, NOTHING
         if state == Status.COMPLETE:
             return Resumed.DONE, NOTHING

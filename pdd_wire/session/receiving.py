@@ -26,6 +26,7 @@ from ..transfer import InTransfer, State
 from ..transport.route import Route
 from ..wire import Frame, FrameType, Header
 from ..wire import messages as m
+from ..wire.chunkset import bitmap_from
 from ..wire.frame import F_CHECKSUM, F_LZ4
 from ..wire.handshake import MAX_CHUNK
 from .protocol import Landing, ReceiveLedger, Status, code_name
@@ -497,7 +498,7 @@ class Receiver:
             self._told.add(tid)
         verified = t.route.snapshot() if t is not None else None
         state = self.ledger.status(tid, verified)
-        have = m.bitmap_from(verified, t.route.n_chunks) if t is not None and verified is not None else b""
+        have = bitmap_from(verified, t.route.n_chunks) if t is not None and verified is not None else b""
         if state == Status.RECEIVING:
             self.s.send_frame(FrameType.KV_STATUS, m.KvStatus(msg.request_id, int(state), have), tid=tid)
         else:

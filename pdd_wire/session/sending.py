@@ -326,8 +326,8 @@ class Sender:
 
     # -- ending
     def on_done(self, tid: int) -> None:
-        t = self.flow.out.get(tid)
-        if t is None or t.state == State.QUERYING:  # (its KV_BEGIN was not sent: the peer cannot be done)
+        t = self.flow.begun(tid)
+        if t is None:
             return
         self._acked(tid, 0, t.n_chunks)  # KV_DONE acknowledges every chunk (the last has no KV_ACK of its own)
         self._release(t)

@@ -12,7 +12,7 @@ transfer's life.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 
 def members(bits: int) -> Iterator[int]:
@@ -36,9 +36,12 @@ def from_bitmap(bm: bytes, n: int) -> int:
     return int.from_bytes(bm[:(n + 7) >> 3], "little") & span(0, n)
 
 
-def to_bitmap(bits: int, n: int) -> bytes:
-    """``bits`` as the wire's bitmap for ``n`` chunks (``(n + 7) // 8`` bytes)."""
-    return bits.to_bytes((n + 7) // 8, "little")
+def bitmap_from(chunks: Iterable[int], n: int) -> bytes:
+    """The wire's bitmap (``(n + 7) // 8`` bytes) of ``chunks``, each in ``0 .. n-1``."""
+    out = bytearray((n + 7) // 8)
+    for i in chunks:
+        out[i >> 3] |= 1 << (i & 7)
+    return bytes(out)
 
 
 class ChunkSet:

@@ -8,7 +8,6 @@ The field tables are in ``proto/messages.md``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Annotated, Any
 
 import msgspec
@@ -432,10 +431,4 @@ def decode_body(frame_type: int, body: bytes) -> Any:
         raise ProtocolError(f"malformed {FrameType(frame_type).name} body: nested too deep",
                             ErrorCode.MALFORMED_BODY) from exc
 
-
-def bitmap_from(chunks: Iterable[int], n: int) -> bytes:
-    out = bytearray((n + 7) // 8)
-    for i in chunks:
-        out[i >> 3] |= 1 << (i & 7)
-    return bytes(out)
 

@@ -23,6 +23,7 @@ import msgspec  # noqa: E402
 from pdd_wire.engine import protocol as p  # noqa: E402
 from pdd_wire.errors import ErrorCode  # noqa: E402
 from pdd_wire.wire import messages as m  # noqa: E402
+from pdd_wire.wire.chunkset import bitmap_from  # noqa: E402
 from pdd_wire.wire.frame import (  # noqa: E402
     HEADER,
     HEADER_SIZE,
@@ -208,7 +209,7 @@ def build(v: Vectors) -> None:
                                                True), transfer_id=tid))
     v.ok("kv_resume", "KV_RESUME", frame(FrameType.KV_RESUME, m.KvResume("req-42"), transfer_id=tid))
     v.ok("kv_status", "KV_STATUS receiving, chunks 0 and 2 of 3 verified (bitmap 0x05)",
-         frame(FrameType.KV_STATUS, m.KvStatus("req-42", 1, m.bitmap_from([0, 2], 3)), transfer_id=tid))
+         frame(FrameType.KV_STATUS, m.KvStatus("req-42", 1, bitmap_from([0, 2], 3)), transfer_id=tid))
     v.ok("kv_status_complete", "KV_STATUS complete (have omitted)",
          encode_bytes(FrameType.KV_STATUS, msgspec.msgpack.encode(["req-42", 2]), transfer_id=tid))
     tokens = m.Tokens("req-42", 3, [101, 7592, 2088, 0, 151_643])
