@@ -317,6 +317,15 @@ class Agent:
             return  # the request's MD engine gets them as extend events
         self.kv.tokens_received(session, msg)
 
+    def tokens_room(self, session: PeerSession, request_id: str) -> bool:
+        """Whether a relayed frame of ``request_id`` may be delivered now; if not, the relay leaves
+        it unacknowledged and asks for it again later (proto/transfer.md §12)."""
+        e = self.handoffs.live.get(request_id)
+        if e is not None and e.role == "MD" and e.session is session:
+            return True  # the relay of its MD handoff: extends, one at a time
+        owner = self.kv.owners.get(request_id)
+        return owner is None or owner.room_for_tokens(session.peer.site)
+
     def incoming_cancelled(self, session: PeerSession, tid: int, msg: m.KvCancel) -> None:
         self.kv.incoming_cancelled(session, tid, msg)
 

@@ -67,6 +67,11 @@ def peer_groups(sock: socket.socket) -> tuple[int, ...]:
         raise OSError(err, os.strerror(err))
 
 
+#: Relayed tokens are given to an engine only while it has less than this share of
+#: ``limits.engine_queue_bytes`` unread (:attr:`EngineConn.full_for_tokens`).
+TOKENS_QUEUE_SHARE = 4
+
+
 class EngineConn:
     """One connected engine."""
 
@@ -271,6 +276,13 @@ class EngineConn:
         self._end(p.Err(code=int(ErrorCode.BAD_REQUEST),
                         message=f"{what} after {self.server.read_deadline_s} s: closing (timeouts.engine_read_s)"),
                   f"read deadline: {what} within {self.server.read_deadline_s} s")
+
+    @property
+    def full_for_tokens(self) -> bool:
+        """A quarter of ``limits.engine_queue_bytes`` unread: relayed tokens wait for it to read
+        (unacknowledged, asked for again: proto/transfer.md §12) rather than fill the rest, so a
+        peer's burst of tokens slows that peer and never cuts the engine off."""
+        return len(self._out) * TOKENS_QUEUE_SHARE >= self.server.max_out
 
     def send(self, msg: p.Msg) -> None:
         if self.closed:

@@ -61,6 +61,10 @@ class Metrics:
         self.pipelines = Counter(p + "pipeline_choices", "Pipelines chosen for requests, by reason",
                                  ["pipeline", "reason"], registry=r)
         self.tokens = Counter(p + "tokens", "Token IDs relayed", ["peer", "direction"], registry=r)
+        self.token_frames_waited = Counter(p + "token_frames_waited", "Relayed token frames left unacknowledged "
+                                           "because the engine they were for had a quarter of "
+                                           "limits.engine_queue_bytes unread (asked for again once it "
+                                           "reads: nothing lost)", ["peer"], registry=r)
         self.tokens_dropped = Counter(p + "tokens_dropped", "Relayed token IDs no engine took: no owner claimed "
                                       "the request in time (unowned), a peer not tied to it (foreign_site), "
                                       "over the per-peer bounds (over_bounds)", ["peer", "reason"], registry=r)

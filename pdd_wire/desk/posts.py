@@ -57,6 +57,11 @@ class Owner:
     def allows(self, site: str) -> bool:
         return self.sites is None or site in self.sites
 
+    def room_for_tokens(self, site: str) -> bool:
+        """Whether a relayed frame from ``site`` may come to this owner now: not while its engine
+        has a quarter of its event queue unread (frames from sites not tied to it are dropped)."""
+        return self.engine.closed or not self.allows(site) or not self.engine.full_for_tokens
+
 
 def blockmap(ec: "EngineConn", blocks) -> BlockMap:
     """``blocks`` ([region, first, count] runs) of ``ec``'s registered regions, validated."""

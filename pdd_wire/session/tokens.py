@@ -53,6 +53,11 @@ RESEND_MIN_INTERVAL_S = 0.05
 #: this: a peer repeating TOKENS_ACK {resend} for a stream it never acknowledges had the agent
 #: send its whole backlog once per round trip (941 MB in 5 s, each request ~30 bytes).
 RESEND_MAX_INTERVAL_S = 2.0
+#: A frame for an engine with no room (a quarter of ``limits.engine_queue_bytes`` unread) is
+#: neither delivered nor acknowledged: its stream *waits*, checked this often, and once the engine
+#: has room the receiver asks for it again (TOKENS_ACK {resend}), then again twice as long after,
+#: up to ``RESEND_MAX_INTERVAL_S``, until a frame of it is delivered.
+WAIT_CHECK_S = 0.05
 
 
 class PacedConn(Protocol):
@@ -77,6 +82,7 @@ class TokenLink(Protocol):
     log: Any
     lines: Any  # its PeerLines: lines a peer can repeat at will, once per period
     peer_max_body: int
+    host: Any  # its SessionHost: tokens_room(session, request_id), whether a frame may be delivered now
 
     @property
     def control(self) -> PacedConn | None: ...
@@ -122,6 +128,9 @@ class TokenRelay:
         self.held: collections.OrderedDict[str, tuple[float, list[m.Tokens]]] = collections.OrderedDict()
         self.held_tokens = 0
         self._held_timer: asyncio.TimerHandle | None = None  # the oldest held request's expiry
+        # Streams whose engine had no room for their next frame: request id -> [ask at, next gap].
+        self.waiting: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+        self._wait_timer: asyncio.TimerHandle | None = None
         self._drops_unlogged = 0
         self._drop_logged_at = 0.0
         self.ready: collections.OrderedDict[str, None] = collections.OrderedDict()  # streams with queued frames
@@ -136,6 +145,7 @@ class TokenRelay:
         """The peer restarted: its streams are gone, and so are ours to it."""
         self.drop_out()
         self.tok_in.clear()
+        self.waiting.clear()
         self._release_held(list(self.held), "unowned")
 
     def drop_out(self) -> None:
@@ -153,6 +163,10 @@ class TokenRelay:
         self.held.clear()
         self.held_tokens = 0
         self.ready.clear()
+        self.waiting.clear()
+        if self._wait_timer is not None:
+            self._wait_timer.cancel()
+            self._wait_timer = None
         self._unwatch()
 
     def drop(self, request_id: str) -> None:
@@ -162,6 +176,7 @@ class TokenRelay:
             self.backlog -= ts.cost
         self.ready.pop(request_id, None)
         self.tok_in.pop(request_id, None)
+        self.waiting.pop(request_id, None)
         self._release_held([request_id], "unowned")
 
     # -- tokens no engine owns yet ---------------------------------------------------------
@@ -389,6 +404,8 @@ class TokenRelay:
             self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect), lane=Lane.TOKEN)
             return  # a resend of what was delivered
         if msg.seq > expect:
+            if msg.request_id in self.waiting:
+                return  # its engine has no room yet: asked for when it has (_check_waiting)
             # A gap: something before this frame was lost. Drop it and ask for everything from
             # the first missing token; the sender still holds all it has not seen acknowledged.
             self.s.lines.line(self.s.log.warning, "token gap; asking for a resend",  # a peer's to repeat
@@ -397,15 +414,47 @@ class TokenRelay:
             self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect, True), lane=Lane.TOKEN)
             return
         fresh = msg.tokens[expect - msg.seq:]
-        self.tok_in[msg.request_id] = end
-        self.tok_in.move_to_end(msg.request_id)
-        # Fewer than the sender keeps (8x): a stream the sender forgot (and restarts at 0) was
-        # forgotten here first, so its new tokens are not mistaken for a resend.
-        if len(self.tok_in) > self.s.cfg.transfer.max_transfers * 4:
-            self.tok_in.popitem(last=False)  # least recently used
+        if not msg.handoff and not self.s.host.tokens_room(self.s, msg.request_id):
+            self._wait(msg.request_id, expect)
+            return
+        self.waiting.pop(msg.request_id, None)
+        self._stream_in(msg.request_id, end)
         self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, end), lane=Lane.TOKEN)
         self.s.metrics.child(self.s.metrics.tokens, self.s.key, "rx").inc(len(fresh))
         self.s.tokens_arrived(m.Tokens(msg.request_id, expect, fresh, msg.handoff))
+
+    def _stream_in(self, request_id: str, expect: int) -> None:
+        self.tok_in[request_id] = expect
+        self.tok_in.move_to_end(request_id)
+        # Fewer than the sender keeps (8x): a stream the sender forgot (and restarts at 0) was
+        # forgotten here first, so its new tokens are not mistaken for a resend.
+        if len(self.tok_in) > self.s.cfg.transfer.max_transfers * 4:
+            self.waiting.pop(self.tok_in.popitem(last=False)[0], None)  # least recently used
+
+    def _wait(self, request_id: str, expect: int) -> None:
+        """The frame's engine has no room: nothing delivered or acknowledged, the stream waits."""
+        self._stream_in(request_id, expect)
+        self.s.metrics.child(self.s.metrics.token_frames_waited, self.s.key).inc()
+        if request_id not in self.waiting:
+            self.waiting[request_id] = [0.0, WAIT_CHECK_S]
+            self.s.lines.line(self.s.log.warning, "relayed tokens wait: their engine reads its events too slowly",
+                              detail={"request_id": request_id[:64], "next_seq": expect})
+        if self._wait_timer is None:
+            self._wait_timer = asyncio.get_running_loop().call_later(WAIT_CHECK_S, self._check_waiting)
+
+    def _check_waiting(self) -> None:
+        """Ask again for the waiting streams whose engine has room now (TOKENS_ACK {resend}: the
+        sender sends its unacknowledged frames again, at most once per round trip)."""
+        self._wait_timer = None
+        now = asyncio.get_running_loop().time()
+        for rid, due in list(self.waiting.items()):
+            if rid not in self.tok_in:
+                del self.waiting[rid]
+            elif now >= due[0] and self.s.host.tokens_room(self.s, rid):
+                self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(rid, self.tok_in[rid], True), lane=Lane.TOKEN)
+                due[0], due[1] = now + due[1], min(2 * due[1], RESEND_MAX_INTERVAL_S)
+        if self.waiting:
+            self._wait_timer = asyncio.get_running_loop().call_later(WAIT_CHECK_S, self._check_waiting)
 
     def on_ack(self, msg: m.TokensAck) -> None:
         ts = self.tok_out.get(msg.request_id)

@@ -1,0 +1,165 @@
+"""Relayed tokens for an engine that reads its events slowly wait for it (proto/transfer.md §12):
+a frame whose engine has a quarter of ``limits.engine_queue_bytes`` unread is neither delivered
+nor acknowledged, and once the engine has room the receiver asks for it again. A peer's burst of
+tokens so slows that peer, and never cuts the engine off (before, the agent queued every frame as
+an event and cut the engine off at ``limits.engine_queue_bytes``, failing everything it had).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from conftest import metric, until
+from pdd_wire.engine.client import EngineClient
+from pdd_wire.errors import EngineRequestError, ErrorCode
+from pdd_wire.wire import FrameType
+from pdd_wire.wire import messages as m
+from support.agents import run_agents, two_site_toml
+from support.raw_peer import hello
+
+MiB = 1 << 20
+QUEUE = 4 * MiB  # limits.engine_queue_bytes here: tokens wait at a quarter of it
+LIMITS = f"[limits]\nengine_queue_bytes = {QUEUE}\n"
+
+
+@contextlib.contextmanager
+def not_reading(ec: EngineClient):
+    """The engine stops reading its socket (its events pile up in the agent), then reads again."""
+    loop = asyncio.get_running_loop()
+    loop.remove_reader(ec._sock.fileno())
+    try:
+        yield
+    finally:
+        loop.add_reader(ec._sock.fileno(), ec._readable)
+
+
+async def most_queued(agent, seconds: float) -> int:
+    """The most bytes of events any engine of ``agent`` left unread, sampled for ``seconds``."""
+    high = 0
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while loop.time() < end:
+        high = max([high] + [len(c._out) for c in agent.engine_server.engines.values()])
+        await asyncio.sleep(0.005)
+    return high
+
+
+def cut_off(agent):
+    """A check: has ``agent`` cut off any of the engines connected to it now? (An engine that is
+    not reading cannot tell yet.)"""
+    conns = list(agent.engine_server.engines.values())
+    return lambda: any(c.closed for c in conns)
+
+
+async def read_tokens(ec: EngineClient, request_id: str, n: int, timeout: float = 60) -> list[int]:
+    """The next ``n`` token IDs of ``request_id``, checking that frames come in order, once."""
+    got: list[int] = []
+    async with asyncio.timeout(timeout):
+        while len(got) < n:
+            ev = await ec.wait_tokens(request_id)
+            assert ev.seq == len(got), f"tokens {ev.seq}.. came after {len(got)} (a gap or a repeat)"
+            got += ev.tokens
+    return got
+
+
+async def test_a_burst_of_tokens_waits_for_a_slow_engine_and_arrives_once_in_order(tmp_sock_dir):
+    """Engine A relays 2M token IDs while engine B reads nothing: B's agent stops taking them at
+    a quarter of B's event queue, A's engine is held back by its own agent's limit, and when B
+    reads again every token arrives, once, in order; B is never cut off."""
+    total, per_call = 1 << 21, 1 << 16
+    async with run_agents(two_site_toml(tmp_sock_dir, extra=LIMITS)) as ag:
+        a, b = ag["A"], ag["B"]
+        async with EngineClient(a.config.listen.engine_socket, "rld") as ea, \
+                EngineClient(b.config.listen.engine_socket, "md") as eb:
+            await eb.expect_tokens("r1", from_site="A")
+            b_cut = cut_off(b)
+            sent: list[int] = []
+            limited = 0
+
+            async def relay() -> None:
+                nonlocal limited
+                while len(sent) < total:
+                    part = [(len(sent) + i) * 7919 % (1 << 32) for i in range(per_call)]
+                    try:
+                        await ea.send_tokens("r1", "B", part)
+                    except EngineRequestError as exc:  # A's agent holds max_unacked_tokens: wait
+                        assert exc.code == ErrorCode.LIMIT_EXCEEDED, exc
+                        limited += 1
+                        await asyncio.sleep(0.05)
+                        continue
+                    sent.extend(part)
+
+            with not_reading(eb):
+                task = asyncio.create_task(relay())
+                # B's agent stops acknowledging, so A's holds its engine back (before: B was cut off).
+                await until(lambda: limited > 0 or b_cut(), timeout=30)
+                high = await most_queued(b, 1.0)  # more frames come meanwhile, and wait too
+                assert not b_cut(), "the engine was cut off"
+                assert metric(b, "pddwire_token_frames_waited_total", peer="A/a1") > 0
+            got = await read_tokens(eb, "r1", total)
+            await task
+            assert got == sent
+            assert limited > 0  # the sending engine was held back, not the receiving one cut off
+            # At most a quarter of the queue and one frame's event (8192 IDs, under 48 KB) past it.
+            assert not b_cut() and not eb.closed and high <= QUEUE // 4 + 48 * 1024, high
+            assert metric(b, "pddwire_tokens_dropped_total", peer="A/a1", reason="over_bounds") == 0
+
+
+async def test_a_peer_that_floods_tokens_is_asked_again_and_the_engine_stays(tmp_sock_dir):
+    """A peer written from proto/ alone sends frames for a request as fast as it can and never
+    resends. Its frames past the engine's room are not acknowledged; the engine stays connected
+    and gets an unbroken run from index 0; once it has read, the agent asks the peer for the rest
+    (TOKENS_ACK {next_seq: what was delivered, resend: true})."""
+    n, frames = 8192, 300  # ~37 KB of event a frame, ~11 MB in all: over the 4 MiB queue
+    async with run_agents(two_site_toml(tmp_sock_dir, plaintext=True, extra=LIMITS), sites=("B",),
+                          wait_up=False) as ag:
+        b = ag["B"]
+        peer, _ = await hello(b.wan_address[1])
+        alive = asyncio.create_task(peer.keepalive())
+        try:
+            async with EngineClient(b.config.listen.engine_socket, "md") as eb:
+                await eb.expect_tokens("r1", from_site="A")
+                b_cut = cut_off(b)
+                with not_reading(eb):
+                    for i in range(frames):
+                        peer.send(FrameType.TOKENS, m.Tokens("r1", i * n, list(range(i * n, (i + 1) * n)), False))
+                    await peer.writer.drain()
+                    await until(lambda: b_cut() or metric(b, "pddwire_token_frames_waited_total", peer="A/a1") > 0)
+                    high = await most_queued(b, 0.5)
+                    assert not b_cut(), "the engine was cut off"
+                    assert high <= QUEUE // 4 + 48 * 1024, high
+                acks = []
+
+                async def asked() -> bool:
+                    while (f := await peer.next()) is not None:
+                        if f[0] == FrameType.TOKENS_ACK:
+                            acks.append(f[1])
+                            if f[1].resend:
+                                return True
+                    return False
+
+                # Everything delivered before the wait, in order from 0; then the agent asks for the rest.
+                async with asyncio.timeout(20):
+                    first = await eb.wait_tokens("r1")
+                    assert first.seq == 0
+                    assert await asked()
+                delivered = acks[-2].next_seq if len(acks) > 1 else 0
+                assert acks[-1].next_seq == delivered and 0 < delivered < frames * n
+                got = list(first.tokens) + await read_tokens_from(eb, "r1", len(first.tokens), delivered)
+                assert got == list(range(delivered))
+                assert not b_cut() and not eb.closed
+                assert metric(b, "pddwire_tokens_dropped_total", peer="A/a1", reason="over_bounds") == 0
+        finally:
+            alive.cancel()
+
+
+async def read_tokens_from(ec: EngineClient, request_id: str, start: int, end: int) -> list[int]:
+    got: list[int] = []
+    async with asyncio.timeout(20):
+        while start + len(got) < end:
+            ev = await ec.wait_tokens(request_id)
+            assert ev.seq == start + len(got)
+            got += ev.tokens
+    return got
+
