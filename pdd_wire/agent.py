@@ -322,7 +322,7 @@ class Agent:
         it unacknowledged and asks for it again later (proto/transfer.md §12)."""
         e = self.handoffs.live.get(request_id)
         if e is not None and e.role == "MD" and e.session is session:
-            return True  # the relay of its MD handoff: extends, one at a time
+            return True  # MD's relay: extends of at most MAX_EXTEND_TOKENS, one at a time
         owner = self.kv.owners.get(request_id)
         return owner is None or owner.room_for_tokens(session.peer.site)
 

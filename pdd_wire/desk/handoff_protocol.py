@@ -41,6 +41,7 @@ send what it returns (the latest state message, in case the first copy was lost)
 
 from __future__ import annotations
 
+import array
 import enum
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -50,7 +51,10 @@ import msgspec
 from ..policy import DEFAULT_POLICY, HandoffMode, HandoffPolicy, ModeDecision
 
 Owner = Literal["RLD", "MD"]
-
+#: Relayed positions MD takes for one handoff (transfer.md §12's limit); past it MD gives it back ...
+MAX_RELAYED_TOKENS = 1 << 20
+#: ... and the positions one Extend carries: a longer backlog goes as several, in turn.
+MAX_EXTEND_TOKENS = 1 << 16
 
 
 class HandoffError(Exception):
@@ -414,7 +418,7 @@ class MdHandoff:
         self.deadline = deadline
         self.state = MdState.WAITING
         self.kv_ready = False
-        self.tokens: list[int] = []  # relayed tokens, positions 0 .. len-1
+        self.tokens = array.array("I")  # relayed tokens, positions 0 .. len-1 (4 bytes each)
         self.absorbed = 0  # tokens whose KV the engine computed: [0, absorbed)
         self.extending: int | None = None  # end of the Extend in flight
         self.position: int | None = None  # the commit position p
@@ -444,13 +448,15 @@ class MdHandoff:
         if first > have:
             raise HandoffProtocolError(f"{self.request_id}: relayed tokens from {first}, expected {have}")
         overlap = min(have - first, len(tokens))
-        if list(tokens[:overlap]) != self.tokens[first:first + overlap]:
+        if array.array("I", tokens[:overlap]) != self.tokens[first:first + overlap]:
             raise HandoffProtocolError(f"{self.request_id}: a relayed position changed token")
         fresh = list(tokens[overlap:])
         if not fresh:
             return []
         if self.position is not None and have + len(fresh) > self.position:
             raise HandoffProtocolError(f"{self.request_id}: relayed tokens past the commit position {self.position}")
+        if have + len(fresh) > MAX_RELAYED_TOKENS:
+            raise HandoffProtocolError(f"{self.request_id}: over {MAX_RELAYED_TOKENS} relayed tokens")
         self.tokens.extend(fresh)
         return self._pump()
 
@@ -537,6 +543,7 @@ class MdHandoff:
         if not self.kv_ready or self.extending is not None:
             return []
         limit = len(self.tokens) if self.position is None else min(len(self.tokens), self.position)
+        limit = min(limit, self.absorbed + MAX_EXTEND_TOKENS)
         if self.absorbed < limit:
             self.extending = limit
             return [Extend(self.absorbed, tuple(self.tokens[self.absorbed:limit]))]

@@ -1,27 +1,25 @@
-"""The KV desk: where a posted receive meets the KV_BEGIN that fills it, and where a ``send_kv``
-fans out to its destinations.
+"""The KV desk: where a posted receive meets the KV_BEGIN that fills it, and where a ``send_kv`` fans out to its
+destinations.
 
-A **post** (``post_recv``) lends the agent an engine's blocks for one request until a transfer
-claims them or ``ttl_s`` runs out. A peer's KV_BEGIN is *matched* to the post of its request
-(:meth:`KvDesk.incoming_begin`); one that comes first waits, unposted, up to
-``transfer.unposted_wait_s`` for the engine to post. A post is *offered* (KV_OFFER) to the
-peers that may fill it, so that their transfer moves without waiting for KV_ACCEPT; the offer is
-withdrawn when the post goes. ``send_kv`` starts one transfer per destination, all reading the
-same pages, all or none. Aborts (from an engine here or from a
-peer) end what the desk holds for the request: posts, unposted waits, transfers, the handoff.
+A **post** (``post_recv``) lends the agent an engine's blocks for one request until a transfer claims them or
+``ttl_s`` runs out. A peer's KV_BEGIN is *matched* to the post of its request (:meth:`KvDesk.incoming_begin`);
+one that comes first waits, unposted, up to ``transfer.unposted_wait_s`` for the engine to post. A post is
+*offered* (KV_OFFER) to the peers that may fill it, so that their transfer moves without waiting for KV_ACCEPT;
+the offer is withdrawn when the post goes. ``send_kv`` starts one transfer per destination, all reading the same
+pages, all or none. Aborts (from an engine here or from a peer) end what the desk holds for the request: posts,
+unposted waits, transfers, the handoff.
 
-Isolation (``proto/transfer.md`` §14): each request is tied to the engine that owns it here
-(posted it, sent its KV or tokens, or ``expect_tokens``) and to the peer sites it deals with;
-tokens and REQUEST_ABORTs from any other site never reach an engine, and tokens nobody owns are
-held briefly for their owner per peer (``session/tokens.py``), then dropped and counted. Unposted
-waits are kept per peer, each peer within its own ``transfer.max_transfers``, and keyed by
-(peer, request id): a peer announcing a request id first cannot get another's KV_BEGIN refused.
-Between engines: one cannot ``expect_tokens``, ``abort`` or ``prefix_release`` a request another
-live engine holds here (:meth:`KvDesk.check_mine`), and each engine has its own share of posted
+Isolation (``proto/transfer.md`` §14): each request is tied to the engine that owns it here (posted it, sent its
+KV or tokens, or ``expect_tokens``) and to the peer sites it deals with; tokens and REQUEST_ABORTs from any
+other site never reach an engine, and tokens nobody owns are held briefly for their owner per peer
+(``session/tokens.py``), then dropped and counted. Unposted waits are kept per peer, each peer within its own
+``transfer.max_transfers``, and keyed by (peer, request id): a peer announcing a request id first cannot get
+another's KV_BEGIN refused. Between engines: one cannot ``expect_tokens``, ``abort`` or ``prefix_release`` a
+request another live engine holds here (:meth:`KvDesk.check_mine`), and each engine has its own share of posted
 receives.
 
-The audit counts the blocks held for peers and those held past their lease (*stranded*), which
-every path that ends a lease keeps at zero.
+The audit counts the blocks held for peers and those held past their lease (*stranded*), which every path that
+ends a lease keeps at zero.
 """
 
 from __future__ import annotations
@@ -73,6 +71,7 @@ class KvDesk:
         self.owners: collections.OrderedDict[str, Owner] = collections.OrderedDict()
         # (request, peer) -> the WAN seconds its pipeline choice predicted, checked on KV_SENT.
         self.predictions: collections.OrderedDict[tuple[str, str], float] = collections.OrderedDict()
+        self.aborting: set[tuple[str, str]] = set()  # (peer, request): a REQUEST_ABORT's cancel running
 
     # ------------------------------------------------------------------ posts and matching
     def post(self, ec: "EngineConn", msg: p.PostRecv) -> None:
@@ -497,13 +496,15 @@ class KvDesk:
         # The engines of its transfers here: told once those have ended.
         later: set[EngineConn] = {t.engine for ts in session.transfers_of(rid) for t in ts}
         if later:
+            if (key := (session.key, rid)) in self.aborting:
+                return  # a copy while the first one's cancel runs (up to 1 s): that one tells the engines
+            self.aborting.add(key)
 
             async def cancel() -> None:
                 # A receive's bulk writes stop only once its cancel is done (transfer_failed first): an engine
                 # told "aborted" before could reuse blocks still written. Cancelled: the takeover ends it.
                 try:
-                    # KV_CANCEL too: the peer ignores those it cancelled itself, and ends one of the
-                    # request it began after the abort (a reused id; the abort was sent again).
+                    # KV_CANCEL too: the peer ignores those it cancelled, ends one begun after the abort (a reused id).
                     await session.cancel_request(rid, ErrorCode.TRANSFER_CANCELLED,
                                                  f"aborted at {session.key}: {reason}", notify_peer=True)
                 except Exception:
@@ -511,8 +512,7 @@ class KvDesk:
                     if any(session.transfers_of(rid)):
                         return  # still moving: not "aborted" yet
                 self._tell_aborted(later, rid, reason, session)
-
-            session.spawn(cancel(), "abort")
+            session.spawn(cancel(), "abort").add_done_callback(lambda _: self.aborting.discard(key))
         post = self.posts.get(rid)
         if post is not None and post.from_site in (None, session.peer.site):
             self.drop_post(rid, settled=session)
