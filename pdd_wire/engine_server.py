@@ -37,6 +37,10 @@ MAX_PENDING_REGISTERS = 16  # registers read and waiting their turn (each holds 
 
 MAX_QUEUED = 1024  # requests of one engine decoded and waiting; more stay in the socket
 NOW_PER_READ = 32  # requests answered within one read (EngineServer.now_types); the rest are queued
+#: An engine's requests hold the loop at most this long at a time (those answered in a read, and
+#: the worker's between yields): a write of requests that never wait, or of costly ones (status
+#: with thousands of transfers open: 17 ms each), no longer runs as one step of the loop (5 s).
+SERVE_BUDGET_S = 0.001
 _END = object()  # queued after the last request read before a protocol error: the worker then sends the err
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux >= 4.13: the peer's supplementary groups
 NGROUPS_MAX = 65536  # Linux's limit on a process's supplementary groups
@@ -143,16 +147,19 @@ class EngineConn:
             self._refuse(f"{unclaimed} file descriptors sent without register requests to use them", held)
             return
         self._claims += claims
-        now, budget = self.server.now_types, NOW_PER_READ
+        now, budget, until = self.server.now_types, NOW_PER_READ, time.monotonic() + SERVE_BUDGET_S
         for msg in msgs:
             # A request that never waits is answered here, in the read, when nothing is ahead
             # of it: no task wake-up per request (on the path of every transfer). At most
-            # NOW_PER_READ of them: a read full of requests does not hold the loop.
+            # NOW_PER_READ of them, and none past SERVE_BUDGET_S: a read full of requests does
+            # not hold the loop (the rest go to the worker, which yields as it goes).
             if budget and not self._busy and not self._queue.qsize() and type(msg) in now:
                 budget -= 1
                 self._answer_now(msg)
                 if self.closed:  # its answer overflowed the engine's queue: it is cut off
                     return
+                if time.monotonic() >= until:
+                    budget = 0
             else:
                 self._queue.put_nowait(msg)
         if bad is not None:
@@ -165,17 +172,29 @@ class EngineConn:
         self._rearm(restart=bool(msgs))
 
     async def _serve(self) -> None:
-        """Requests are handled one at a time, in order, so an engine sees its own effects in order."""
+        """Requests are handled one at a time, in order, so an engine sees its own effects in order.
+        Most never wait, so a queue of them would run as one step of the loop: the worker yields
+        once those it ran took SERVE_BUDGET_S, and stops at once when the engine is cut off."""
+        turn = time.monotonic()
         while True:
-            msg = await self._queue.get()
+            if self._queue.empty():
+                msg = await self._queue.get()
+                turn = time.monotonic()
+            else:
+                msg = self._queue.get_nowait()
             if msg is _END:
                 self._finish()
                 return
+            if self.closed:
+                return  # cut off: nobody reads the answers (and its memory is being released)
             self._busy = True
             try:
                 await self._answer(msg)
             finally:
                 self._busy = False
+            if time.monotonic() - turn >= SERVE_BUDGET_S:
+                await asyncio.sleep(0)
+                turn = time.monotonic()
 
     @property
     def pending_registers(self) -> int:
