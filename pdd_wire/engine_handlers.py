@@ -22,6 +22,7 @@ from .engine import protocol as p
 from .errors import EngineRequestError, ErrorCode
 from .memory import HOST_FD, HostRegion, register_async
 from .metrics import Metrics
+from .session.tokens import MAX_UNACKED_TOKENS
 
 if TYPE_CHECKING:
     from .engine_server import EngineConn, EngineServer
@@ -185,7 +186,10 @@ class EngineRequests:
     def _send_tokens(self, ec: "EngineConn", msg: p.SendTokens) -> dict:
         self.gate.check()
         check_request_id(msg.request_id)
-        if any(not 0 <= t < 1 << 32 for t in msg.tokens):
+        if len(msg.tokens) > MAX_UNACKED_TOKENS:  # refused anyway: before a check of each one
+            raise EngineRequestError(f"over {MAX_UNACKED_TOKENS} tokens in one send_tokens (the per-request "
+                                     "limit of unacknowledged tokens)", ErrorCode.LIMIT_EXCEEDED)
+        if msg.tokens and not (min(msg.tokens) >= 0 and max(msg.tokens) < 1 << 32):
             raise EngineRequestError("token IDs must be in 0..2^32-1", ErrorCode.BAD_REQUEST)
         if self.handoffs.owns_relay(msg.request_id):
             raise EngineRequestError(f"request {msg.request_id!r} is in a handoff: report its tokens with "

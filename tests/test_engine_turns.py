@@ -1,4 +1,8 @@
-"""One engine's write of many requests does not hold the agent's loop (engine_server.SERVE_BUDGET_S):
+"""One engine's requests do not hold the agent's loop: a write of many is answered a slice at a
+time (engine_server.SERVE_BUDGET_S), and lists past a request's limits are refused before their
+elements are looked at.
+
+A write of many requests (engine_server.SERVE_BUDGET_S):
 requests that never wait are answered a loop turn's slice at a time, so every other engine and
 every peer get the loop between them. Before, the engine's worker answered all it had queued (up
 to 1024 decoded, thousands in one write) as one step of the loop: 14,000 ``status`` requests in
@@ -12,8 +16,11 @@ from __future__ import annotations
 import asyncio
 import collections
 
+from pdd_wire.desk.handoff_protocol import MAX_EXTEND_TOKENS
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine_server import EngineConn
+from pdd_wire.errors import EngineRequestError, ErrorCode
+from pdd_wire.session.tokens import MAX_UNACKED_TOKENS
 from support.agents import run_agents, two_site_toml
 
 N = 8000
@@ -58,3 +65,24 @@ async def test_a_write_of_thousands_of_requests_is_answered_over_many_loop_turns
         # Before: all but the first read's 32 in one turn (7,968 here).
         assert max(per_turn.values()) < N // 4, sorted(per_turn.values())[-5:]
         assert len(per_turn) > 4
+
+
+async def test_token_lists_over_the_limits_are_refused_before_each_token_is_looked_at(tmp_sock_dir, engines):
+    """A send_tokens of more than the per-request limit is refused at once, LIMIT_EXCEEDED (before,
+    after a check of each token on the loop: 0.5 s for 15M); a handoff_tokens of more than
+    MAX_EXTEND_TOKENS is refused BAD_REQUEST (each token is a step of the state machine)."""
+    async with run_agents(two_site_toml(tmp_sock_dir)) as ag:
+        ea = await engines.connect(ag["A"].config.listen.engine_socket, "rld")
+        try:
+            await ea.send_tokens("r1", "B", [1] * (MAX_UNACKED_TOKENS + 1))
+            raise AssertionError("accepted")
+        except EngineRequestError as exc:
+            assert exc.code == ErrorCode.LIMIT_EXCEEDED and "in one send_tokens" in str(exc), exc
+        assert await ea.send_tokens("r1", "B", [1, 2, 3]) == 0  # the request is untouched
+        await ea.handoff_rld("h1", "B")
+        try:
+            await ea.handoff_tokens("h1", [7] * (MAX_EXTEND_TOKENS + 1))
+            raise AssertionError("accepted")
+        except EngineRequestError as exc:
+            assert exc.code == ErrorCode.BAD_REQUEST and "in one handoff_tokens" in str(exc), exc
+        await ea.handoff_tokens("h1", [7, 8])

@@ -54,6 +54,7 @@ from .admission import Gate, check_request_id
 from .handoff_protocol import (
     ABORTED,
     CAPABILITY,
+    MAX_EXTEND_TOKENS,
     Done,
     Emit,
     Extend,
@@ -191,7 +192,9 @@ class HandoffDesk:
 
     def tokens(self, ec: "EngineConn", msg: p.HandoffTokens) -> dict:
         e = self._own_entry(ec, msg.request_id)
-        if any(not 0 <= t < 1 << 32 for t in msg.tokens):
+        if len(msg.tokens) > MAX_EXTEND_TOKENS:  # each is a step of the state machine, on the loop
+            raise EngineRequestError(f"over {MAX_EXTEND_TOKENS} tokens in one handoff_tokens", ErrorCode.BAD_REQUEST)
+        if msg.tokens and not (min(msg.tokens) >= 0 and max(msg.tokens) < 1 << 32):
             raise EngineRequestError("token IDs must be in 0..2^32-1", ErrorCode.BAD_REQUEST)
         sm = e.sm
         n = len(msg.tokens)
