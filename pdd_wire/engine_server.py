@@ -93,6 +93,7 @@ class EngineConn:
         self._claims = 0  # register requests read whose turn (and fd) has not come yet
         self._out = bytearray()
         self._writing = False
+        self._full_timer: asyncio.TimerHandle | None = None  # full_for_tokens since: cut off when it lasts
         self.closed = False
         self.closed_at = 0.0
         self.done = self.loop.create_future()
@@ -310,6 +311,10 @@ class EngineConn:
         if len(self._out) > self.server.max_out:
             self.close(f"engine is not reading its events ({len(self._out)} bytes queued)")
             return
+        if self._full_timer is None and self.full_for_tokens:
+            # Relayed tokens wait for it now, and hold their sender's per-peer budget meanwhile:
+            # an engine that stays this full for the read deadline is stuck, and is cut off.
+            self._full_timer = self.loop.call_later(self.server.read_deadline_s, self._still_full)
         if not self._writing:
             self._flush()
 
@@ -318,6 +323,9 @@ class EngineConn:
             while self._out:
                 n = self.sock.send(self._out)
                 del self._out[:n]
+                if self._full_timer is not None and not self.full_for_tokens:
+                    self._full_timer.cancel()
+                    self._full_timer = None
         except (BlockingIOError, InterruptedError):
             if not self._writing:
                 self._writing = True
@@ -333,15 +341,22 @@ class EngineConn:
     def _on_writable(self) -> None:
         self._flush()
 
+    def _still_full(self) -> None:
+        self._full_timer = None
+        if self.full_for_tokens:
+            self.close(f"engine is not reading its events ({len(self._out)} bytes queued for "
+                       f"{self.server.read_deadline_s} s)")
+
     def close(self, why: str) -> None:
         if self.closed:
             return
         self.closed = True
         self.closed_at = time.monotonic()
         self.log.info("engine disconnected", reason=why)
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        for timer in (self._deadline, self._full_timer):
+            if timer is not None:
+                timer.cancel()
+        self._deadline = self._full_timer = None
         try:
             self.loop.remove_reader(self.sock.fileno())
             if self._writing:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from pdd_wire.desk.handoff_protocol import MAX_EXTEND_TOKENS
+from pdd_wire.desk.handoff import MAX_TOKENS_PER_CALL
 from pdd_wire.engine import protocol as p
 from pdd_wire.engine_server import EngineConn
 from pdd_wire.errors import EngineRequestError, ErrorCode
@@ -70,7 +70,8 @@ async def test_a_write_of_thousands_of_requests_is_answered_over_many_loop_turns
 async def test_token_lists_over_the_limits_are_refused_before_each_token_is_looked_at(tmp_sock_dir, engines):
     """A send_tokens of more than the per-request limit is refused at once, LIMIT_EXCEEDED (before,
     after a check of each token on the loop: 0.5 s for 15M); a handoff_tokens of more than
-    MAX_EXTEND_TOKENS is refused BAD_REQUEST (each token is a step of the state machine)."""
+    MAX_TOKENS_PER_CALL (4096) is refused BAD_REQUEST (each token is a step of the state machine:
+    65,536 took 130 ms)."""
     async with run_agents(two_site_toml(tmp_sock_dir)) as ag:
         ea = await engines.connect(ag["A"].config.listen.engine_socket, "rld")
         try:
@@ -81,7 +82,7 @@ async def test_token_lists_over_the_limits_are_refused_before_each_token_is_look
         assert await ea.send_tokens("r1", "B", [1, 2, 3]) == 0  # the request is untouched
         await ea.handoff_rld("h1", "B")
         try:
-            await ea.handoff_tokens("h1", [7] * (MAX_EXTEND_TOKENS + 1))
+            await ea.handoff_tokens("h1", [7] * (MAX_TOKENS_PER_CALL + 1))
             raise AssertionError("accepted")
         except EngineRequestError as exc:
             assert exc.code == ErrorCode.BAD_REQUEST and "in one handoff_tokens" in str(exc), exc

@@ -152,6 +152,16 @@ class _Session:
         self.nonce = 0
         self.outbox: Outbox | None = None
 
+    @property
+    def control(self):  # its connection, for a spare frame's room (paced_room below)
+        return self if self.up else None
+
+    closed = False
+    room = 1 << 20
+
+    def paced_room(self) -> int:
+        return self.room
+
     def send_frame(self, ftype, body, *, tid=0, lane=Lane.CONTROL) -> bool:
         if self.up:
             self.sent.append((ftype, body, tid, lane))
@@ -234,3 +244,30 @@ async def test_a_pong_costs_what_it_confirms() -> None:
     box.pong(1)  # a copy: nothing more
     assert len(box) == 500
 
+
+
+async def test_spare_aborts_give_way_to_cancels_and_wait_for_room() -> None:
+    """A REQUEST_ABORT of a request no engine held here is *spare*: when the outbox is full the
+    oldest spare frame goes first, so one engine aborting unknown ids never pushes out another's
+    KV_CANCEL (before: oldest first, whatever it was); and a spare frame is dropped, not written,
+    while the control connection has half its buffer unsent."""
+    s = _Session()
+    box = s.outbox = Outbox(s, cap=4, cap_bytes=1 << 20)
+    s.up = False  # the link is down: everything waits for the resume
+    box.send(("cancel", 7, False), cancel(7), tid=7)
+    box.send(("abort", "mine"), m.RequestAbort("mine", "client went away"))
+    for i in range(10):
+        box.send(("abort", f"junk{i}"), m.RequestAbort(f"junk{i}", "x"), spare=True)
+    assert len(box) == 4 and box.dropped == 8
+    s.up = True
+    s.sent.clear()
+    box.resend()
+    assert [b for _, b, _, _ in s.sent] == [cancel(7), m.RequestAbort("mine", "client went away"),
+                                            m.RequestAbort("junk8", "x"), m.RequestAbort("junk9", "x")]
+    s.sent.clear()
+    s.room = 0  # half of the control buffer unsent
+    assert not box.send(("abort", "junk10"), m.RequestAbort("junk10", "x"), spare=True)
+    assert not s.sent and ("abort", "junk10") not in box._kept and box.dropped == 9
+    assert box.send(("cancel", 8, False), cancel(8), tid=8)  # what ends known state still goes
+    box.clear()
+    assert not box._spare

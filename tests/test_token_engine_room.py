@@ -163,3 +163,56 @@ async def read_tokens_from(ec: EngineClient, request_id: str, start: int, end: i
             got += ev.tokens
     return got
 
+
+
+async def test_an_engine_that_stops_reading_is_cut_off_and_frees_its_senders_budget(tmp_sock_dir):
+    """An engine that keeps a quarter of its queue unread for timeouts.engine_read_s is cut off,
+    as one that filled it was before the wait: its streams' tokens stop holding the sender's
+    per-peer budget, and another engine's send_tokens to that peer is taken again."""
+    limits = f"[limits]\nengine_queue_bytes = {QUEUE}\nmax_unacked_tokens = 262144\n"
+    tomls = two_site_toml(tmp_sock_dir, extra=limits)
+    tomls["B"] = tomls["B"].replace("[timeouts]\n", "[timeouts]\nengine_read_s = 1.0\n")
+    async with run_agents(tomls) as ag:
+        a, b = ag["A"], ag["B"]
+        async with EngineClient(a.config.listen.engine_socket, "rld") as ea, \
+                EngineClient(b.config.listen.engine_socket, "stuck") as stuck, \
+                EngineClient(b.config.listen.engine_socket, "healthy") as healthy:
+            await stuck.expect_tokens("s", from_site="A")
+            await healthy.expect_tokens("ok", from_site="A")
+            b_cut = cut_off(b)
+            asyncio.get_running_loop().remove_reader(stuck._sock.fileno())  # never reads again
+            with contextlib.suppress(EngineRequestError):
+                for _ in range(64):  # until A's budget for B is used up
+                    await ea.send_tokens("s", "B", [(1 << 31) + j for j in range(8192)])
+            await until(b_cut, timeout=10, what="the stuck engine cut off")
+            await until(lambda: a.sessions["B/b1"].tokens.backlog < 262144 // 2, timeout=10, what="A's budget freed")
+            assert await ea.send_tokens("ok", "B", list(range(256))) >= 0
+            ev = await healthy.wait_tokens("ok", timeout=10)
+            assert ev.tokens[:3] == [0, 1, 2]
+
+
+async def test_a_waiting_stream_is_not_forgotten_for_other_streams(tmp_sock_dir):
+    """B keeps 4 x transfer.max_transfers streams of a peer (4 here) and forgets the least recently
+    used; a waiting stream is not forgotten: its tokens past what was delivered would be lost (the
+    forgotten-stream rule takes a stream from its next frame). A relays a burst for "x", whose
+    engine is not reading, then one frame each for six other requests; once the engine reads,
+    every token of "x" arrives, in order."""
+    total = 40 * 8192
+    tomls = two_site_toml(tmp_sock_dir, extra=LIMITS)
+    tomls["B"] = tomls["B"].replace("[transfer]\n", "[transfer]\nmax_transfers = 1\n")
+    async with run_agents(tomls) as ag:
+        a, b = ag["A"], ag["B"]
+        async with EngineClient(a.config.listen.engine_socket, "rld") as ea, \
+                EngineClient(b.config.listen.engine_socket, "md") as eb:
+            await eb.expect_tokens("x", from_site="A")
+            sent = [(1 << 31) + i for i in range(total)]
+            with not_reading(eb):
+                for i in range(0, total, 8192):
+                    await ea.send_tokens("x", "B", sent[i:i + 8192])
+                await until(lambda: "x" in b.sessions["A/a1"].tokens.waiting, what="x waits")
+                for k in range(6):  # other streams from A: each one newer than x's last frame
+                    await ea.send_tokens(f"o{k}", "B", [k])
+                await until(lambda: all(f"o{k}" in b.sessions["A/a1"].tokens.tok_in or
+                                        f"o{k}" in b.sessions["A/a1"].tokens.held for k in range(6)))
+                assert "x" in b.sessions["A/a1"].tokens.tok_in
+            assert await read_tokens(eb, "x", total) == sent

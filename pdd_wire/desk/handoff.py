@@ -54,7 +54,6 @@ from .admission import Gate, check_request_id
 from .handoff_protocol import (
     ABORTED,
     CAPABILITY,
-    MAX_EXTEND_TOKENS,
     Done,
     Emit,
     Extend,
@@ -80,6 +79,7 @@ if TYPE_CHECKING:
 log = structlog.get_logger("pdd_wire.handoff")
 
 MAX_EARLY_TOKENS = 1 << 16  # relayed tokens kept for one request that has no MD entry yet
+MAX_TOKENS_PER_CALL = 4096  # in one handoff_tokens: each is a step of the state machine (~2 us), on the loop
 MAX_EARLY_TOTAL = 1 << 20  # ... and for all of one peer's requests together (its oldest dropped first)
 # RLD's COMMIT / ABORT kept for a request with no MD entry yet: one of each per epoch (a copy
 # replaces the one kept), at most 4 a request, a reason cut to 128 characters, and 4096 for all of
@@ -192,8 +192,8 @@ class HandoffDesk:
 
     def tokens(self, ec: "EngineConn", msg: p.HandoffTokens) -> dict:
         e = self._own_entry(ec, msg.request_id)
-        if len(msg.tokens) > MAX_EXTEND_TOKENS:  # each is a step of the state machine, on the loop
-            raise EngineRequestError(f"over {MAX_EXTEND_TOKENS} tokens in one handoff_tokens", ErrorCode.BAD_REQUEST)
+        if len(msg.tokens) > MAX_TOKENS_PER_CALL:
+            raise EngineRequestError(f"over {MAX_TOKENS_PER_CALL} tokens in one handoff_tokens", ErrorCode.BAD_REQUEST)
         if msg.tokens and not (min(msg.tokens) >= 0 and max(msg.tokens) < 1 << 32):
             raise EngineRequestError("token IDs must be in 0..2^32-1", ErrorCode.BAD_REQUEST)
         sm = e.sm

@@ -471,9 +471,10 @@ class KvDesk:
         check_request_id(request_id)
         self.check_mine(ec, request_id, "abort")
         self.metrics.request_aborts.labels(direction="tx").inc()
+        spare = ec not in self.holders(request_id)  # it held nothing here: its REQUEST_ABORTs give way first
         n = self.handoffs.abort(ec, request_id, reason)  # its HANDOFF_ABORT goes before REQUEST_ABORT
         for s in self.peers:
-            s.send_abort(request_id, reason)
+            s.send_abort(request_id, reason, spare)
         for peer in list(self.unposted.get(request_id, {})):  # before any wait: a peer's KV_CANCEL for one
             waiting = self._unwait(request_id, peer)  # (its answer to the abort) must find it gone, not given up
             waiting.session.reject_in(waiting.tid, waiting.begin, ErrorCode.TRANSFER_CANCELLED, reason)
@@ -495,9 +496,9 @@ class KvDesk:
         told: set[EngineConn] = set()
         # The engines of its transfers here: told once those have ended.
         later: set[EngineConn] = {t.engine for ts in session.transfers_of(rid) for t in ts}
+        if copy := (key := (session.key, rid)) in self.aborting:
+            later = set()  # a copy while the first one's cancel runs (up to 1 s): that one tells them
         if later:
-            if (key := (session.key, rid)) in self.aborting:
-                return  # a copy while the first one's cancel runs (up to 1 s): that one tells the engines
             self.aborting.add(key)
 
             async def cancel() -> None:
@@ -517,8 +518,7 @@ class KvDesk:
         if post is not None and post.from_site in (None, session.peer.site):
             self.drop_post(rid, settled=session)
             told.add(post.engine)
-        if self._unwait(rid, session.key) is not None:
-            # Its KV waited unposted and is gone: a receive posted later for it fails at once.
+        if self._unwait(rid, session.key) is not None:  # its KV waited unposted: a later post fails at once
             self._gave_up(session.peer.site, rid, ErrorCode.TRANSFER_CANCELLED, f"aborted at {session.key}: {reason}")
         ec = self.handoffs.request_aborted(session, rid, reason)
         if ec is not None:
@@ -527,7 +527,7 @@ class KvDesk:
         if owner is not None and owner.allows(session.peer.site):
             del self.owners[rid]
             told.add(owner.engine)
-        elif not told and not later:
+        elif not told and not later and not copy:
             limited(session, self.log.info, "REQUEST_ABORT from a site not tied to its request; ignored (logged "
                     "once per 30 s per peer)", peer=session.key, detail={"request_id": rid})
         self._tell_aborted(told - later, rid, reason, session)

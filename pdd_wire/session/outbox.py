@@ -15,7 +15,10 @@ resumes) they are dropped: the peer kept nothing they could end.
 Bounded per peer: ``4 x transfer.max_transfers`` frames and a quarter of
 ``limits.control_buffer_bytes`` (so that sending them all again never makes the connection look
 unread), the oldest dropped first (its peer then ends that state on its own clock: a transfer's
-deadline, a receive's ``ttl_s``, a handoff's deadline).
+deadline, a receive's ``ttl_s``, a handoff's deadline). *Spare* frames go first: an engine's
+REQUEST_ABORT for a request it held nothing of here ends nothing this agent knows of, so one
+engine aborting thousands of unknown ids never pushes out another's KV_CANCEL; a spare frame is
+not even written while the control connection has half of its buffer unsent.
 """
 
 from __future__ import annotations
@@ -28,6 +31,10 @@ from ..wire import HEADER_SIZE, Lane, encode_body
 from ..wire import messages as m
 from ..wire.frame import LANE_OF
 
+#: An engine's abort reason goes to peers cut to this many characters (the wire takes 4096): 16 KiB
+#: reasons let one engine's aborts fill a peer's control connection.
+REASON_SENT = 256
+
 
 class OutboxLink(Protocol):
     """What the outbox needs of its session (a :class:`~pdd_wire.session.PeerSession`)."""
@@ -35,6 +42,7 @@ class OutboxLink(Protocol):
     log: Any
     pings: Any  # its :class:`~.link.Pings`
     closing: bool
+    control: Any  # its control connection (a FrameProtocol, with paced_room()), or None while down
 
     def send_frame(self, ftype: int, body: Any, *, tid: int = 0, lane: int = Lane.CONTROL) -> bool: ...
 
@@ -48,6 +56,7 @@ class Outbox:
         #: key -> (body, transfer id, the last PING written before it or None: unwritten, size); the
         #: frame type and lane follow from the body
         self._kept: collections.OrderedDict[tuple, tuple[Any, int, int | None, int]] = collections.OrderedDict()
+        self._spare: collections.OrderedDict[tuple, None] = collections.OrderedDict()  # keys of spare frames
         self.bytes = 0  # the frames' sizes on the wire, together
         self.last_ping = 0  # the nonce of the last PING written (pings count up from 1)
         self._confirmed = 0  # the newest PING a PONG has answered
@@ -57,9 +66,15 @@ class Outbox:
     def __len__(self) -> int:
         return len(self._kept)
 
-    def send(self, key: tuple, body: Any, *, tid: int = 0) -> bool:
+    def send(self, key: tuple, body: Any, *, tid: int = 0, spare: bool = False) -> bool:
         """Write ``body``'s frame now if the control connection is up, and keep it until confirmed.
-        ``key`` names what it ends (a later frame with the same key replaces it)."""
+        ``key`` names what it ends (a later frame with the same key replaces it). ``spare``: it
+        ends nothing known here; dropped first when full, and at once while the connection is
+        short of room."""
+        conn = self.s.control
+        if spare and conn is not None and not conn.closed and conn.paced_room() <= 0:
+            self._dropped()
+            return False
         written = self._write(body, tid)
         if written and not self._ping_due:  # confirmed within a round trip, not a heartbeat
             self._ping_due = True
@@ -68,13 +83,19 @@ class Outbox:
         size = HEADER_SIZE + len(encode_body(body))
         self._kept[key] = (body, tid, self.last_ping if written else None, size)
         self.bytes += size
+        if spare:
+            self._spare[key] = None
         while len(self._kept) > self.cap or self.bytes > self.cap_bytes:
-            self.bytes -= self._kept.popitem(last=False)[1][3]
-            self.dropped += 1
-            if self.dropped == 1 or self.dropped % 1024 == 0:
-                self.s.log.warning("outbox full: the oldest unconfirmed cancel or abort was dropped (the peer "
-                                   "ends it on its own clock)", dropped=self.dropped, cap=self.cap)
+            self.forget(next(iter(self._spare or self._kept)))
+            self._dropped()
         return written
+
+    def _dropped(self) -> None:
+        self.dropped += 1
+        if self.dropped == 1 or self.dropped % 1024 == 0:
+            self.s.log.warning("outbox full: an unconfirmed cancel or abort was dropped (the peer ends it on its "
+                               "own clock; spare ones, aborts of requests unknown here, first)",
+                               dropped=self.dropped, cap=self.cap)
 
     def _write(self, body: Any, tid: int) -> bool:
         ftype = m.TYPE_OF[type(body)]
@@ -117,8 +138,10 @@ class Outbox:
         kept = self._kept.pop(key, None)
         if kept is not None:
             self.bytes -= kept[3]
+            self._spare.pop(key, None)
 
     def clear(self) -> None:
         """The peer restarted, or kept nothing of the session: nothing is left there to end."""
         self._kept.clear()
+        self._spare.clear()
         self.bytes = 0

@@ -36,7 +36,7 @@ from .dialer import Dialer
 from .host import SessionHost
 from .lines import peer_lines
 from .link import LinkState, Pings
-from .outbox import Outbox
+from .outbox import REASON_SENT, Outbox
 from .protocol import SendWindow, code_name
 from .receiving import Receiver
 from .sending import Sender
@@ -513,14 +513,15 @@ class PeerSession:
         return ([self.out[k] for k in self.sender.by_request.get(request_id, ())],
                 [self.inn[k] for k in self.receiver.by_request.get(request_id, ())])
 
-    def send_abort(self, request_id: str, reason: str) -> bool:
+    def send_abort(self, request_id: str, reason: str, spare: bool = False) -> bool:
         """Tell the peer the request is dead (REQUEST_ABORT), if it understands it: now, or once the
         session resumes (the outbox). Its offer for the request goes too (the peer withdraws nothing
         it learns is dead this way)."""
         self.tokens.drop(request_id)
         self.sender.offers.pop(request_id, None)
         if self.remote_caps is not None and "abort.v1" in self.remote_caps:
-            return self.outbox.send(("abort", request_id), m.RequestAbort(request_id, reason))
+            msg = m.RequestAbort(request_id, reason[:REASON_SENT])
+            return self.outbox.send(("abort", request_id), msg, spare=spare)
         return False
 
     async def engine_gone(self, engine) -> None:

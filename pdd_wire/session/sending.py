@@ -112,7 +112,7 @@ class Sender:
         t.timer = loop.call_at(t.deadline, self._deadline, t)
         s.metrics.child(s.metrics.inflight, "out").inc()
         asked = min(len(hashes), blocks.n_blocks - 1, self.query_room(request_id)) if hashes else 0
-        if hashes and asked > 0 and s.is_up and "prefix.v1" in (s.remote_caps or ()):
+        if hashes and asked > 0 and self.may_query():
             # Ask first which leading blocks the receiver's node holds; at least one block is
             # always sent (the last one is usually partial and never shared anyway).
             t.hashes = hashes[:asked]
@@ -123,6 +123,14 @@ class Sender:
         else:
             self._announce(t)
         return t
+
+    def may_query(self) -> bool:
+        """A PREFIX_QUERY (up to ~590 KB) may go: the peer takes them, and the control connection
+        has less than half of ``limits.control_buffer_bytes`` unsent. Else the transfer sends every
+        block (a query is an optimisation): an engine's queries never make the peer look unread."""
+        s, conn = self.s, self.s.control
+        return (s.is_up and "prefix.v1" in (s.remote_caps or ()) and conn is not None
+                and conn.paced_room() > 0)
 
     def query_room(self, request_id: str) -> int:
         """The hashes one PREFIX_QUERY may carry: what fits the peer's ``max_body``, at most
@@ -140,7 +148,7 @@ class Sender:
 
     async def prefix_lookup(self, request_id: str, hashes: list[int], timeout: float | None = None) -> int | None:
         s = self.s
-        if not s.is_up or "prefix.v1" not in (s.remote_caps or ()):
+        if not self.may_query():
             return None
         fut = asyncio.get_running_loop().create_future()
         self._lookups.setdefault(request_id, []).append(fut)

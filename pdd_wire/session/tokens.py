@@ -56,8 +56,12 @@ RESEND_MAX_INTERVAL_S = 2.0
 #: A frame for an engine with no room (a quarter of ``limits.engine_queue_bytes`` unread) is
 #: neither delivered nor acknowledged: its stream *waits*, checked this often, and once the engine
 #: has room the receiver asks for it again (TOKENS_ACK {resend}), then again twice as long after,
-#: up to ``RESEND_MAX_INTERVAL_S``, until a frame of it is delivered.
+#: up to ``RESEND_MAX_INTERVAL_S``, until a frame of it is delivered. A waiting stream is not
+#: forgotten (its tokens past ``expect`` were never delivered) ...
 WAIT_CHECK_S = 0.05
+#: ... unless this long after its engine had room nothing of it came (the sender restarted, or
+#: gave up on this peer): it is then a stream like any other again.
+WAIT_GIVE_UP_S = 20.0
 
 
 class PacedConn(Protocol):
@@ -128,7 +132,8 @@ class TokenRelay:
         self.held: collections.OrderedDict[str, tuple[float, list[m.Tokens]]] = collections.OrderedDict()
         self.held_tokens = 0
         self._held_timer: asyncio.TimerHandle | None = None  # the oldest held request's expiry
-        # Streams whose engine had no room for their next frame: request id -> [ask at, next gap].
+        # Streams whose engine had no room for their next frame: request id -> [ask at, next gap,
+        # first asked (0: not yet)].
         self.waiting: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
         self._wait_timer: asyncio.TimerHandle | None = None
         self._drops_unlogged = 0
@@ -405,6 +410,7 @@ class TokenRelay:
             return  # a resend of what was delivered
         if msg.seq > expect:
             if msg.request_id in self.waiting:
+                self.tok_in.move_to_end(msg.request_id)
                 return  # its engine has no room yet: asked for when it has (_check_waiting)
             # A gap: something before this frame was lost. Drop it and ask for everything from
             # the first missing token; the sender still holds all it has not seen acknowledged.
@@ -428,15 +434,17 @@ class TokenRelay:
         self.tok_in.move_to_end(request_id)
         # Fewer than the sender keeps (8x): a stream the sender forgot (and restarts at 0) was
         # forgotten here first, so its new tokens are not mistaken for a resend.
-        if len(self.tok_in) > self.s.cfg.transfer.max_transfers * 4:
-            self.waiting.pop(self.tok_in.popitem(last=False)[0], None)  # least recently used
+        if len(self.tok_in) > self.s.cfg.transfer.max_transfers * 4:  # the least recently used goes,
+            old = next((r for r in self.tok_in if r not in self.waiting), None)  # never a waiting one
+            if old is not None:
+                del self.tok_in[old]
 
     def _wait(self, request_id: str, expect: int) -> None:
         """The frame's engine has no room: nothing delivered or acknowledged, the stream waits."""
         self._stream_in(request_id, expect)
         self.s.metrics.child(self.s.metrics.token_frames_waited, self.s.key).inc()
         if request_id not in self.waiting:
-            self.waiting[request_id] = [0.0, WAIT_CHECK_S]
+            self.waiting[request_id] = [0.0, WAIT_CHECK_S, 0.0]
             self.s.lines.line(self.s.log.warning, "relayed tokens wait: their engine reads its events too slowly",
                               detail={"request_id": request_id[:64], "next_seq": expect})
         if self._wait_timer is None:
@@ -448,11 +456,11 @@ class TokenRelay:
         self._wait_timer = None
         now = asyncio.get_running_loop().time()
         for rid, due in list(self.waiting.items()):
-            if rid not in self.tok_in:
+            if rid not in self.tok_in or 0 < due[2] < now - WAIT_GIVE_UP_S:
                 del self.waiting[rid]
             elif now >= due[0] and self.s.host.tokens_room(self.s, rid):
                 self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(rid, self.tok_in[rid], True), lane=Lane.TOKEN)
-                due[0], due[1] = now + due[1], min(2 * due[1], RESEND_MAX_INTERVAL_S)
+                due[0], due[1], due[2] = now + due[1], min(2 * due[1], RESEND_MAX_INTERVAL_S), due[2] or now
         if self.waiting:
             self._wait_timer = asyncio.get_running_loop().call_later(WAIT_CHECK_S, self._check_waiting)
 
