@@ -93,7 +93,8 @@ class EngineConn:
         self._claims = 0  # register requests read whose turn (and fd) has not come yet
         self._out = bytearray()
         self._writing = False
-        self._full_timer: asyncio.TimerHandle | None = None  # full_for_tokens since: cut off when it lasts
+        self._full_timer: asyncio.TimerHandle | None = None  # full_for_tokens, and reading nothing: cut off
+        self._written = 0  # bytes the engine took from its socket, all told
         self.closed = False
         self.closed_at = 0.0
         self.done = self.loop.create_future()
@@ -314,7 +315,7 @@ class EngineConn:
         if self._full_timer is None and self.full_for_tokens:
             # Relayed tokens wait for it now, and hold their sender's per-peer budget meanwhile:
             # an engine that stays this full for the read deadline is stuck, and is cut off.
-            self._full_timer = self.loop.call_later(self.server.read_deadline_s, self._still_full)
+            self._full_timer = self.loop.call_later(self.server.read_deadline_s, self._still_full, self._written)
         if not self._writing:
             self._flush()
 
@@ -323,6 +324,7 @@ class EngineConn:
             while self._out:
                 n = self.sock.send(self._out)
                 del self._out[:n]
+                self._written += n
                 if self._full_timer is not None and not self.full_for_tokens:
                     self._full_timer.cancel()
                     self._full_timer = None
@@ -341,11 +343,17 @@ class EngineConn:
     def _on_writable(self) -> None:
         self._flush()
 
-    def _still_full(self) -> None:
+    def _still_full(self, written: int) -> None:
+        """A quarter of its queue unread for the read deadline: cut off if it took nothing of it
+        meanwhile (it is not reading), else watched for another deadline."""
         self._full_timer = None
-        if self.full_for_tokens:
-            self.close(f"engine is not reading its events ({len(self._out)} bytes queued for "
+        if not self.full_for_tokens:
+            return
+        if self._written == written:
+            self.close(f"engine is not reading its events ({len(self._out)} bytes queued, none taken in "
                        f"{self.server.read_deadline_s} s)")
+        else:
+            self._full_timer = self.loop.call_later(self.server.read_deadline_s, self._still_full, self._written)
 
     def close(self, why: str) -> None:
         if self.closed:

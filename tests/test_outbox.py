@@ -55,6 +55,37 @@ async def relaying(engines, tmp, rid: str):
     return r, md
 
 
+async def test_one_engines_aborts_of_unknown_ids_on_a_silent_link_leave_anothers_cancel(tmp_sock_dir, engines):
+    """While the link is silent, engine Y aborts its moving transfer (a KV_CANCEL and a
+    REQUEST_ABORT kept for the resume) and engine X aborts 300 request ids nothing here knows of,
+    more than the outbox keeps (4 x transfer.max_transfers = 256 here). X's aborts are spare and
+    give way: once the session resumes, B's engine is told at once (before: Y's frames were the
+    oldest and were dropped, and B's engine waited for the transfer's deadline). Y's reason
+    reaches B cut to 256 characters."""
+    async with relayed_toml(tmp_sock_dir, transfer="max_transfers = 64") as (relay, tomls):
+        async with run_agents(tomls) as agents:
+            y, b, ra, rb = await engines_on(engines, tmp_sock_dir)
+            x = await engines.connect(tmp_sock_dir / "A.sock", "x")
+            relay.set_rate(SLOW)
+            await b.post_recv("r1", [rb.blocks(0, 64)], from_site="A")
+            await y.send_kv("r1", [ra.blocks(0, 64)], to=["B"], deadline_s=120)
+            await asyncio.sleep(0.5)
+
+            async def aborts() -> None:
+                await y.abort("r1", "client went away " + "." * 1000)
+                for k in range(300):
+                    await x.abort(f"junk-{k}", "x")
+
+            back = await outage(agents, relay, aborts)
+            relay.set_rate(None)
+            assert agents["A"].sessions["B/b1"].outbox.dropped >= 300 - 256
+            ev = await b.wait("r1", timeout=10)
+            assert isinstance(ev, p.TransferFailed) and ev.code == ErrorCode.TRANSFER_CANCELLED, ev
+            assert time.monotonic() - back < 5
+            ab = await b.wait("r1", kinds=(p.RequestAborted,), timeout=5)
+            assert ab.reason == ("client went away " + "." * 1000)[:256]
+
+
 @pytest.mark.parametrize("ends", ["abort", "disconnect"])
 async def test_a_sender_ending_a_transfer_on_a_silent_link_ends_the_receive_once_the_session_resumes(
         tmp_sock_dir, engines, ends):

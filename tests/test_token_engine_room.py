@@ -13,6 +13,7 @@ import contextlib
 from conftest import metric, until
 from pdd_wire.engine.client import EngineClient
 from pdd_wire.errors import EngineRequestError, ErrorCode
+from pdd_wire.session import tokens as tokens_mod
 from pdd_wire.wire import FrameType
 from pdd_wire.wire import messages as m
 from support.agents import run_agents, two_site_toml
@@ -214,5 +215,36 @@ async def test_a_waiting_stream_is_not_forgotten_for_other_streams(tmp_sock_dir)
                     await ea.send_tokens(f"o{k}", "B", [k])
                 await until(lambda: all(f"o{k}" in b.sessions["A/a1"].tokens.tok_in or
                                         f"o{k}" in b.sessions["A/a1"].tokens.held for k in range(6)))
-                assert "x" in b.sessions["A/a1"].tokens.tok_in
+                assert "x" in b.sessions["A/a1"].tokens.waiting  # kept apart, not forgotten
             assert await read_tokens(eb, "x", total) == sent
+
+
+async def test_a_waiting_stream_whose_sender_never_answers_stops_waiting(tmp_sock_dir, monkeypatch):
+    """A waiting stream that gets no frame for WAIT_GIVE_UP_S (20 s; 1 s here) after its engine
+    had room (its sender restarted, or gave up on this peer) is a stream like any other again: it
+    is no longer asked for, and a later frame from where delivery stopped is delivered."""
+    monkeypatch.setattr(tokens_mod, "WAIT_GIVE_UP_S", 1.0)
+    n, frames = 8192, 300
+    async with run_agents(two_site_toml(tmp_sock_dir, plaintext=True, extra=LIMITS), sites=("B",),
+                          wait_up=False) as ag:
+        b = ag["B"]
+        peer, _ = await hello(b.wan_address[1])
+        alive = asyncio.create_task(peer.keepalive())
+        try:
+            async with EngineClient(b.config.listen.engine_socket, "md") as eb:
+                await eb.expect_tokens("r1", from_site="A")
+                relay = b.sessions["A/a1"].tokens
+                with not_reading(eb):
+                    for i in range(frames):
+                        peer.send(FrameType.TOKENS, m.Tokens("r1", i * n, list(range(i * n, (i + 1) * n)), False))
+                    await peer.writer.drain()
+                    await until(lambda: "r1" in relay.waiting)
+                delivered = relay.waiting["r1"].expect
+                assert await read_tokens_from(eb, "r1", 0, delivered) == list(range(delivered))
+                await until(lambda: "r1" not in relay.waiting, timeout=10, what="the wait given up")
+                assert relay.tok_in["r1"] == delivered
+                peer.send(FrameType.TOKENS, m.Tokens("r1", delivered, [7, 8, 9], False))
+                ev = await eb.wait_tokens("r1", timeout=10)
+                assert (ev.seq, ev.tokens) == (delivered, [7, 8, 9])
+        finally:
+            alive.cancel()

@@ -56,12 +56,28 @@ RESEND_MAX_INTERVAL_S = 2.0
 #: A frame for an engine with no room (a quarter of ``limits.engine_queue_bytes`` unread) is
 #: neither delivered nor acknowledged: its stream *waits*, checked this often, and once the engine
 #: has room the receiver asks for it again (TOKENS_ACK {resend}), then again twice as long after,
-#: up to ``RESEND_MAX_INTERVAL_S``, until a frame of it is delivered. A waiting stream is not
-#: forgotten (its tokens past ``expect`` were never delivered) ...
+#: up to ``RESEND_MAX_INTERVAL_S``, until a frame of it is delivered. A waiting stream is kept
+#: apart from the streams forgotten least recently used (its tokens past ``expect`` were never
+#: delivered) ...
 WAIT_CHECK_S = 0.05
-#: ... unless this long after its engine had room nothing of it came (the sender restarted, or
-#: gave up on this peer): it is then a stream like any other again.
+#: ... at most this many per peer (past them a frame is delivered as before: its engine may be cut
+#: off at ``limits.engine_queue_bytes``) ...
+MAX_WAITING_STREAMS = 1024
+#: ... and one that hears nothing from its sender this long (it restarted, or gave up on this
+#: peer) is a stream like any other again.
 WAIT_GIVE_UP_S = 20.0
+
+
+class Waiting:
+    """A received stream whose engine had no room for its next frame."""
+
+    __slots__ = ("expect", "ask_at", "gap", "heard")
+
+    def __init__(self, expect: int, now: float) -> None:
+        self.expect = expect  # the next index to deliver (the stream is out of tok_in meanwhile)
+        self.ask_at = 0.0  # the next resend request, once the engine has room
+        self.gap = WAIT_CHECK_S  # ... and the one after it waits this much longer
+        self.heard = now  # the last frame of it (delivered or not)
 
 
 class PacedConn(Protocol):
@@ -132,9 +148,8 @@ class TokenRelay:
         self.held: collections.OrderedDict[str, tuple[float, list[m.Tokens]]] = collections.OrderedDict()
         self.held_tokens = 0
         self._held_timer: asyncio.TimerHandle | None = None  # the oldest held request's expiry
-        # Streams whose engine had no room for their next frame: request id -> [ask at, next gap,
-        # first asked (0: not yet)].
-        self.waiting: collections.OrderedDict[str, list[float]] = collections.OrderedDict()
+        # Streams whose engine had no room for their next frame (not in tok_in meanwhile).
+        self.waiting: dict[str, Waiting] = {}
         self._wait_timer: asyncio.TimerHandle | None = None
         self._drops_unlogged = 0
         self._drop_logged_at = 0.0
@@ -403,14 +418,15 @@ class TokenRelay:
         # used) while its sender kept it: a sender resends from its first unacknowledged frame, in
         # order, so what came before was delivered. Asking for it again would stall the stream for
         # good (the sender no longer holds it): its frames are taken from where they start.
-        expect = self.tok_in.get(msg.request_id, msg.seq)
+        w = self.waiting.get(msg.request_id)
+        expect = w.expect if w is not None else self.tok_in.get(msg.request_id, msg.seq)
         end = msg.seq + len(msg.tokens)
         if end <= expect:
             self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect), lane=Lane.TOKEN)
             return  # a resend of what was delivered
         if msg.seq > expect:
-            if msg.request_id in self.waiting:
-                self.tok_in.move_to_end(msg.request_id)
+            if w is not None:
+                w.heard = asyncio.get_running_loop().time()
                 return  # its engine has no room yet: asked for when it has (_check_waiting)
             # A gap: something before this frame was lost. Drop it and ask for everything from
             # the first missing token; the sender still holds all it has not seen acknowledged.
@@ -420,8 +436,9 @@ class TokenRelay:
             self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(msg.request_id, expect, True), lane=Lane.TOKEN)
             return
         fresh = msg.tokens[expect - msg.seq:]
-        if not msg.handoff and not self.s.host.tokens_room(self.s, msg.request_id):
-            self._wait(msg.request_id, expect)
+        if ((w is not None or len(self.waiting) < MAX_WAITING_STREAMS) and not msg.handoff
+                and not self.s.host.tokens_room(self.s, msg.request_id)):
+            self._wait(msg.request_id, expect, w)
             return
         self.waiting.pop(msg.request_id, None)
         self._stream_in(msg.request_id, end)
@@ -434,17 +451,18 @@ class TokenRelay:
         self.tok_in.move_to_end(request_id)
         # Fewer than the sender keeps (8x): a stream the sender forgot (and restarts at 0) was
         # forgotten here first, so its new tokens are not mistaken for a resend.
-        if len(self.tok_in) > self.s.cfg.transfer.max_transfers * 4:  # the least recently used goes,
-            old = next((r for r in self.tok_in if r not in self.waiting), None)  # never a waiting one
-            if old is not None:
-                del self.tok_in[old]
+        if len(self.tok_in) > self.s.cfg.transfer.max_transfers * 4:
+            self.tok_in.popitem(last=False)  # least recently used
 
-    def _wait(self, request_id: str, expect: int) -> None:
+    def _wait(self, request_id: str, expect: int, w: Waiting | None) -> None:
         """The frame's engine has no room: nothing delivered or acknowledged, the stream waits."""
-        self._stream_in(request_id, expect)
+        now = asyncio.get_running_loop().time()
         self.s.metrics.child(self.s.metrics.token_frames_waited, self.s.key).inc()
-        if request_id not in self.waiting:
-            self.waiting[request_id] = [0.0, WAIT_CHECK_S, 0.0]
+        if w is not None:
+            w.heard = now
+        else:
+            self.tok_in.pop(request_id, None)
+            self.waiting[request_id] = Waiting(expect, now)
             self.s.lines.line(self.s.log.warning, "relayed tokens wait: their engine reads its events too slowly",
                               detail={"request_id": request_id[:64], "next_seq": expect})
         if self._wait_timer is None:
@@ -455,12 +473,13 @@ class TokenRelay:
         sender sends its unacknowledged frames again, at most once per round trip)."""
         self._wait_timer = None
         now = asyncio.get_running_loop().time()
-        for rid, due in list(self.waiting.items()):
-            if rid not in self.tok_in or 0 < due[2] < now - WAIT_GIVE_UP_S:
+        for rid, w in list(self.waiting.items()):
+            if now - w.heard > WAIT_GIVE_UP_S:  # its sender is gone: a stream like any other again
                 del self.waiting[rid]
-            elif now >= due[0] and self.s.host.tokens_room(self.s, rid):
-                self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(rid, self.tok_in[rid], True), lane=Lane.TOKEN)
-                due[0], due[1], due[2] = now + due[1], min(2 * due[1], RESEND_MAX_INTERVAL_S), due[2] or now
+                self._stream_in(rid, w.expect)
+            elif now >= w.ask_at and self.s.host.tokens_room(self.s, rid):
+                self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(rid, w.expect, True), lane=Lane.TOKEN)
+                w.ask_at, w.gap = now + w.gap, min(2 * w.gap, RESEND_MAX_INTERVAL_S)
         if self.waiting:
             self._wait_timer = asyncio.get_running_loop().call_later(WAIT_CHECK_S, self._check_waiting)
 
