@@ -53,6 +53,29 @@ def cut_off(agent):
     return lambda: any(c.closed for c in conns)
 
 
+@contextlib.asynccontextmanager
+async def b_and_raw_peer(tmp):
+    """Agent B (engine queue QUEUE), a peer written from proto/ alone as A/a1, and B's engine "md"
+    owning request "r1" from site A: ``(b, peer, engine)``."""
+    async with run_agents(two_site_toml(tmp, plaintext=True, extra=LIMITS), sites=("B",), wait_up=False) as ag:
+        b = ag["B"]
+        peer, _ = await hello(b.wan_address[1])
+        alive = asyncio.create_task(peer.keepalive())
+        try:
+            async with EngineClient(b.config.listen.engine_socket, "md") as eb:
+                await eb.expect_tokens("r1", from_site="A")
+                yield b, peer, eb
+        finally:
+            alive.cancel()
+
+
+async def flood(peer, frames: int, n: int = 8192) -> None:
+    """``frames`` TOKENS frames of ``n`` IDs for "r1" from index 0, written at once."""
+    for i in range(frames):
+        peer.send(FrameType.TOKENS, m.Tokens("r1", i * n, list(range(i * n, (i + 1) * n)), False))
+    await peer.writer.drain()
+
+
 async def read_tokens(ec: EngineClient, request_id: str, n: int, timeout: float = 60) -> list[int]:
     """The next ``n`` token IDs of ``request_id``, checking that frames come in order, once."""
     got: list[int] = []
@@ -113,46 +136,35 @@ async def test_a_peer_that_floods_tokens_is_asked_again_and_the_engine_stays(tmp
     and gets an unbroken run from index 0; once it has read, the agent asks the peer for the rest
     (TOKENS_ACK {next_seq: what was delivered, resend: true})."""
     n, frames = 8192, 300  # ~37 KB of event a frame, ~11 MB in all: over the 4 MiB queue
-    async with run_agents(two_site_toml(tmp_sock_dir, plaintext=True, extra=LIMITS), sites=("B",),
-                          wait_up=False) as ag:
-        b = ag["B"]
-        peer, _ = await hello(b.wan_address[1])
-        alive = asyncio.create_task(peer.keepalive())
-        try:
-            async with EngineClient(b.config.listen.engine_socket, "md") as eb:
-                await eb.expect_tokens("r1", from_site="A")
-                b_cut = cut_off(b)
-                with not_reading(eb):
-                    for i in range(frames):
-                        peer.send(FrameType.TOKENS, m.Tokens("r1", i * n, list(range(i * n, (i + 1) * n)), False))
-                    await peer.writer.drain()
-                    await until(lambda: b_cut() or metric(b, "pddwire_token_frames_waited_total", peer="A/a1") > 0)
-                    high = await most_queued(b, 0.5)
-                    assert not b_cut(), "the engine was cut off"
-                    assert high <= QUEUE // 4 + 48 * 1024, high
-                acks = []
+    async with b_and_raw_peer(tmp_sock_dir) as (b, peer, eb):
+        b_cut = cut_off(b)
+        with not_reading(eb):
+            await flood(peer, frames, n)
+            await until(lambda: b_cut() or metric(b, "pddwire_token_frames_waited_total", peer="A/a1") > 0)
+            high = await most_queued(b, 0.5)
+            assert not b_cut(), "the engine was cut off"
+            assert high <= QUEUE // 4 + 48 * 1024, high
+        acks = []
 
-                async def asked() -> bool:
-                    while (f := await peer.next()) is not None:
-                        if f[0] == FrameType.TOKENS_ACK:
-                            acks.append(f[1])
-                            if f[1].resend:
-                                return True
-                    return False
+        async def asked() -> bool:
+            while (f := await peer.next()) is not None:
+                if f[0] == FrameType.TOKENS_ACK:
+                    acks.append(f[1])
+                    if f[1].resend:
+                        return True
+            return False
 
-                # Everything delivered before the wait, in order from 0; then the agent asks for the rest.
-                async with asyncio.timeout(20):
-                    first = await eb.wait_tokens("r1")
-                    assert first.seq == 0
-                    assert await asked()
-                delivered = acks[-2].next_seq if len(acks) > 1 else 0
-                assert acks[-1].next_seq == delivered and 0 < delivered < frames * n
-                got = list(first.tokens) + await read_tokens_from(eb, "r1", len(first.tokens), delivered)
-                assert got == list(range(delivered))
-                assert not b_cut() and not eb.closed
-                assert metric(b, "pddwire_tokens_dropped_total", peer="A/a1", reason="over_bounds") == 0
-        finally:
-            alive.cancel()
+        # Everything delivered before the wait, in order from 0; then the agent asks for the rest.
+        async with asyncio.timeout(20):
+            first = await eb.wait_tokens("r1")
+            assert first.seq == 0
+            assert await asked()
+        delivered = acks[-2].next_seq if len(acks) > 1 else 0
+        assert acks[-1].next_seq == delivered and 0 < delivered < frames * n
+        got = list(first.tokens) + await read_tokens_from(eb, "r1", len(first.tokens), delivered)
+        assert got == list(range(delivered))
+        assert not b_cut() and not eb.closed
+        assert metric(b, "pddwire_tokens_dropped_total", peer="A/a1", reason="over_bounds") == 0
 
 
 async def read_tokens_from(ec: EngineClient, request_id: str, start: int, end: int) -> list[int]:
@@ -163,7 +175,6 @@ async def read_tokens_from(ec: EngineClient, request_id: str, start: int, end: i
             assert ev.seq == start + len(got)
             got += ev.tokens
     return got
-
 
 
 async def test_an_engine_that_stops_reading_is_cut_off_and_frees_its_senders_budget(tmp_sock_dir):
@@ -224,27 +235,15 @@ async def test_a_waiting_stream_whose_sender_never_answers_stops_waiting(tmp_soc
     had room (its sender restarted, or gave up on this peer) is a stream like any other again: it
     is no longer asked for, and a later frame from where delivery stopped is delivered."""
     monkeypatch.setattr(tokens_mod, "WAIT_GIVE_UP_S", 1.0)
-    n, frames = 8192, 300
-    async with run_agents(two_site_toml(tmp_sock_dir, plaintext=True, extra=LIMITS), sites=("B",),
-                          wait_up=False) as ag:
-        b = ag["B"]
-        peer, _ = await hello(b.wan_address[1])
-        alive = asyncio.create_task(peer.keepalive())
-        try:
-            async with EngineClient(b.config.listen.engine_socket, "md") as eb:
-                await eb.expect_tokens("r1", from_site="A")
-                relay = b.sessions["A/a1"].tokens
-                with not_reading(eb):
-                    for i in range(frames):
-                        peer.send(FrameType.TOKENS, m.Tokens("r1", i * n, list(range(i * n, (i + 1) * n)), False))
-                    await peer.writer.drain()
-                    await until(lambda: "r1" in relay.waiting)
-                delivered = relay.waiting["r1"].expect
-                assert await read_tokens_from(eb, "r1", 0, delivered) == list(range(delivered))
-                await until(lambda: "r1" not in relay.waiting, timeout=10, what="the wait given up")
-                assert relay.tok_in["r1"] == delivered
-                peer.send(FrameType.TOKENS, m.Tokens("r1", delivered, [7, 8, 9], False))
-                ev = await eb.wait_tokens("r1", timeout=10)
-                assert (ev.seq, ev.tokens) == (delivered, [7, 8, 9])
-        finally:
-            alive.cancel()
+    async with b_and_raw_peer(tmp_sock_dir) as (b, peer, eb):
+        relay = b.sessions["A/a1"].tokens
+        with not_reading(eb):
+            await flood(peer, 300)
+            await until(lambda: "r1" in relay.waiting)
+        delivered = relay.waiting["r1"].expect
+        assert await read_tokens_from(eb, "r1", 0, delivered) == list(range(delivered))
+        await until(lambda: "r1" not in relay.waiting, timeout=10, what="the wait given up")
+        assert relay.tok_in["r1"] == delivered
+        peer.send(FrameType.TOKENS, m.Tokens("r1", delivered, [7, 8, 9], False))
+        ev = await eb.wait_tokens("r1", timeout=10)
+        assert (ev.seq, ev.tokens) == (delivered, [7, 8, 9])
