@@ -94,7 +94,7 @@ class EngineConn:
         self._out = bytearray()
         self._writing = False
         self._full_timer: asyncio.TimerHandle | None = None  # full_for_tokens, and reading nothing: cut off
-        self._written = 0  # bytes the engine took from its socket, all told
+        self._took_at = self.loop.time()  # when the engine last took bytes from its socket (or connected)
         self.closed = False
         self.closed_at = 0.0
         self.done = self.loop.create_future()
@@ -315,7 +315,7 @@ class EngineConn:
         if self._full_timer is None and self.full_for_tokens:
             # Relayed tokens wait for it now, and hold their sender's per-peer budget meanwhile:
             # an engine that stays this full for the read deadline is stuck, and is cut off.
-            self._full_timer = self.loop.call_later(self.server.read_deadline_s, self._still_full, self._written)
+            self._full_timer = self.loop.call_later(self.server.read_deadline_s, self._still_full)
         if not self._writing:
             self._flush()
 
@@ -324,7 +324,8 @@ class EngineConn:
             while self._out:
                 n = self.sock.send(self._out)
                 del self._out[:n]
-                self._written += n
+                if n:
+                    self._took_at = self.loop.time()
                 if self._full_timer is not None and not self.full_for_tokens:
                     self._full_timer.cancel()
                     self._full_timer = None
@@ -343,17 +344,18 @@ class EngineConn:
     def _on_writable(self) -> None:
         self._flush()
 
-    def _still_full(self, written: int) -> None:
-        """A quarter of its queue unread for the read deadline: cut off if it took nothing of it
-        meanwhile (it is not reading), else watched for another deadline."""
+    def _still_full(self) -> None:
+        """A quarter of its queue unread: cut off once it has taken nothing for the read deadline
+        (it is not reading), else watched until then."""
         self._full_timer = None
         if not self.full_for_tokens:
             return
-        if self._written == written:
+        due = self._took_at + self.server.read_deadline_s
+        if self.loop.time() >= due:
             self.close(f"engine is not reading its events ({len(self._out)} bytes queued, none taken in "
                        f"{self.server.read_deadline_s} s)")
         else:
-            self._full_timer = self.loop.call_later(self.server.read_deadline_s, self._still_full, self._written)
+            self._full_timer = self.loop.call_at(due, self._still_full)
 
     def close(self, why: str) -> None:
         if self.closed:

@@ -300,5 +300,13 @@ async def test_spare_aborts_give_way_to_cancels_and_wait_for_room() -> None:
     assert not box.send(("abort", "junk10"), m.RequestAbort("junk10", "x"), spare=True)
     assert not s.sent and ("abort", "junk10") not in box._kept and box.dropped == 9
     assert box.send(("cancel", 8, False), cancel(8), tid=8)  # what ends known state still goes
+    # A spare copy of a frame kept as not spare (an engine aborting the same id twice: by the
+    # second time it holds nothing) stays not spare: it does not give way to another's junk.
+    s.room = 1 << 20
+    box.send(("abort", "real"), m.RequestAbort("real", "first"))
+    box.send(("abort", "real"), m.RequestAbort("real", "again"), spare=True)
+    for i in range(20, 30):
+        box.send(("abort", f"junk{i}"), m.RequestAbort(f"junk{i}", "x"), spare=True)
+    assert ("abort", "real") in box._kept and ("abort", "real") not in box._spare
     box.clear()
     assert not box._spare

@@ -247,3 +247,27 @@ async def test_a_waiting_stream_whose_sender_never_answers_stops_waiting(tmp_soc
         peer.send(FrameType.TOKENS, m.Tokens("r1", delivered, [7, 8, 9], False))
         ev = await eb.wait_tokens("r1", timeout=10)
         assert (ev.seq, ev.tokens) == (delivered, [7, 8, 9])
+
+
+async def test_a_stream_waiting_longer_than_the_give_up_is_not_given_up_while_its_engine_is_full(
+        tmp_sock_dir, monkeypatch):
+    """The give-up clock runs only while the engine has room (and the sender is asked): a finished,
+    live sender is silent while the engine stays full (nothing is asked of it), and giving the
+    stream up then left its last tokens undelivered and its sender's budget held for good."""
+    monkeypatch.setattr(tokens_mod, "WAIT_GIVE_UP_S", 1.0)  # 20 s as shipped
+    total = 40 * 8192
+    async with run_agents(two_site_toml(tmp_sock_dir, extra=LIMITS)) as ag:
+        a, b = ag["A"], ag["B"]
+        async with EngineClient(a.config.listen.engine_socket, "rld") as ea, \
+                EngineClient(b.config.listen.engine_socket, "md") as eb:
+            await eb.expect_tokens("x", from_site="A")
+            sent = [(1 << 31) + i for i in range(total)]
+            relay = b.sessions["A/a1"].tokens
+            with not_reading(eb):  # busy past the give-up, within engine_read_s (5 s): not cut off
+                for i in range(0, total, 8192):
+                    await ea.send_tokens("x", "B", sent[i:i + 8192])  # the request's last tokens
+                await until(lambda: "x" in relay.waiting, what="x waits")
+                await asyncio.sleep(2.5)
+                assert "x" in relay.waiting
+            assert await read_tokens(eb, "x", total, timeout=15) == sent
+            await until(lambda: a.sessions["B/b1"].tokens.backlog == 0, what="A's budget freed")

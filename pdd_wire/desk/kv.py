@@ -471,7 +471,7 @@ class KvDesk:
         check_request_id(request_id)
         self.check_mine(ec, request_id, "abort")
         self.metrics.request_aborts.labels(direction="tx").inc()
-        spare = ec not in self.holders(request_id) and not any(s.relaying_tokens(request_id) for s in self.peers)
+        spare = ec not in self.holders(request_id) and not any(s.tokens.knows(request_id) for s in self.peers)
         n = self.handoffs.abort(ec, request_id, reason)  # its HANDOFF_ABORT goes before REQUEST_ABORT
         for s in self.peers:
             s.send_abort(request_id, reason, spare)

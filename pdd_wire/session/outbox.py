@@ -71,6 +71,7 @@ class Outbox:
         ``key`` names what it ends (a later frame with the same key replaces it). ``spare``: it
         ends nothing known here; dropped first when full, and at once while the connection is
         short of room."""
+        spare = spare and (key not in self._kept or key in self._spare)  # a copy keeps what was kept
         conn = self.s.control
         if spare and conn is not None and not conn.closed and conn.paced_room() <= 0:
             self._dropped()

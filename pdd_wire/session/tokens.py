@@ -63,8 +63,8 @@ WAIT_CHECK_S = 0.05
 #: ... at most this many per peer (past them a frame is delivered as before: its engine may be cut
 #: off at ``limits.engine_queue_bytes``) ...
 MAX_WAITING_STREAMS = 1024
-#: ... and one that hears nothing from its sender this long (it restarted, or gave up on this
-#: peer) is a stream like any other again.
+#: ... and one that hears nothing from its sender this long while its engine has room (asked
+#: meanwhile: the sender restarted, or gave up on this peer) is a stream like any other again.
 WAIT_GIVE_UP_S = 20.0
 
 
@@ -188,6 +188,10 @@ class TokenRelay:
             self._wait_timer.cancel()
             self._wait_timer = None
         self._unwatch()
+
+    def knows(self, request_id: str) -> bool:
+        """Tokens of ``request_id`` go to this peer or come from it (a stream either way, or held)."""
+        return any(request_id in d for d in (self.tok_out, self.tok_in, self.waiting, self.held))
 
     def drop(self, request_id: str) -> None:
         """The request is dead: forget its streams both ways (nothing is resent)."""
@@ -474,10 +478,12 @@ class TokenRelay:
         self._wait_timer = None
         now = asyncio.get_running_loop().time()
         for rid, w in list(self.waiting.items()):
-            if now - w.heard > WAIT_GIVE_UP_S:  # its sender is gone: a stream like any other again
+            if not self.s.host.tokens_room(self.s, rid):
+                w.heard = now  # nothing is asked of the sender meanwhile: its silence says nothing
+            elif now - w.heard > WAIT_GIVE_UP_S:  # asked, and silent: a stream like any other again
                 del self.waiting[rid]
                 self._stream_in(rid, w.expect)
-            elif now >= w.ask_at and self.s.host.tokens_room(self.s, rid):
+            elif now >= w.ask_at:
                 self.s.send_frame(FrameType.TOKENS_ACK, m.TokensAck(rid, w.expect, True), lane=Lane.TOKEN)
                 w.ask_at, w.gap = now + w.gap, min(2 * w.gap, RESEND_MAX_INTERVAL_S)
         if self.waiting:
