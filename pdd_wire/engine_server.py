@@ -302,7 +302,8 @@ class EngineConn:
     def full_for_tokens(self) -> bool:
         """A quarter of ``limits.engine_queue_bytes`` unread: relayed tokens wait for it to read
         (unacknowledged, asked for again: proto/transfer.md §12) rather than fill the rest, so a
-        peer's burst of tokens slows that peer and never cuts the engine off."""
+        peer's burst of tokens slows that peer and does not by itself cut the engine off (one that
+        takes nothing for the read deadline meanwhile is: :meth:`_still_full`)."""
         return len(self._out) * TOKENS_QUEUE_SHARE >= self.server.max_out
 
     def send(self, msg: p.Msg) -> None:
