@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from . import policy
 from .config import Config
-from .desk.admission import Gate, check_request_id, check_site
+from .desk.admission import Gate, check_request_id, check_site, check_token_ids
 from .desk.handoff import HandoffDesk
 from .desk.kv import KvDesk
 from .engine import protocol as p
@@ -189,8 +189,7 @@ class EngineRequests:
         if len(msg.tokens) > MAX_UNACKED_TOKENS:  # refused anyway: before a check of each one
             raise EngineRequestError(f"over {MAX_UNACKED_TOKENS} tokens in one send_tokens (the per-request "
                                      "limit of unacknowledged tokens)", ErrorCode.LIMIT_EXCEEDED)
-        if msg.tokens and not (min(msg.tokens) >= 0 and max(msg.tokens) < 1 << 32):
-            raise EngineRequestError("token IDs must be in 0..2^32-1", ErrorCode.BAD_REQUEST)
+        check_token_ids(msg.tokens)
         if self.handoffs.owns_relay(msg.request_id):
             raise EngineRequestError(f"request {msg.request_id!r} is in a handoff: report its tokens with "
                                      f"handoff_tokens", ErrorCode.BAD_REQUEST)

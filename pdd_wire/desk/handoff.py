@@ -50,7 +50,7 @@ from ..engine import protocol as p
 from ..errors import EngineRequestError, ErrorCode, PddWireError, check_duration
 from ..metrics import Metrics
 from ..wire import messages as m
-from .admission import Gate, check_request_id
+from .admission import Gate, check_request_id, check_token_ids
 from .handoff_protocol import (
     ABORTED,
     CAPABILITY,
@@ -194,8 +194,7 @@ class HandoffDesk:
         e = self._own_entry(ec, msg.request_id)
         if len(msg.tokens) > MAX_TOKENS_PER_CALL:
             raise EngineRequestError(f"over {MAX_TOKENS_PER_CALL} tokens in one handoff_tokens", ErrorCode.BAD_REQUEST)
-        if msg.tokens and not (min(msg.tokens) >= 0 and max(msg.tokens) < 1 << 32):
-            raise EngineRequestError("token IDs must be in 0..2^32-1", ErrorCode.BAD_REQUEST)
+        check_token_ids(msg.tokens)
         sm = e.sm
         n = len(msg.tokens)
         acts: list = []  # the whole batch's actions, run once: one emit event, one TOKENS frame
